@@ -1,0 +1,1 @@
+"""Benchmarks, run as ``rayzip bench ...``."""

@@ -1,0 +1,86 @@
+"""Dense packing of b-bit unsigned codes (1 <= b <= 16) into exactly ceil(n*b/8) bytes.
+
+Code ``i`` occupies bits ``[i*b, (i+1)*b)`` of the little-endian bit stream. Codes wider
+than 8 bits are split into a plane of low bytes followed by the packed high ``b-8`` bits,
+which keeps every width on the fast <= 8-bit path and still totals ceil(n*b/8) bytes.
+
+Usage::
+
+    packed = pack_bits(codes, bits=5, xp=np)      # uint8, ceil(len(codes)*5/8) bytes
+    codes2 = unpack_bits(packed, bits=5, count=len(codes), xp=np)
+"""
+
+from __future__ import annotations
+
+__all__ = ["packed_nbytes", "pack_bits", "unpack_bits"]
+
+
+def packed_nbytes(count: int, bits: int) -> int:
+    return (count * bits + 7) // 8
+
+
+def _check_bits(bits: int) -> None:
+    if not 1 <= bits <= 16:
+        raise ValueError(f"bits must be in 1..16, got {bits}")
+
+
+def pack_bits(codes, bits: int, xp):
+    """Pack unsigned integer ``codes`` (each < 2**bits) into a uint8 array."""
+    _check_bits(bits)
+    codes = codes.ravel()
+    if bits == 8:
+        return codes.astype(xp.uint8)
+    if bits == 16:
+        return codes.astype("<u2").view(xp.uint8)
+    if bits > 8:
+        low = (codes & 0xFF).astype(xp.uint8)
+        high = _pack_narrow((codes >> 8).astype(xp.uint8), bits - 8, xp)
+        return xp.concatenate([low, high])
+    return _pack_narrow(codes.astype(xp.uint8), bits, xp)
+
+
+def unpack_bits(packed, bits: int, count: int, xp):
+    """Inverse of :func:`pack_bits`: ``count`` codes as uint16 (uint8 when bits <= 8)."""
+    _check_bits(bits)
+    if packed.size != packed_nbytes(count, bits):
+        raise ValueError(
+            f"packed stream has {packed.size} bytes, {count} codes of {bits} bits need "
+            f"{packed_nbytes(count, bits)}"
+        )
+    if bits == 8:
+        return packed.copy()
+    if bits == 16:
+        return packed.view("<u2").astype(xp.uint16)
+    if bits > 8:
+        low = packed[:count].astype(xp.uint16)
+        high = _unpack_narrow(packed[count:], bits - 8, count, xp).astype(xp.uint16)
+        return low | (high << 8)
+    return _unpack_narrow(packed, bits, count, xp)
+
+
+def _pack_narrow(codes, bits: int, xp):
+    # Eight codes of b <= 8 bits make exactly b bytes: assemble them in one uint64 word.
+    count = codes.size
+    groups = (count + 7) // 8
+    padded = xp.zeros(groups * 8, dtype=xp.uint64)
+    padded[:count] = codes
+    padded = padded.reshape(groups, 8)
+    word = xp.zeros(groups, dtype=xp.uint64)
+    for j in range(8):
+        word |= padded[:, j] << xp.uint64(j * bits)
+    stream = word.astype("<u8").view(xp.uint8).reshape(groups, 8)[:, :bits]
+    return stream.reshape(-1)[: packed_nbytes(count, bits)]
+
+
+def _unpack_narrow(packed, bits: int, count: int, xp):
+    groups = (count + 7) // 8
+    stream = xp.zeros(groups * 8, dtype=xp.uint8).reshape(groups, 8)
+    flat = xp.zeros(groups * bits, dtype=xp.uint8)
+    flat[: packed.size] = packed
+    stream[:, :bits] = flat.reshape(groups, bits)
+    word = stream.reshape(-1).view("<u8")
+    mask = xp.uint64((1 << bits) - 1)
+    out = xp.empty((groups, 8), dtype=xp.uint8)
+    for j in range(8):
+        out[:, j] = (word >> xp.uint64(j * bits)) & mask
+    return out.reshape(-1)[:count]

@@ -1,0 +1,103 @@
+"""Dense baselines: ``none`` (fp32, bit-exact), ``fp16`` and ``bf16``.
+
+Wire: one array ``values`` of ``numel`` elements; 4, 2 and 2 bytes each.
+fp16 refuses values beyond its range (|x| > 65504) instead of sending Inf; bf16 rounds
+to nearest even, exactly as ``torch.Tensor.bfloat16()`` does.
+
+Usage::
+
+    codec = get_codec("bf16")
+    payload = codec.encode(grad)          # payload.nbytes == 2 * grad.numel()
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from .base import Codec, Field, NonFiniteError, Payload, find_nonfinite
+
+__all__ = ["NoCompression", "Float16", "BFloat16"]
+
+
+class _Cast(Codec):
+    summable = True
+    wire_dtype: ClassVar[str]
+
+    def wire_fields(self, numel: int) -> list[Field]:
+        return [Field("values", self.wire_dtype, numel)]
+
+    def _decode(self, payload: Payload):
+        return self._widen(payload.arrays["values"])
+
+    def _widen(self, values):
+        return values.astype("float32")
+
+    def aggregate(self, payloads: list[Payload]) -> Payload:
+        total = sum(self.decode_flat(p) for p in payloads)
+        first = payloads[0]
+        return Payload(codec=self.name, arrays={"values": self._narrow(total)}, numel=first.numel,
+                       shape=first.shape, dtype=first.dtype, torch_out=first.torch_out)
+
+    def _encode(self, flat, xp):
+        return {"values": self._narrow(flat)}
+
+    def _narrow(self, flat):
+        raise NotImplementedError
+
+
+class NoCompression(_Cast):
+    """fp32 as it is: the bit-exact reference."""
+
+    name = "none"
+    lossless = True
+    wire_dtype = "<f4"
+
+    def _narrow(self, flat):
+        return flat.copy()
+
+
+class _Narrowing(_Cast):
+    # The check runs on the narrowed output, so one pass covers both bad input and overflow.
+    def _check_finite(self, flat, xp) -> None:
+        pass
+
+    def _encode(self, flat, xp):
+        values = self._narrow(flat)
+        if not self._all_finite(values, xp):
+            found = find_nonfinite(flat, xp)
+            if found:
+                raise NonFiniteError(f"{self.name}: input has {found[0]} NaN/Inf value(s), "
+                                     f"first at flat index {found[1]}")
+            big = float(abs(flat).max())
+            raise NonFiniteError(f"{self.name}: |x| up to {big:.4g} overflows {self.name}; "
+                                 "use bf16 or none")
+        return {"values": values}
+
+
+class Float16(_Narrowing):
+    name = "fp16"
+    wire_dtype = "<f2"
+
+    def _narrow(self, flat):
+        return flat.astype("<f2")
+
+    def _all_finite(self, values, xp) -> bool:
+        return bool(xp.isfinite(values.sum(dtype=xp.float32)))
+
+
+class BFloat16(_Narrowing):
+    """bfloat16 as its upper 16 bits, carried in uint16 (numpy has no bfloat16)."""
+
+    name = "bf16"
+    wire_dtype = "<u2"
+
+    def _narrow(self, flat):
+        bits = flat.view("<u4")
+        rounding = ((bits >> 16) & 1) + 0x7FFF  # round half to even
+        return ((bits + rounding) >> 16).astype("<u2")
+
+    def _widen(self, values):
+        return (values.astype("<u4") << 16).view("<f4")
+
+    def _all_finite(self, values, xp) -> bool:
+        return not bool(((values & 0x7F80) == 0x7F80).any())

@@ -1,0 +1,110 @@
+"""``dct_quant``: orthonormal 2-D DCT-II on n x n blocks, b-bit quantization per block.
+
+The flat gradient is cut, in order, into K = numel // n^2 blocks of n x n; the last
+r = numel mod n^2 entries (the tail) travel raw as fp32. Each block gets an orthonormal
+2-D DCT-II (as ``scipy.fft.dctn(block, norm="ortho")``), keeps the first m = max(1,
+ceil(keep * n^2)) coefficients in JPEG zig-zag order (all of them at keep = 1), and
+quantizes them uniformly over [-M, M], M the block's largest |coefficient|, to 2^b levels.
+
+The transform and the zig-zag selection are one matrix product with the kept rows of the
+Kronecker product C (x) C of the DCT matrix: one GEMM per direction on any device.
+
+Wire: ``scales`` (K, fp32 M per block), ``codes`` (ceil(K * m * b / 8) bytes, b-bit packed),
+``tail`` (r, fp32): ``4K + ceil(K*m*b/8) + 4r`` bytes. Defaults n = 8, b = 8, keep = 1:
+3.76x, relative L2 error ~0.5% on gaussian data.
+
+Usage::
+
+    codec = get_codec("dct_quant", block=8, bits=4, keep=0.25)
+    payload = codec.encode(grad)
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from .base import Codec, CodecError, Field, Payload, check_int
+from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from ..xp import array_module
+
+__all__ = ["DCTQuant", "dct_matrix", "zigzag_order"]
+
+
+def dct_matrix(n: int) -> np.ndarray:
+    """Orthonormal DCT-II matrix C (float64): coefficients = C @ x."""
+    k = np.arange(n)[:, None]
+    i = np.arange(n)[None, :]
+    c = np.cos(np.pi * (2 * i + 1) * k / (2 * n)) * np.sqrt(2.0 / n)
+    c[0] /= np.sqrt(2.0)
+    return c
+
+
+def zigzag_order(n: int) -> np.ndarray:
+    """Row-major positions of an n x n block in JPEG zig-zag order."""
+    cells = [(i, j) for i in range(n) for j in range(n)]
+    cells.sort(key=lambda ij: (ij[0] + ij[1], ij[1] if (ij[0] + ij[1]) % 2 == 0 else ij[0]))
+    return np.array([i * n + j for i, j in cells])
+
+
+@lru_cache(maxsize=32)
+def _basis(n: int, m: int) -> np.ndarray:
+    """(m, n^2) float32: kept rows of C (x) C in zig-zag order; forward is x @ B.T."""
+    c = dct_matrix(n)
+    return np.ascontiguousarray(np.kron(c, c)[zigzag_order(n)[:m]]).astype(np.float32)
+
+
+class DCTQuant(Codec):
+    name = "dct_quant"
+
+    def __init__(self, block: int = 8, bits: int = 8, keep: float = 1.0):
+        self.block = check_int("block", block, 2)
+        self.bits = check_int("bits", bits, 1, 16)
+        if not (isinstance(keep, (int, float)) and 0.0 < keep <= 1.0):
+            raise CodecError(f"keep must be in (0, 1], got {keep!r}")
+        self.keep = float(keep)
+        self.kept = max(1, math.ceil(self.keep * self.block**2 - 1e-9))
+        self._device_basis: dict = {}
+
+    def params(self):
+        return {"block": self.block, "bits": self.bits, "keep": self.keep}
+
+    def wire_fields(self, numel: int) -> list[Field]:
+        blocks, tail = divmod(numel, self.block**2)
+        return [Field("scales", "<f4", blocks),
+                Field("codes", "|u1", packed_nbytes(blocks * self.kept, self.bits)),
+                Field("tail", "<f4", tail)]
+
+    def basis(self, xp):
+        """The transform matrix on ``xp``'s device, built once per device."""
+        if xp not in self._device_basis:
+            self._device_basis[xp] = xp.asarray(_basis(self.block, self.kept))
+        return self._device_basis[xp]
+
+    def coefficients(self, flat, xp):
+        """(K, m) kept DCT coefficients of the whole blocks of ``flat``."""
+        size = self.block**2
+        blocks = flat[: (flat.size // size) * size].reshape(-1, size)
+        return blocks @ self.basis(xp).T
+
+    def _encode(self, flat, xp):
+        coef = self.coefficients(flat, xp)
+        peak = xp.abs(coef).max(axis=1) if coef.size else xp.zeros(0, xp.float32)
+        top = 2**self.bits - 1
+        inverse = xp.where(peak > 0, 1 / xp.where(peak > 0, peak, 1), 0).astype(xp.float32)
+        codes = xp.rint((coef * inverse[:, None] + 1) * (top / 2))
+        codes = xp.clip(codes, 0, top).astype(xp.uint16)
+        tail = flat[coef.shape[0] * self.block**2:]
+        return {"scales": peak.astype("<f4"), "codes": pack_bits(codes, self.bits, xp),
+                "tail": tail.astype("<f4")}
+
+    def _decode(self, payload: Payload):
+        scales = payload.arrays["scales"]
+        xp = array_module(scales)
+        top = 2**self.bits - 1
+        codes = unpack_bits(payload.arrays["codes"], self.bits, scales.size * self.kept, xp)
+        coef = (codes.astype(xp.float32).reshape(scales.size, self.kept) * (2 / top) - 1) * scales[:, None]
+        blocks = (coef @ self.basis(xp)).reshape(-1)
+        return xp.concatenate([blocks.astype(xp.float32), payload.arrays["tail"].astype(xp.float32)])

@@ -1,0 +1,96 @@
+"""The array-module seam: numpy on the CPU, cupy on CUDA, torch in and out by DLPack.
+
+Every codec is written once against numpy-compatible calls on ``xp``, the module returned
+by :func:`array_module`. Torch tensors cross the seam without copies where the dtype
+allows it (CPU tensors share memory with numpy, CUDA tensors with cupy via DLPack).
+
+Usage::
+
+    arr, xp = as_array(torch_tensor)   # zero-copy view, plus numpy or cupy
+    ...                                 # numpy-compatible work on arr with xp
+    out = to_torch(arr)                 # zero-copy back to torch
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+try:  # cupy is the optional `rayzip[gpu]` extra; CPU-only installs never import it.
+    import cupy as _cupy
+except Exception:  # pragma: no cover - depends on the machine
+    _cupy = None
+
+__all__ = [
+    "array_module",
+    "as_array",
+    "asnumpy",
+    "cupy_available",
+    "is_torch",
+    "to_torch",
+]
+
+
+def cupy_available() -> bool:
+    """True when cupy imported and sees at least one CUDA device."""
+    if _cupy is None:
+        return False
+    try:
+        return _cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # pragma: no cover - depends on the machine
+        return False
+
+
+def array_module(arr: Any):
+    """numpy or cupy, whichever owns ``arr``."""
+    if _cupy is not None and isinstance(arr, _cupy.ndarray):
+        return _cupy
+    return np
+
+
+def is_torch(obj: Any) -> bool:
+    # torch is only looked up, never imported here: numpy-only callers stay torch-free.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def as_array(x: Any) -> tuple[Any, Any]:
+    """Return ``(array, xp)`` for a torch tensor, numpy array or cupy array.
+
+    Torch CPU tensors become numpy views and CUDA tensors cupy views (no copy). bfloat16,
+    which numpy lacks, is widened to float32 first: that one case copies.
+    """
+    if is_torch(x):
+        import torch
+
+        t = x.detach()
+        if t.dtype == torch.bfloat16:
+            t = t.float()
+        if t.is_cuda:
+            if _cupy is None:
+                raise RuntimeError("a CUDA tensor needs cupy: pip install 'rayzip[gpu]'")
+            if not t.is_contiguous():
+                t = t.contiguous()
+            return _cupy.from_dlpack(t), _cupy
+        return t.resolve_conj().resolve_neg().numpy(), np
+    if _cupy is not None and isinstance(x, _cupy.ndarray):
+        return x, _cupy
+    return np.asarray(x), np
+
+
+def asnumpy(arr: Any) -> np.ndarray:
+    """A host numpy array (copies device arrays to the host, leaves numpy alone)."""
+    if _cupy is not None and isinstance(arr, _cupy.ndarray):
+        return _cupy.asnumpy(arr)
+    return np.asarray(arr)
+
+
+def to_torch(arr: Any):
+    """Zero-copy torch view of a numpy or cupy array."""
+    import torch
+
+    if _cupy is not None and isinstance(arr, _cupy.ndarray):
+        return torch.from_dlpack(arr)
+    return torch.from_numpy(np.ascontiguousarray(arr))
