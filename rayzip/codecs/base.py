@@ -160,6 +160,13 @@ class Codec:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{type(self).__name__}({args})"
 
+    def error_feedback_issue(self) -> str | None:
+        """Why error feedback would diverge with this configuration, or None when it is sound.
+
+        Error feedback needs a contractive codec: |x - decode(encode(x))| < |x| for every x.
+        """
+        return None
+
     # --- wire layout -------------------------------------------------------------------
     def wire_fields(self, numel: int) -> list[Field]:
         raise NotImplementedError

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import numpy as np
+
 from .base import Codec, Field, NonFiniteError, Payload, find_nonfinite
 
 __all__ = ["NoCompression", "Float16", "BFloat16"]
@@ -79,7 +81,8 @@ class Float16(_Narrowing):
     wire_dtype = "<f2"
 
     def _narrow(self, flat):
-        return flat.astype("<f2")
+        with np.errstate(over="ignore"):  # overflow is reported by _encode, not as a warning
+            return flat.astype("<f2")
 
     def _all_finite(self, values, xp) -> bool:
         return bool(xp.isfinite(values.sum(dtype=xp.float32)))

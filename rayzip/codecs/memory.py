@@ -21,9 +21,17 @@ from typing import Any
 
 import numpy as np
 
+from .base import CodecError
 from ..xp import as_array, asnumpy, is_torch
 
-__all__ = ["ErrorFeedback", "NoMemory"]
+__all__ = ["ErrorFeedback", "NoMemory", "check_error_feedback"]
+
+
+def check_error_feedback(codec) -> None:
+    """Raise :class:`CodecError` when error feedback with ``codec`` would diverge."""
+    issue = codec.error_feedback_issue()
+    if issue:
+        raise CodecError(issue)
 
 
 class ErrorFeedback:
@@ -58,6 +66,7 @@ class ErrorFeedback:
 
     def encode(self, codec, name: str, x):
         """compensate, encode, update: the payload to send for ``x``."""
+        check_error_feedback(codec)
         compensated = self.compensate(name, x)
         payload = codec.encode(compensated)
         self.update(name, compensated, codec.decode_flat(payload))
@@ -85,3 +94,6 @@ class NoMemory(ErrorFeedback):
 
     def update(self, name: str, compensated, decoded) -> None:
         pass
+
+    def encode(self, codec, name: str, x):
+        return codec.encode(x)

@@ -7,9 +7,12 @@ sent as level + s in b = ceil(log2(2s + 1)) bits.
 Wire, for numel n: ``norms`` (ceil(n / B), fp32) then ``codes`` (ceil(n * b / 8) bytes):
 ``4 * ceil(n / B) + ceil(n * b / 8)``. Defaults s = 127, B = 512: 8 bits, 3.97x.
 
+Error feedback needs the variance bound min(B/s^2, sqrt(B)/s) below 1 (s > sqrt(B)); with
+fewer levels the residual grows without bound, so :class:`ErrorFeedback` refuses it.
+
 Usage::
 
-    codec = get_codec("qsgd", levels=15, seed=0)     # 5-bit codes
+    codec = get_codec("qsgd", levels=31, seed=0)     # 6-bit codes
     payload = codec.encode(grad)
 """
 
@@ -37,6 +40,19 @@ class QSGD(Codec):
 
     def params(self):
         return {"levels": self.levels, "bucket_size": self.bucket_size, "seed": self.seed}
+
+    @property
+    def variance_bound(self) -> float:
+        """omega with E|Q(x) - x|^2 <= omega |x|^2 (Alistarh et al. 2017, Lemma 3.1)."""
+        b, s = self.bucket_size, self.levels
+        return min(b / s**2, math.sqrt(b) / s)
+
+    def error_feedback_issue(self) -> str | None:
+        if self.variance_bound >= 1:
+            return (f"qsgd with levels={self.levels}, bucket_size={self.bucket_size} has variance "
+                    f"bound {self.variance_bound:.2f} >= 1, so error feedback would diverge; "
+                    f"use levels > sqrt(bucket_size) = {math.sqrt(self.bucket_size):.1f}")
+        return None
 
     def state_dict(self) -> dict:
         return {"calls": self.calls}

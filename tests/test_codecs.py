@@ -1,0 +1,436 @@
+"""Codec layer: round trips, exact wire sizes, error feedback, edge cases (issue 2)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import scipy.fft
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rayzip.codecs import CODECS, CodecError, ErrorFeedback, NoMemory, NonFiniteError, get_codec
+from rayzip.codecs.bitpack import pack_bits, unpack_bits
+from rayzip.codecs.dct_quant import zigzag_order
+from rayzip.codecs.randomk import random_indices
+
+LOSSY = {
+    "fp16": {},
+    "bf16": {},
+    "topk": {"ratio": 0.05},
+    "randomk": {"ratio": 0.05, "seed": 3},
+    "group_topk": {"ratio": 0.05, "group_size": 256},
+    "qsgd": {"levels": 31},
+    "dct_quant": {"bits": 4, "keep": 1.0},
+}
+ALL = {"none": {}, **LOSSY}
+SIZES = [0, 1, 7, 63, 64, 65, 255, 256, 1023, 1024, 1025, 4096, 10_007]
+
+
+def gaussian(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def rel_error(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+
+
+def kept(ratio: float, size: int) -> int:
+    return 0 if size == 0 else min(size, max(1, math.ceil(ratio * size - 1e-9)))
+
+
+# Independent statements of each codec's documented wire size.
+def documented_nbytes(name: str, params: dict, n: int) -> int:
+    if name == "none":
+        return 4 * n
+    if name in ("fp16", "bf16"):
+        return 2 * n
+    if name == "topk":
+        index_bytes = 2 if n <= 65536 else 4
+        return kept(params["ratio"], n) * (index_bytes + 4)
+    if name == "randomk":
+        return 8 + 4 * kept(params["ratio"], n)
+    if name == "group_topk":
+        g = params["group_size"]
+        count = (n // g) * kept(params["ratio"], g) + kept(params["ratio"], n % g)
+        value_bytes = 2 if params.get("value_dtype", "fp16") == "fp16" else 4
+        return count * (2 + value_bytes)
+    if name == "qsgd":
+        bits = math.ceil(math.log2(2 * params["levels"] + 1))
+        return 4 * math.ceil(n / 512) + math.ceil(n * bits / 8)
+    if name == "dct_quant":
+        blocks, tail = divmod(n, 64)
+        m = math.ceil(params["keep"] * 64)
+        return 4 * blocks + math.ceil(blocks * m * params["bits"] / 8) + 4 * tail
+    raise AssertionError(name)
+
+
+# --- exact wire format ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(ALL))
+@pytest.mark.parametrize("n", SIZES)
+def test_payload_bytes_equal_documented_formula(name, n):
+    codec = get_codec(name, **ALL[name])
+    payload = codec.encode(gaussian(n, seed=n))
+    wire = payload.to_bytes()
+    expected = documented_nbytes(name, ALL[name], n)
+    assert payload.nbytes == len(wire) == codec.wire_nbytes(n) == expected
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_round_trip_through_wire_bytes_decodes_identically(name):
+    codec = get_codec(name, **ALL[name])
+    x = gaussian(5000)
+    payload = codec.encode(x)
+    rebuilt = codec.from_bytes(payload.to_bytes(), like=payload)
+    assert np.array_equal(codec.decode(payload), codec.decode(rebuilt))
+
+
+def test_from_bytes_rejects_a_payload_of_the_wrong_size():
+    codec = get_codec("group_topk")
+    payload = codec.encode(gaussian(4096))
+    with pytest.raises(CodecError, match="bytes"):
+        codec.from_bytes(payload.to_bytes()[:-1], like=payload)
+
+
+def test_group_topk_at_one_percent_compresses_more_than_50x():
+    codec = get_codec("group_topk", ratio=0.01, group_size=1024, value_dtype="fp16")
+    payload = codec.encode(gaussian(1 << 20))
+    assert payload.arrays["indices"].dtype == np.uint16
+    assert payload.arrays["values"].dtype == np.float16
+    assert 4 * (1 << 20) / payload.nbytes >= 50
+
+
+@pytest.mark.parametrize("n", [1000, 70_000])
+def test_index_width_is_the_narrowest_that_holds_an_offset(n):
+    topk = get_codec("topk", ratio=0.1).encode(gaussian(n))
+    assert topk.arrays["indices"].dtype == (np.uint16 if n <= 65536 else np.uint32)
+    big_groups = get_codec("group_topk", ratio=0.1, group_size=70_000).encode(gaussian(n))
+    assert big_groups.arrays["indices"].dtype == np.uint32
+
+
+# --- round-trip accuracy -------------------------------------------------------------
+
+def test_none_is_bit_exact_including_signed_zero_and_denormals():
+    x = gaussian(1000)
+    x[:4] = [-0.0, 1e-42, -1e-45, np.finfo(np.float32).max]
+    out = get_codec("none").decode(get_codec("none").encode(x))
+    assert out.tobytes() == x.tobytes()
+    t = torch.from_numpy(x).reshape(10, 100)
+    assert torch.equal(get_codec("none").decode(get_codec("none").encode(t)), t)
+
+
+def _dct_reference(x: np.ndarray, n: int, bits: int, keep: float) -> tuple[np.ndarray, np.ndarray]:
+    """scipy-based DCT quantizer: (kept coefficients per block, decoded signal)."""
+    size = n * n
+    blocks = x[: (x.size // size) * size].reshape(-1, n, n).astype(np.float64)
+    m = max(1, math.ceil(keep * size - 1e-9))
+    zz = zigzag_order(n)[:m]
+    coef = scipy.fft.dctn(blocks, axes=(1, 2), norm="ortho").reshape(-1, size)[:, zz]
+    top = 2**bits - 1
+    peak = np.abs(coef).max(axis=1, keepdims=True)
+    codes = np.clip(np.rint((coef / np.where(peak > 0, peak, 1) + 1) * top / 2), 0, top)
+    deq = np.zeros((coef.shape[0], size))
+    deq[:, zz] = (codes * 2 / top - 1) * peak
+    decoded = scipy.fft.idctn(deq.reshape(-1, n, n), axes=(1, 2), norm="ortho").reshape(-1)
+    return coef, np.concatenate([decoded, x[blocks.size:]])
+
+
+@pytest.mark.parametrize("n,bits,keep", [(8, 8, 1.0), (4, 6, 1.0), (8, 4, 0.25), (5, 12, 0.6)])
+def test_dct_quant_matches_scipy_reference(n, bits, keep):
+    x = gaussian(n * n * 300 + 7)
+    codec = get_codec("dct_quant", block=n, bits=bits, keep=keep)
+    ref_coef, ref_out = _dct_reference(x, n, bits, keep)
+    np.testing.assert_allclose(codec.coefficients(x, np), ref_coef, atol=2e-5)
+    out = codec.decode(codec.encode(x))
+    # Float32 vs float64 transforms may round a code the other way at a tie: one step at most.
+    step = 2 * np.abs(ref_coef).max() / (2**bits - 1)
+    assert np.max(np.abs(out - ref_out)) <= 1.01 * step
+    assert np.array_equal(out[-7:], x[-7:])  # the tail travels raw
+
+
+def test_dct_quant_8_bits_full_keep_error_below_one_percent():
+    x = gaussian(1 << 18)
+    codec = get_codec("dct_quant", block=8, bits=8, keep=1.0)
+    assert rel_error(codec.decode(codec.encode(x)), x) < 0.01
+
+
+def test_zigzag_order_is_jpegs():
+    assert zigzag_order(4).tolist() == [0, 1, 4, 8, 5, 2, 3, 6, 9, 12, 13, 10, 7, 11, 14, 15]
+
+
+@pytest.mark.parametrize("n,group", [(10_240, 1024), (10_000, 1024), (999, 100), (50, 64)])
+def test_group_topk_keeps_exactly_the_per_group_topk(n, group):
+    ratio = 0.03
+    x = gaussian(n, seed=n)
+    codec = get_codec("group_topk", ratio=ratio, group_size=group, value_dtype="fp32")
+    out = codec.decode(codec.encode(x))
+    t = torch.from_numpy(x)
+    for start in range(0, n, group):
+        chunk = t[start:start + group]
+        k = max(1, math.ceil(ratio * chunk.numel()))
+        expected = torch.zeros_like(chunk)
+        idx = torch.topk(chunk.abs(), k).indices
+        expected[idx] = chunk[idx]
+        assert torch.equal(torch.from_numpy(out[start:start + group]), expected), start
+
+
+def test_group_topk_on_ties_keeps_k_of_the_largest_magnitudes():
+    x = np.array([3, -3, 3, 1, 0, 2, -3, 1], dtype=np.float32)  # four entries of |3|
+    codec = get_codec("group_topk", ratio=0.25, group_size=8, value_dtype="fp32")
+    out = codec.decode(codec.encode(x))
+    kept_idx = np.flatnonzero(out)
+    assert len(kept_idx) == 2
+    assert np.all(np.abs(x[kept_idx]) == 3) and np.array_equal(out[kept_idx], x[kept_idx])
+
+
+def test_topk_keeps_the_global_largest():
+    x = gaussian(5000)
+    out = get_codec("topk", ratio=0.01).decode(get_codec("topk", ratio=0.01).encode(x))
+    idx = torch.topk(torch.from_numpy(np.abs(x)), 50).indices.numpy()
+    assert sorted(np.flatnonzero(out)) == sorted(idx)
+    assert np.array_equal(out[idx], x[idx])
+
+
+def test_randomk_indices_are_distinct_seeded_and_regenerated_from_the_payload():
+    idx = random_indices(12345, 10_000, 100, np)
+    assert len(np.unique(idx)) == 100 and idx.min() >= 0 and idx.max() < 10_000
+    assert np.array_equal(idx, random_indices(12345, 10_000, 100, np))
+    assert not np.array_equal(idx, random_indices(12346, 10_000, 100, np))
+    a, b = get_codec("randomk", ratio=0.01, seed=9), get_codec("randomk", ratio=0.01, seed=9)
+    x = gaussian(10_000)
+    pa, pb = a.encode(x), b.encode(x * 2)
+    ia, _ = a.to_coo(pa)
+    ib, _ = b.to_coo(b.from_bytes(pb.to_bytes(), like=pb))
+    assert np.array_equal(ia, ib)  # same seed, same call: same indices on both workers
+    assert np.array_equal(a.decode(pa)[ia], x[ia])
+    assert not np.array_equal(ia, a.to_coo(a.encode(x))[0])  # the next call draws anew
+
+
+def test_randomk_covers_the_tensor_uniformly():
+    hits = np.zeros(1000)
+    for seed in range(2000):
+        hits[random_indices(seed, 1000, 10, np)] += 1
+    assert hits.min() > 0
+    assert abs(hits.mean() - 20) < 1e-9 and hits.std() < 6  # binomial(2000, 0.01) has std 4.4
+
+
+def test_qsgd_is_unbiased_and_bounded():
+    x = gaussian(2048)
+    codec = get_codec("qsgd", levels=3, bucket_size=256)
+    mean = np.mean([codec.decode(codec.encode(x)) for _ in range(400)], axis=0)
+    assert rel_error(mean, x) < 0.1
+    single = codec.decode(codec.encode(x))
+    assert rel_error(single, x) > 0.2  # stochastic rounding really happened
+    assert len(np.unique(np.round(single[:256] / np.abs(single[:256]).max() * 3))) <= 7
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_lossy_codecs_are_close_and_lossless_exact(name):
+    x = gaussian(20_000)
+    codec = get_codec(name, **ALL[name])
+    err = rel_error(codec.decode(codec.encode(x)), x)
+    # QSGD's variance bound (Alistarh et al., Lemma 3.1): min(d/s^2, sqrt(d)/s) |x|^2.
+    qsgd = math.sqrt(min(512 / 31**2, math.sqrt(512) / 31))
+    bound = {"none": 0.0, "fp16": 1e-3, "bf16": 5e-3, "qsgd": qsgd, "dct_quant": 0.8}.get(name, 1.0)
+    assert err <= bound
+
+
+# --- error feedback ------------------------------------------------------------------
+
+def _drift(name: str, memory: ErrorFeedback, steps: int) -> float:
+    codec = get_codec(name, **LOSSY[name])
+    x = gaussian(4096, seed=1)
+    total = np.zeros_like(x)
+    worst = 0.0
+    for t in range(1, steps + 1):
+        total += codec.decode(memory.encode(codec, "w", x))
+        worst = max(worst, float(np.linalg.norm(total - t * x) / np.linalg.norm(x)))
+    return worst, float(np.linalg.norm(total - steps * x) / np.linalg.norm(x))
+
+
+@pytest.mark.parametrize("name", sorted(LOSSY))
+def test_error_feedback_keeps_the_decoded_sum_near_t_times_input(name):
+    steps = 300
+    worst, final = _drift(name, ErrorFeedback(), steps)
+    # Bounded: with 5% kept, a coordinate waits ~20 steps, so the drift stays O(20 |x|)
+    # while T |x| grows to 300 |x|.
+    assert worst < 40, worst
+    assert final < 0.1 * steps
+    if name not in ("fp16", "bf16", "qsgd"):  # unbiased or near-exact codecs drift slowly anyway
+        _, without = _drift(name, NoMemory(), steps)
+        assert without > 5 * final, (without, final)
+
+
+def test_error_feedback_state_round_trips_and_checks_layout():
+    memory = ErrorFeedback()
+    codec = get_codec("topk", ratio=0.1)
+    memory.encode(codec, "a", gaussian(100))
+    restored = ErrorFeedback()
+    restored.load_state_dict(memory.state_dict())
+    assert np.array_equal(restored.residuals["a"], memory.residuals["a"])
+    with pytest.raises(ValueError, match="bucket layout changed"):
+        restored.compensate("a", gaussian(99))
+
+
+def test_error_feedback_does_not_modify_its_input():
+    memory = ErrorFeedback()
+    x = gaussian(100)
+    before = x.copy()
+    codec = get_codec("topk", ratio=0.1)
+    memory.encode(codec, "a", x)
+    memory.encode(codec, "a", x)
+    assert np.array_equal(x, before)
+
+
+# --- compressed-domain sums ----------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "topk", "randomk", "group_topk"])
+def test_aggregate_equals_sum_of_decodes(name):
+    params = dict(ALL[name])
+    xs = [gaussian(3000, seed=s) for s in range(3)]
+    if name == "randomk":
+        codecs = [get_codec(name, **params) for _ in xs]  # one seed: same indices everywhere
+    else:
+        codecs = [get_codec(name, **params)] * 3
+    payloads = [c.encode(x) for c, x in zip(codecs, xs)]
+    expected = sum(c.decode(p) for c, p in zip(codecs, payloads))
+    total = codecs[0].aggregate(payloads)
+    got = get_codec(total.codec, **(params if total.codec == name else {})).decode(total)
+    tol = {"fp16": 2e-3, "bf16": 2e-2}.get(name, 1e-6)
+    np.testing.assert_allclose(got, expected, atol=tol * 3)
+    if total.codec == "coo":
+        assert total.nbytes == len(total.to_bytes())
+        rebuilt = get_codec("coo").from_bytes(total.to_bytes(), like=total)
+        assert np.array_equal(get_codec("coo").decode(rebuilt), got)
+
+
+@pytest.mark.parametrize("name,params,message", [
+    ("qsgd", {"levels": 7}, "variance bound 3.23 >= 1"),
+    ("dct_quant", {"keep": 0.5}, "never sends the dropped frequencies"),
+])
+def test_error_feedback_refuses_codecs_under_which_it_diverges(name, params, message):
+    codec = get_codec(name, **params)
+    with pytest.raises(CodecError, match=message):
+        ErrorFeedback().encode(codec, "w", gaussian(100))
+    # The divergence is real: with the refused setting the residual keeps growing.
+    memory, x = ErrorFeedback(), gaussian(4096)
+    sizes = []
+    for _ in range(200):
+        compensated = memory.compensate("w", x)
+        memory.update("w", compensated, codec.decode(codec.encode(compensated)))
+        sizes.append(float(np.linalg.norm(memory.residuals["w"])))
+    assert sizes[-1] > 3 * sizes[20] > 0
+
+
+@pytest.mark.parametrize("name", ["qsgd", "dct_quant"])
+def test_aggregate_refuses_codecs_that_cannot_sum(name):
+    codec = get_codec(name)
+    with pytest.raises(CodecError, match="allgather"):
+        codec.aggregate([codec.encode(gaussian(100))] * 2)
+
+
+# --- edge cases ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(ALL))
+@pytest.mark.parametrize("n", [0, 1, 3, 65, 1025])
+def test_small_and_odd_lengths(name, n):
+    codec = get_codec(name, **ALL[name])
+    x = gaussian(n, seed=7)
+    out = codec.decode(codec.encode(x))
+    assert out.shape == x.shape and out.dtype == np.float32
+    if n and codec.sparse:
+        assert np.all((out == 0) | (out == x.astype(np.float16 if name == "group_topk" else np.float32)))
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_torch_dtypes_and_non_contiguous_inputs(name, dtype):
+    codec = get_codec(name, **ALL[name])
+    t = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)).to(dtype).t()  # non-contiguous
+    assert not t.is_contiguous()
+    out = codec.decode(codec.encode(t))
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.shape == t.shape
+    if name == "none":
+        assert torch.equal(out, t)
+    err = ((out.float() - t.float()).norm() / t.float().norm()).item()
+    assert err < {"none": 1e-7, "fp16": 2e-3, "bf16": 1e-2}.get(name, 1.0)
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_and_inf_are_refused_with_their_position(name, bad):
+    x = gaussian(3000)
+    x[1234] = bad
+    x[2000] = bad
+    with pytest.raises(NonFiniteError, match=r"2 NaN/Inf value\(s\), first at flat index 1234"):
+        get_codec(name, **ALL[name]).encode(x)
+
+
+def test_fp16_overflow_is_an_error_not_inf():
+    x = gaussian(100)
+    x[5] = 1e6
+    with pytest.raises(NonFiniteError, match="overflows fp16"):
+        get_codec("fp16").encode(x)
+    with pytest.raises(CodecError, match="fp16 range"):
+        get_codec("group_topk", ratio=0.5, group_size=10).encode(x)
+    assert get_codec("bf16").decode(get_codec("bf16").encode(x))[5] == pytest.approx(1e6, rel=1e-2)
+
+
+def test_bf16_rounds_like_torch():
+    x = gaussian(10_000) * 1000
+    ours = get_codec("bf16").decode(get_codec("bf16").encode(x))
+    assert np.array_equal(ours, torch.from_numpy(x).bfloat16().float().numpy())
+
+
+# --- parameters ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,params,message", [
+    ("topk", {"ratio": 0}, "ratio must be in"),
+    ("topk", {"ratio": 1.5}, "ratio must be in"),
+    ("randomk", {"ratio": -0.1}, "ratio must be in"),
+    ("group_topk", {"group_size": 0}, "group_size must be"),
+    ("group_topk", {"value_dtype": "fp8"}, "value_dtype"),
+    ("dct_quant", {"block": 1}, "block must be"),
+    ("dct_quant", {"bits": 0}, "bits must be in 1..16"),
+    ("dct_quant", {"bits": 17}, "bits must be in 1..16"),
+    ("dct_quant", {"keep": 0}, "keep must be in"),
+    ("qsgd", {"levels": 0}, "levels must be"),
+    ("qsgd", {"bucket_size": 2.5}, "bucket_size must be an integer"),
+    ("topk", {"k": 3}, "no parameter 'k'"),
+    ("zip", {}, "unknown codec 'zip'"),
+])
+def test_bad_parameters_raise_clear_errors(name, params, message):
+    with pytest.raises(CodecError, match=message):
+        get_codec(name, **params)
+
+
+def test_every_registered_codec_is_covered():
+    assert set(CODECS) == set(ALL) | {"coo"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.integers(1, 16), codes=st.lists(st.integers(0, 65535), max_size=70))
+def test_bitpack_round_trip(bits, codes):
+    arr = np.array([c % (1 << bits) for c in codes], dtype=np.uint16)
+    packed = pack_bits(arr, bits, np)
+    assert packed.size == (arr.size * bits + 7) // 8
+    assert np.array_equal(unpack_bits(packed, bits, arr.size, np), arr)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 3000), block=st.integers(2, 9), bits=st.integers(1, 16),
+       keep=st.floats(0.01, 1.0), seed=st.integers(0, 2**32 - 1))
+def test_dct_quant_any_configuration_round_trips_within_one_step(n, block, bits, keep, seed):
+    x = gaussian(n, seed=seed)
+    codec = get_codec("dct_quant", block=block, bits=bits, keep=keep)
+    payload = codec.encode(x)
+    assert payload.nbytes == len(payload.to_bytes()) == codec.wire_nbytes(n)
+    out = codec.decode(payload)
+    if keep == 1.0 and n >= block * block:
+        step = 2 * float(payload.arrays["scales"].max()) / (2**bits - 1)
+        body = (n // block**2) * block**2
+        # Orthonormal transform: the blockwise error norm is the coefficient error norm.
+        assert np.linalg.norm(out[:body] - x[:body]) <= step / 2 * math.sqrt(body) * 1.01 + 1e-6
