@@ -1,0 +1,30 @@
+# `make run` and `make test` work on a fresh machine: both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; a bare `torch` would pull a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+SPEC ?= jobs/digits-group-topk.yaml
+
+.PHONY: setup run test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+run: setup
+	$(BIN)/rayzip bench codecs --size 16M
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/rayzip bench codecs --json out/bench-codecs.json
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .hypothesis
