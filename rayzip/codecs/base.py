@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..xp import as_array, asnumpy, is_torch, to_torch
+from ..xp import array_module, as_array, asnumpy, is_torch, to_torch
 
 __all__ = [
     "Codec",
@@ -71,7 +71,14 @@ class Payload:
         return int(sum(a.nbytes for a in self.arrays.values()))
 
     def to_bytes(self) -> bytes:
-        return b"".join(asnumpy(a).tobytes() for a in self.arrays.values())
+        return asnumpy(self.to_array()).tobytes()
+
+    def to_array(self):
+        """The wire bytes as one uint8 array on the payload's device (numpy or cupy)."""
+        arrays = list(self.arrays.values())
+        xp = array_module(arrays[0]) if arrays else np
+        parts = [xp.ascontiguousarray(a).view(xp.uint8).reshape(-1) for a in arrays]
+        return xp.concatenate(parts) if parts else xp.zeros(0, xp.uint8)
 
     def fields(self) -> list[Field]:
         return [Field(k, asnumpy(a[:0]).dtype.str, int(a.size)) for k, a in self.arrays.items()]

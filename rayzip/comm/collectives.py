@@ -1,0 +1,90 @@
+"""The Communicator role: move one worker's payload, return the average over all workers.
+
+* :class:`AllReduce`: sum the payload's values in place (``none``, ``fp16``, ``bf16``, and
+  ``randomk``, whose workers share indices through the seed).
+* :class:`Ring`: sparse ring reduce-scatter + all-gather of (index, value) chunks
+  (``topk``, ``group_topk``, ``randomk``).
+* :class:`AllGather`: gather every payload, decode each, average locally (any codec; the
+  only choice for ``qsgd`` and ``dct_quant``, which cannot be summed compressed).
+
+Usage::
+
+    communicator = make_communicator("auto", codec, Transport())
+    average = communicator.average(codec, codec.encode(grad))   # flat float32, same device
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..codecs import Codec, CodecError, Payload
+from ..xp import array_module, as_array, to_torch
+from .ring import sparse_ring_allreduce
+from .transport import Transport
+
+__all__ = ["AllGather", "AllReduce", "COLLECTIVES", "Communicator", "Ring", "choose_collective",
+           "make_communicator"]
+
+class Communicator:
+    name = ""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+
+    def average(self, codec: Codec, payload: Payload):
+        raise NotImplementedError
+
+
+class AllReduce(Communicator):
+    name = "allreduce"
+
+    def average(self, codec, payload):
+        # A zero-copy view: the in-place sum lands in the payload itself, which then decodes.
+        tensor = to_torch(payload.arrays["values"])
+        if codec.name == "bf16":  # bf16 travels as its uint16 bit pattern
+            tensor = tensor.view(torch.bfloat16)
+        self.transport.all_reduce(tensor)
+        return codec.decode_flat(payload) / self.transport.world
+
+
+class AllGather(Communicator):
+    name = "allgather"
+
+    def average(self, codec, payload):
+        gathered = self.transport.all_gather(to_torch(payload.to_array()))
+        total = None
+        for wire in gathered:
+            arr = as_array(wire)[0]
+            decoded = codec.decode_flat(codec.from_bytes(arr, like=payload, xp=array_module(arr)))
+            total = decoded if total is None else total + decoded
+        return total / self.transport.world
+
+
+class Ring(Communicator):
+    name = "ring"
+
+    def average(self, codec, payload):
+        indices, values = codec.to_coo(payload)
+        total = sparse_ring_allreduce(indices, values, payload.numel, self.transport,
+                                      value_dtype=getattr(codec, "value_dtype", "fp32"))
+        return total / self.transport.world
+
+
+COLLECTIVES = {cls.name: cls for cls in (AllReduce, AllGather, Ring)}
+
+
+def choose_collective(requested: str, codec: Codec) -> str:
+    """The collective for ``codec``: ``auto`` picks the cheapest one that is correct."""
+    if requested == "auto":
+        return "ring" if codec.sparse else "allreduce" if codec.summable else "allgather"
+    if requested == "ring" and not codec.sparse:
+        raise CodecError(f"the ring collective needs a sparse codec (topk, group_topk, randomk), not {codec.name}")
+    if requested == "allreduce" and not codec.summable:
+        raise CodecError(f"{codec.name} payloads cannot be summed in compressed form; use allgather")
+    if requested not in COLLECTIVES:
+        raise CodecError(f"unknown collective {requested!r}; choose from auto, {', '.join(COLLECTIVES)}")
+    return requested
+
+
+def make_communicator(requested: str, codec: Codec, transport: Transport) -> Communicator:
+    return COLLECTIVES[choose_collective(requested, codec)](transport)

@@ -1,0 +1,79 @@
+"""torch.distributed, with every byte this worker sends counted.
+
+Counts are what this worker transmits: exact for point-to-point sends (the size header
+plus the payload), and the standard ring cost for collectives: 2(n-1)/n * size for
+all_reduce, (n-1) * size for all_gather (gloo and NCCL both run rings at these sizes).
+
+Usage::
+
+    transport = Transport()                        # the default process group
+    received = transport.shift(my_bytes)           # send to rank+1, receive from rank-1
+    print(transport.bytes_sent)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Transport", "ring_allreduce_bytes"]
+
+HEADER_INTS = 2  # (payload bytes, entry count or -1 for a dense chunk)
+HEADER_BYTES = 8 * HEADER_INTS
+
+
+def ring_allreduce_bytes(nbytes: int, world: int) -> int:
+    """Bytes one worker sends in a ring all_reduce of ``nbytes``: 2(n-1)/n * nbytes."""
+    return 2 * (world - 1) * nbytes // world
+
+
+class Transport:
+    def __init__(self, group=None, device: torch.device | str = "cpu"):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.device = torch.device(device)
+        self.bytes_sent = 0
+        self.messages: list[int] = []  # size of every send this step (tests read it)
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over all workers, in place."""
+        dist.all_reduce(tensor, group=self.group)
+        self._count(ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world))
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every worker's ``tensor`` (all the same size), in rank order."""
+        out = [torch.empty_like(tensor) for _ in range(self.world)]
+        dist.all_gather(out, tensor, group=self.group)
+        self._count((self.world - 1) * tensor.numel() * tensor.element_size())
+        return out
+
+    def shift(self, payload: torch.Tensor, entries: int) -> tuple[torch.Tensor, int]:
+        """Send uint8 ``payload`` to the next rank, receive the previous rank's.
+
+        A header with the byte count and ``entries`` goes first so the receiver can size its
+        buffer; returns the received bytes and the sender's ``entries``.
+        """
+        nxt, prev = self._global((self.rank + 1) % self.world), self._global((self.rank - 1) % self.world)
+        header = torch.tensor([payload.numel(), entries], dtype=torch.int64, device=self.device)
+        incoming = torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device)
+        self._exchange(header, nxt, incoming, prev)
+        self._count(HEADER_BYTES)
+        received = torch.empty(int(incoming[0]), dtype=torch.uint8, device=self.device)
+        self._exchange(payload, nxt, received, prev)
+        self._count(payload.numel())
+        return received, int(incoming[1])
+
+    def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
+        ops = [dist.P2POp(dist.isend, send, dst, group=self.group),
+               dist.P2POp(dist.irecv, recv, src, group=self.group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    def _count(self, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        self.messages.append(nbytes)

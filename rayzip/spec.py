@@ -1,0 +1,234 @@
+"""Job specs: pydantic models loaded from YAML, strict about every field.
+
+Usage::
+
+    spec = load_spec("jobs/digits-group-topk.yaml")    # raises SpecError naming bad fields
+    codec = spec.compression.build_codec(rank=0)
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .codecs import CODECS, CodecError, codec_parameters, get_codec
+from .codecs.memory import check_error_feedback
+from .comm.collectives import choose_collective
+
+__all__ = [
+    "CheckpointSpec", "CompressionSpec", "DatasetSpec", "JobSpec", "MetricsSpec", "ModelSpec",
+    "ScalingSpec", "SpecError", "TrainingSpec", "load_spec", "parse_spec",
+]
+
+BUILTIN_MODELS = ("mlp",)
+BUILTIN_DATASETS = ("digits", "synthetic")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_CODEC_FIELDS = ("ratio", "group_size", "value_dtype", "block", "bits", "keep", "levels", "bucket_size", "seed")
+
+
+class SpecError(ValueError):
+    """An invalid job spec; ``str()`` lists each bad field as ``path: message``."""
+
+    def __init__(self, problems: list[str], source: str = "spec"):
+        self.problems = problems
+        super().__init__(f"{source}: invalid job spec\n" + "\n".join(f"  {p}" for p in problems))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+def _builtin_or_import_path(value: str, builtins: tuple[str, ...], what: str) -> str:
+    if value in builtins or _IMPORT_PATH.match(value):
+        return value
+    raise ValueError(f"unknown {what} {value!r}: use one of {', '.join(builtins)} or 'module:function'")
+
+
+class ModelSpec(_Strict):
+    name: str = Field("mlp", description="Built-in model (mlp) or 'module:function' returning an nn.Module.")
+    hidden: list[int] = Field([256, 256], description="mlp: hidden layer widths.")
+    kwargs: dict[str, Any] = Field({}, description="Keyword arguments for a 'module:function' model.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _builtin_or_import_path(v, BUILTIN_MODELS, "model")
+
+    @field_validator("hidden")
+    @classmethod
+    def _hidden(cls, v: list[int]) -> list[int]:
+        if any(w < 1 for w in v):
+            raise ValueError("every hidden width must be >= 1")
+        return v
+
+
+class DatasetSpec(_Strict):
+    name: str = Field("digits", description="digits (scikit-learn), synthetic, or 'module:function' "
+                                            "returning (x_train, y_train, x_test, y_test).")
+    samples: int = Field(20_000, ge=10, description="synthetic: total examples.")
+    features: int = Field(64, ge=1, description="synthetic: input width.")
+    classes: int = Field(10, ge=2, description="synthetic: number of classes.")
+    label_noise: float = Field(0.0, ge=0, lt=0.5, description="synthetic: fraction of labels replaced at random.")
+    test_fraction: float = Field(0.25, gt=0, lt=1, description="Share of examples held out for testing.")
+    kwargs: dict[str, Any] = Field({}, description="Keyword arguments for a 'module:function' dataset.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _builtin_or_import_path(v, BUILTIN_DATASETS, "dataset")
+
+
+class TrainingSpec(_Strict):
+    steps: Optional[int] = Field(None, ge=1, description="Optimizer steps (give steps or epochs; default 300).")
+    epochs: Optional[int] = Field(None, ge=1, description="Passes over each worker's shard.")
+    batch_size: int = Field(64, ge=1, description="Examples per worker per step.")
+    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: float = Field(0.05, gt=0, description="Learning rate at base_world_size workers.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="sgd momentum.")
+    weight_decay: float = Field(0.0, ge=0)
+    seed: int = Field(0, ge=0)
+    target_accuracy: Optional[float] = Field(None, gt=0, le=1, description="Stop once test accuracy reaches it.")
+    eval_every: int = Field(50, ge=1, description="Steps between test-set evaluations.")
+    base_world_size: int = Field(1, ge=1, description="lr = lr * world_size / base_world_size.")
+    lr_warmup_steps: int = Field(0, ge=0, description="Ramp the scaled lr up linearly over these steps.")
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self):
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give steps or epochs, not both")
+        if self.steps is None and self.epochs is None:
+            self.steps = 300
+        return self
+
+
+class ScalingSpec(_Strict):
+    min_workers: int = Field(2, ge=1)
+    max_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0)
+    resources_per_worker: dict[str, float] = Field({}, description="Extra Ray resources per worker.")
+    max_failures: int = Field(3, ge=-1, description="Worker-group restarts allowed (-1: unlimited).")
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.max_workers < self.min_workers:
+            raise ValueError(f"max_workers ({self.max_workers}) is below min_workers ({self.min_workers})")
+        return self
+
+
+class CompressionSpec(_Strict):
+    """How gradients cross the network. Codec parameters left unset take the codec's defaults."""
+
+    codec: str = Field("none", description=f"One of {', '.join(n for n in CODECS if n != 'coo')}.")
+    ratio: Optional[float] = Field(None, gt=0, le=1, description="Kept fraction (topk, randomk, group_topk).")
+    group_size: Optional[int] = Field(None, ge=1, description="group_topk group length G.")
+    value_dtype: Optional[Literal["fp16", "fp32"]] = Field(None, description="Sparse codecs' value type.")
+    block: Optional[int] = Field(None, ge=2, description="dct_quant block side n.")
+    bits: Optional[int] = Field(None, ge=1, le=16, description="dct_quant bits per coefficient.")
+    keep: Optional[float] = Field(None, gt=0, le=1, description="dct_quant kept zig-zag fraction.")
+    levels: Optional[int] = Field(None, ge=1, le=32767, description="qsgd levels s.")
+    bucket_size: Optional[int] = Field(None, ge=1, description="qsgd entries per norm.")
+    seed: Optional[int] = Field(None, ge=0, description="randomk/qsgd seed.")
+    error_feedback: bool = True
+    collective: Literal["auto", "ring", "allreduce", "allgather"] = "auto"
+    warmup_steps: int = Field(0, ge=0, description="Send the first steps uncompressed.")
+    verify: bool = Field(False, description="Self-check each step: compare the collective's average "
+                                            "with the mean of all workers' decoded payloads (extra, uncounted traffic).")
+
+    @field_validator("codec")
+    @classmethod
+    def _codec(cls, v: str) -> str:
+        if v not in CODECS or v == "coo":
+            raise ValueError(f"unknown codec {v!r}; choose from {', '.join(n for n in CODECS if n != 'coo')}")
+        return v
+
+    @model_validator(mode="after")
+    def _codec_fits(self):
+        takes = codec_parameters(self.codec)
+        for name in _CODEC_FIELDS:
+            if getattr(self, name) is not None and name not in takes and name != "seed":
+                raise ValueError(f"{name} does not apply to codec {self.codec} "
+                                 f"(it takes {', '.join(takes) or 'no parameters'})")
+        try:
+            codec = self.build_codec()
+            if self.error_feedback:
+                check_error_feedback(codec)
+            choose_collective(self.collective, codec)
+        except CodecError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def codec_params(self, rank: int = 0) -> dict[str, Any]:
+        takes = codec_parameters(self.codec)
+        params = {k: getattr(self, k) for k in _CODEC_FIELDS if k in takes and getattr(self, k) is not None}
+        if self.codec == "qsgd":  # independent rounding noise on each worker averages out
+            params["seed"] = params.get("seed", 0) + rank
+        return params
+
+    def build_codec(self, rank: int = 0):
+        return get_codec(self.codec, **self.codec_params(rank))
+
+
+class CheckpointSpec(_Strict):
+    every_steps: int = Field(50, ge=0, description="Report a checkpoint every N steps (0: only at the end).")
+    num_to_keep: int = Field(2, ge=1)
+
+
+class MetricsSpec(_Strict):
+    enabled: bool = Field(False, description="Prometheus metrics (the adaptive-controller issue fills this in).")
+
+
+class JobSpec(_Strict):
+    name: str = Field(..., description="Job name: lowercase letters, digits and '-', at most 50 characters.")
+    model: ModelSpec = ModelSpec()
+    dataset: DatasetSpec = DatasetSpec()
+    training: TrainingSpec = TrainingSpec()
+    scaling: ScalingSpec = ScalingSpec()
+    compression: CompressionSpec = CompressionSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    metrics: MetricsSpec = MetricsSpec()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.fullmatch(r"[a-z]([-a-z0-9]{0,48}[a-z0-9])?", v):
+            raise ValueError("must be lowercase letters, digits and '-', start with a letter, "
+                             "end with a letter or digit, at most 50 characters")
+        return v
+
+
+def _problems(exc: ValidationError) -> list[str]:
+    out = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        out.append(f"{path}: {msg}")
+    return out
+
+
+def parse_spec(data: Any, source: str = "spec") -> JobSpec:
+    if not isinstance(data, dict):
+        raise SpecError([f"(top level): expected a mapping of sections, got {type(data).__name__}"], source)
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(_problems(exc), source) from None
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError([f"(file): cannot read {path}: {exc.strerror}"], str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError([f"(yaml): {exc}".replace("\n", " ")], str(path)) from None
+    return parse_spec(data, str(path))

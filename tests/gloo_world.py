@@ -1,0 +1,39 @@
+"""Run a function on N real gloo ranks (spawned processes) and collect what each returns."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world: int, init_file: str, out_dir: str, fn, args) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        result = ("ok", fn(rank, world, *args))
+    except BaseException as exc:  # ship the failure to the parent, which re-raises it
+        result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as fh:
+        pickle.dump(result, fh)
+
+
+def run_world(fn, world: int, *args):
+    """``[fn(rank, world, *args) for each rank]``, run in ``world`` gloo processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        mp.spawn(_entry, args=(world, init_file, tmp, fn, args), nprocs=world, join=True)
+        results = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"{rank}.pkl"), "rb") as fh:
+                status, value = pickle.load(fh)
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed: {value}")
+            results.append(value)
+        return results

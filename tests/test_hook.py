@@ -1,0 +1,101 @@
+"""The DDP comm hook on real torch DDP over gloo (issue 3)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gloo_world import run_world
+from rayzip.torch import CompressionSpec, compress, scaled_lr
+
+
+def _model():
+    torch.manual_seed(0)
+    # ~2.3 MB of gradient: several DDP buckets at bucket_cap_mb=0.5 (the first is capped at 1 MB).
+    return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                               torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+
+
+def _train_rank(rank, world, spec, steps, ratio_at=None, nan_at=None):
+    ddp = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.5)
+    plain = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.5)
+    state = compress(ddp, CompressionSpec(**spec)) if spec else None
+    gen = torch.Generator().manual_seed(rank)
+    out = []
+    for step in range(steps):
+        if ratio_at is not None and step == ratio_at:
+            state.set_ratio(0.2)
+        x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+        if nan_at == step:
+            x[0, 0] = float("nan")
+        for model in (ddp, plain):
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        grads = torch.cat([p.grad.flatten() for p in ddp.parameters()]).numpy().copy()
+        plain_grads = torch.cat([p.grad.flatten() for p in plain.parameters()]).numpy().copy()
+        stats = state.last_step.__dict__.copy() if state else None
+        out.append((grads, plain_grads, stats))
+    return out
+
+
+def test_ring_hook_averages_the_decoded_payloads_and_counts_bytes():
+    spec = {"codec": "group_topk", "ratio": 0.05, "value_dtype": "fp32", "verify": True}
+    world = 3
+    results = run_world(_train_rank, world, spec, 4)
+    numel = sum(p.numel() for p in _model().parameters())
+    for step in range(4):
+        grads = [r[step][0] for r in results]
+        for g in grads[1:]:
+            assert np.array_equal(g, grads[0])  # replicas stay identical
+        for _, _, stats in (r[step] for r in results):
+            assert stats["compressed"] and stats["step"] == step
+            assert stats["verify_max_abs_err"] < 1e-6
+            assert stats["numel"] == numel
+            assert stats["bytes_sent"] == sum(stats["messages"]) > 0
+            assert sum(stats["buckets"]) == numel
+            assert len(stats["buckets"]) > 1 or step == 0  # DDP rebuilds its buckets after step 0
+            assert stats["dense_bytes"] == sum(2 * (world - 1) * 4 * n // world for n in stats["buckets"])
+            assert stats["bytes_sent"] < stats["dense_bytes"] / 3
+        assert not np.allclose(grads[0], results[0][step][1])  # compressed differs from plain DDP
+
+
+def test_fp16_ring_keeps_replicas_identical():
+    results = run_world(_train_rank, 2, {"codec": "group_topk", "ratio": 0.02, "verify": True}, 3)
+    for step in range(3):
+        assert np.array_equal(results[0][step][0], results[1][step][0])
+        assert results[0][step][2]["verify_max_abs_err"] < 1e-3
+
+
+def test_none_codec_hook_matches_plain_ddp_and_sends_dense_bytes():
+    results = run_world(_train_rank, 2, {"codec": "none"}, 2)
+    for grads, plain, stats in results[0]:
+        np.testing.assert_allclose(grads, plain, rtol=1e-6, atol=1e-7)
+        assert stats["bytes_sent"] == stats["dense_bytes"]
+
+
+def test_warmup_steps_go_dense_then_compress_and_ratio_switches_at_a_step():
+    spec = {"codec": "topk", "ratio": 0.05, "warmup_steps": 2}
+    results = run_world(_train_rank, 2, spec, 5, 3)
+    for rank_steps in results:
+        stats = [s for _, _, s in rank_steps]
+        assert [s["compressed"] for s in stats] == [False, False, True, True, True]
+        assert stats[0]["bytes_sent"] == stats[0]["dense_bytes"]
+        assert stats[2]["bytes_sent"] < stats[2]["dense_bytes"] / 4
+        assert [s["ratio"] for s in stats] == [None, None, 0.05, 0.2, 0.2]
+        assert stats[3]["bytes_sent"] > stats[2]["bytes_sent"]
+
+
+def test_nan_gradient_is_reported_with_rank_step_and_bucket():
+    with pytest.raises(AssertionError, match=r"NonFiniteError: rank \d, step 1, gradient bucket \d+: .*NaN/Inf"):
+        run_world(_train_rank, 2, {"codec": "group_topk", "ratio": 0.05}, 2, None, 1)
+
+
+def test_scaled_lr():
+    assert scaled_lr(0.1, 4) == pytest.approx(0.4)
+    assert scaled_lr(0.1, 4, base_world_size=2) == pytest.approx(0.2)
+    assert scaled_lr(0.1, 4, step=0, warmup_steps=10) == pytest.approx(0.1)
+    assert scaled_lr(0.1, 4, step=5, warmup_steps=10) == pytest.approx(0.25)
+    assert scaled_lr(0.1, 4, step=10, warmup_steps=10) == pytest.approx(0.4)
+    with pytest.raises(ValueError):
+        scaled_lr(0.1, 0)
