@@ -16,6 +16,125 @@ app.add_typer(bench_app, name="bench")
 console = Console()
 
 
+def _load_or_exit(path: Path):
+    """The parsed spec, or exit 2 with every bad field named (nothing else is started)."""
+    from .spec import SpecError, load_spec
+
+    try:
+        return load_spec(path)
+    except SpecError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+
+
+@app.command()
+def validate(spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec (YAML).")):
+    """Check a job spec: exit 0 when valid, 2 naming each bad field."""
+    spec = _load_or_exit(spec_path)
+    s = spec.scaling
+    console.print(f"ok: {spec.name}: codec {spec.compression.codec} {spec.compression.codec_params()}, "
+                  f"collective {spec.compression.collective}, workers {s.min_workers}..{s.max_workers}",
+                  highlight=False)
+
+
+@app.command()
+def schema():
+    """Print the job spec's JSON schema."""
+    import json
+
+    from .spec import JobSpec
+
+    print(json.dumps(JobSpec.model_json_schema(), indent=2))
+
+
+@app.command()
+def run(
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec (YAML)."),
+    summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Write the run summary here."),
+    storage_path: Optional[str] = typer.Option(None, help="Ray Train storage for checkpoints "
+                                                          "(default: $RAYZIP_STORAGE_PATH or ~/ray_results)."),
+):
+    """Train a job spec on Ray ($RAY_ADDRESS, or an embedded local Ray)."""
+    spec = _load_or_exit(spec_path)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .runner import run_job, write_summary
+
+    total = spec.training.steps
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+               TimeElapsedColumn(), TextColumn("{task.fields[status]}")]
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task(spec.name, total=total, status="starting Ray")
+
+        def show(m: dict) -> None:
+            acc = f"acc {m['test_accuracy']:.3f}" if m.get("test_accuracy") is not None else "acc -"
+            ratio = m["dense_bytes"] / m["bytes_sent"] if m.get("bytes_sent") else float("nan")
+            bar.update(task, completed=m["step"] + 1,
+                       status=f"loss {m['loss']:.3f}  {acc}  wire {ratio:.1f}x  workers {m['world_size']}")
+
+        try:
+            summary = run_job(spec, storage_path=storage_path, on_progress=show)
+        except Exception as exc:  # training failed on the cluster: say so, exit non-zero
+            console.print(f"[red]training failed:[/red] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1)
+    console.print(_summary_table(summary))
+    if summary_json:
+        write_summary(summary, summary_json)
+        console.print(f"wrote {summary_json}")
+
+
+@app.command()
+def submit(
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec (YAML)."),
+    address: Optional[str] = typer.Option(None, help="Ray dashboard address, e.g. http://head:8265 "
+                                                     "(default: $RAY_ADDRESS, then the local cluster)."),
+    no_wait: bool = typer.Option(False, "--no-wait", help="Return once submitted."),
+    resubmit: bool = typer.Option(False, help="Run again even if this spec was submitted before."),
+    working_dir: Optional[Path] = typer.Option(None, help="A folder of your code to ship with the job "
+                                                          "(for module:function models and datasets)."),
+):
+    """Run a job spec on a Ray cluster via the Jobs API; exit with the job's status."""
+    spec = _load_or_exit(spec_path)
+    from .submit import submit_job
+
+    try:
+        job_id, status = submit_job(spec_path, spec, address=address, wait=not no_wait, resubmit=resubmit,
+                                    working_dir=working_dir, echo=lambda line: print(line, flush=True))
+    except Exception as exc:  # connection, auth or API errors: one clear line, no traceback
+        console.print(f"[red]submit failed:[/red] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    if status is None:
+        console.print(f"{job_id} submitted; follow it with: ray job logs -f {job_id}", highlight=False)
+        return
+    console.print(f"job {job_id}: {status}", highlight=False)
+    raise typer.Exit(0 if status == "SUCCEEDED" else 1)
+
+
+def _summary_table(summary: dict):
+    from rich.table import Table
+
+    table = Table(title=f"rayzip run: {summary['name']}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    acc = summary["final_test_accuracy"]
+    ratio = summary["wire_compression_ratio"]
+    rows = [
+        ("final test accuracy", f"{acc:.4f}" if acc is not None else "-"),
+        ("target reached", {True: "yes", False: "no"}[summary["reached_target"]]
+         if summary["target_accuracy"] is not None else "no target"),
+        ("steps", str(summary["steps"])),
+        ("workers", str(summary["world_size"])),
+        ("codec", f"{summary['codec']} {summary['codec_params'] or ''}".strip()),
+        ("sent per worker", f"{summary['bytes_sent_per_worker'] / 1e6:.3f} MB ({summary['bytes_source']})"),
+        ("fp32 ring allreduce would send", f"{summary['dense_bytes_per_worker'] / 1e6:.3f} MB"),
+        ("wire compression", f"{ratio:.1f}x" if ratio else "-"),
+        ("wall time", f"{summary['wall_s']:.1f} s"),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
 @bench_app.command("codecs")
 def bench_codecs(
     size: str = typer.Option("64M", help="Bytes of fp32 gradient per codec (K/M/G suffixes)."),

@@ -1,0 +1,130 @@
+"""``rayzip run``: one job spec, trained by Ray Train's TorchTrainer, with a progress bar.
+
+It connects to ``RAY_ADDRESS`` when that is set (a cluster, or the cluster a Ray Job runs
+on) and otherwise starts an embedded local Ray. Workers are elastic between the spec's
+min and max, restart on failure up to ``scaling.max_failures``, and resume from the last
+checkpoint.
+
+Usage::
+
+    summary = run_job(load_spec("jobs/digits-group-topk.yaml"))
+    print(summary["final_test_accuracy"], summary["wire_compression_ratio"])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import ray
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from .spec import JobSpec
+from .train.loop import train_loop
+
+__all__ = ["ProgressActor", "run_job", "summarize"]
+
+
+@ray.remote(num_cpus=0)
+class ProgressActor:
+    """Rank 0 posts each step's metrics here; the driver polls it for the progress bar."""
+
+    def __init__(self):
+        self.latest: dict | None = None
+
+    def update(self, metrics: dict) -> None:
+        self.latest = metrics
+
+    def get(self) -> dict | None:
+        return self.latest
+
+
+def _scaling(spec: JobSpec) -> ScalingConfig:
+    s = spec.scaling
+    workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
+    return ScalingConfig(num_workers=workers, use_gpu=s.use_gpu,
+                         resources_per_worker={"CPU": s.cpus_per_worker, **s.resources_per_worker})
+
+
+def init_ray() -> None:
+    if ray.is_initialized():
+        return
+    # With RAY_ADDRESS set this joins that cluster; otherwise it starts a local one.
+    ray.init()
+
+
+def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
+    sent, dense = metrics.get("total_bytes_sent", 0), metrics.get("total_dense_bytes", 0)
+    return {
+        "name": spec.name,
+        "final_test_accuracy": metrics.get("test_accuracy"),
+        "target_accuracy": spec.training.target_accuracy,
+        "reached_target": bool(metrics.get("reached_target")),
+        "steps": metrics.get("step", -1) + 1,
+        "wall_s": wall_s,
+        "world_size": metrics.get("world_size"),
+        "codec": spec.compression.codec,
+        "codec_params": spec.compression.codec_params(),
+        "collective": spec.compression.collective,
+        "bytes_sent_per_worker": sent,
+        "dense_bytes_per_worker": dense,
+        "bytes_source": metrics.get("bytes_source"),
+        "wire_compression_ratio": (dense / sent) if sent else None,
+        "final_loss": metrics.get("loss"),
+    }
+
+
+def run_job(spec: JobSpec, storage_path: str | None = None,
+            on_progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
+    """Train ``spec`` to completion; returns the summary (see :func:`summarize`)."""
+    init_ray()
+    run_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    progress_name = f"rayzip-progress-{run_id}"
+    progress = ProgressActor.options(name=progress_name).remote()
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"spec": spec.model_dump(), "progress": progress_name, "t0": time.time()},
+        scaling_config=_scaling(spec),
+        run_config=RunConfig(
+            name=run_id,
+            storage_path=storage_path or os.environ.get("RAYZIP_STORAGE_PATH"),
+            failure_config=FailureConfig(max_failures=spec.scaling.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.num_to_keep),
+        ),
+    )
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # re-raised on the caller's thread
+            outcome["error"] = exc
+
+    started = time.time()
+    thread = threading.Thread(target=fit, name="rayzip-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.5)
+        if on_progress is not None:
+            latest = ray.get(progress.get.remote())
+            if latest:
+                on_progress(latest)
+    wall_s = time.time() - started
+    ray.kill(progress)
+    if "error" in outcome:
+        raise outcome["error"]
+    result = outcome["result"]
+    summary = summarize(spec, result.metrics or {}, wall_s)
+    summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
+    return summary
+
+
+def write_summary(summary: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2, default=str) + "\n")

@@ -1,0 +1,1 @@
+"""What runs inside each Ray Train worker: data, models, the training loop."""

@@ -1,0 +1,171 @@
+"""The per-worker training loop that ``rayzip run`` hands to Ray Train's TorchTrainer.
+
+Each worker trains on its own shard and sends gradients through rayzip's comm hook. Rank 0
+posts every step's metrics to the driver's progress actor; all ranks call
+``ray.train.report`` at each evaluation and checkpoint (``training.eval_every``,
+``checkpoint.every_steps``), because a report waits for Ray Train's controller to poll it. After an
+elastic resize or a failure, Ray Train restarts the worker group and the loop resumes from
+``ray.train.get_checkpoint()``: model, optimizer, step, byte totals, and (when the world
+size is unchanged) each rank's error-feedback residuals and codec state.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import ray.train
+import ray.train.torch
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from ..comm import ring_allreduce_bytes
+from ..spec import JobSpec, TrainingSpec
+from ..torch import compress, scaled_lr
+from .data import load_dataset, shard
+from .models import build_model
+
+__all__ = ["train_loop", "total_steps"]
+
+
+def total_steps(training: TrainingSpec, shard_size: int) -> int:
+    if training.steps is not None:
+        return training.steps
+    return training.epochs * max(1, math.ceil(shard_size / training.batch_size))
+
+
+def _optimizer(training: TrainingSpec, params) -> torch.optim.Optimizer:
+    if training.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=training.lr, momentum=training.momentum, weight_decay=training.weight_decay)
+    cls = torch.optim.Adam if training.optimizer == "adam" else torch.optim.AdamW
+    return cls(params, lr=training.lr, weight_decay=training.weight_decay)
+
+
+def _batch(seed: int, rank: int, step: int, shard_size: int, batch: int) -> torch.Tensor:
+    # A function of (seed, rank, step) only, so a resumed run draws exactly the same batches.
+    gen = torch.Generator().manual_seed(hash((seed, rank, step)) & 0x7FFF_FFFF_FFFF_FFFF)
+    return torch.randint(0, shard_size, (batch,), generator=gen)
+
+
+@torch.no_grad()
+def _accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device) -> float:
+    model.eval()
+    correct = 0
+    for start in range(0, len(x), 4096):
+        logits = model(x[start:start + 4096].to(device))
+        correct += int((logits.argmax(dim=1).cpu() == y[start:start + 4096]).sum())
+    model.train()
+    return correct / len(x)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _save(directory: Path, rank: int, world: int, step: int, model, optimizer, state, totals: dict,
+          accuracy: float | None) -> None:
+    if rank == 0:
+        torch.save({"model": _unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                    "step": step, "world_size": world, "totals": totals, "test_accuracy": accuracy},
+                   directory / "trainer.pt")
+    if state is not None:
+        torch.save({"world_size": world, "hook": state.state_dict()}, directory / f"rank{rank}.pt")
+
+
+def _restore(checkpoint, rank: int, world: int, model, optimizer, state):
+    """(next step, byte totals, last accuracy) from a checkpoint, or a fresh start."""
+    if checkpoint is None:
+        return 0, {}, None
+    with checkpoint.as_directory() as path:
+        path = Path(path)
+        trainer = torch.load(path / "trainer.pt", weights_only=False)
+        _unwrap(model).load_state_dict(trainer["model"])
+        optimizer.load_state_dict(trainer["optimizer"])
+        mine = path / f"rank{rank}.pt"
+        if state is not None and mine.exists():
+            saved = torch.load(mine, weights_only=False)
+            if saved["world_size"] == world:
+                state.load_state_dict(saved["hook"])
+            else:  # another world size shards the buckets' residuals differently: start them anew
+                print(f"rayzip: world size {saved['world_size']} -> {world}: error-feedback residuals reset")
+                state.step = trainer["step"] + 1
+    return trainer["step"] + 1, trainer["totals"], trainer["test_accuracy"]
+
+
+def train_loop(config: dict) -> None:
+    spec = JobSpec.model_validate(config["spec"])
+    training = spec.training
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    progress = ray.get_actor(config["progress"]) if config.get("progress") and rank == 0 else None
+    started = float(config.get("t0", time.time()))
+
+    torch.manual_seed(training.seed)  # identical initial weights on every worker
+    x_train, y_train, x_test, y_test = load_dataset(spec.dataset, training.seed)
+    classes = int(max(y_train.max(), y_test.max())) + 1
+    model = ray.train.torch.prepare_model(build_model(spec.model, x_train.shape[1], classes))
+    device = ray.train.torch.get_device()
+    hooked = isinstance(model, DistributedDataParallel) and (spec.compression.codec != "none" or spec.compression.verify)
+    state = compress(model, spec.compression) if hooked else None
+    optimizer = _optimizer(training, model.parameters())
+    numel = sum(p.numel() for p in model.parameters())
+
+    mine = shard(len(x_train), rank, world, training.seed)
+    steps = total_steps(training, len(mine))
+    start, totals, accuracy = _restore(ray.train.get_checkpoint(), rank, world, model, optimizer, state)
+    totals = {"bytes_sent": 0, "dense_bytes": 0, **totals}
+    every = spec.checkpoint.every_steps
+
+    for step in range(start, steps):
+        t0 = time.perf_counter()
+        lr = scaled_lr(training.lr, world, training.base_world_size, step, training.lr_warmup_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        idx = mine[_batch(training.seed, rank, step, len(mine), training.batch_size)]
+        x, y = x_train[idx].to(device), y_train[idx].to(device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()  # the comm hook compresses and exchanges here
+        optimizer.step()
+        step_s = time.perf_counter() - t0
+
+        stats = state.last_step if state is not None else None
+        dense_bytes = ring_allreduce_bytes(4 * numel, world)
+        bytes_sent = stats.bytes_sent if stats is not None else dense_bytes
+        totals["bytes_sent"] += bytes_sent
+        totals["dense_bytes"] += dense_bytes
+
+        last = step == steps - 1
+        evaluate = (step + 1) % training.eval_every == 0 or last
+        if evaluate:
+            accuracy = _accuracy(model, x_test, y_test, device)
+        reached = training.target_accuracy is not None and accuracy is not None and accuracy >= training.target_accuracy
+        done = last or reached
+        metrics = {
+            "step": step, "loss": float(loss.detach()), "lr": lr, "world_size": world,
+            "step_s": step_s, "comm_s": stats.comm_s if stats else 0.0,
+            "bytes_sent": bytes_sent, "dense_bytes": dense_bytes,
+            "total_bytes_sent": totals["bytes_sent"], "total_dense_bytes": totals["dense_bytes"],
+            "bytes_source": "counted" if stats is not None else "formula",
+            "compressed": bool(stats.compressed) if stats else False,
+            "ratio": stats.ratio if stats else None,
+            "verify_max_abs_err": stats.verify_max_abs_err if stats else None,
+            "test_accuracy": accuracy, "reached_target": reached, "elapsed_s": time.time() - started,
+            "done": done,
+        }
+        checkpoint = None
+        if (every and (step + 1) % every == 0) or done:
+            tmp = Path(tempfile.mkdtemp(prefix="rayzip-ckpt-"))
+            _save(tmp, rank, world, step, model, optimizer, state, totals, accuracy)
+            checkpoint = ray.train.Checkpoint.from_directory(str(tmp))
+        if progress is not None:
+            progress.update.remote(metrics)  # fire and forget: per-step progress costs nothing
+        # ray.train.report blocks until Ray Train's controller polls (every 2 s by default), so
+        # it runs at evaluations and checkpoints only; every rank reaches it at the same steps.
+        if evaluate or checkpoint is not None:
+            ray.train.report(metrics, checkpoint=checkpoint, delete_local_checkpoint_after_upload=checkpoint is not None)
+        if done:
+            break
