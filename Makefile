@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
+# Embedded local Ray unless RAY_ADDRESS is set.
 run: setup
-	$(BIN)/rayzip bench codecs --size 16M
+	$(BIN)/rayzip run $(SPEC) --summary-json out/summary.json
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -55,8 +55,9 @@ def _scaling(spec: JobSpec) -> ScalingConfig:
 def init_ray() -> None:
     if ray.is_initialized():
         return
-    # With RAY_ADDRESS set this joins that cluster; otherwise it starts a local one.
-    ray.init()
+    # RAY_ADDRESS (set by users, and by Ray Jobs for an entrypoint) joins that cluster;
+    # otherwise start an embedded Ray, never silently joining some other local cluster.
+    ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local")
 
 
 def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
@@ -77,6 +78,7 @@ def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
         "bytes_source": metrics.get("bytes_source"),
         "wire_compression_ratio": (dense / sent) if sent else None,
         "final_loss": metrics.get("loss"),
+        "verify_max_abs_err": metrics.get("verify_max_abs_err"),
     }
 
 

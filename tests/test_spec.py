@@ -1,0 +1,120 @@
+"""Job specs: validation errors name the field, exit 2, and start nothing (issue 3)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from rayzip.cli import app
+from rayzip.spec import JobSpec, load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+GOOD = yaml.safe_load((ROOT / "jobs" / "digits-group-topk.yaml").read_text())
+
+
+def with_change(path: str, value):
+    spec = json.loads(json.dumps(GOOD))
+    *parents, leaf = path.split(".")
+    node = spec
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is DELETE:
+        node.pop(leaf)
+    else:
+        node[leaf] = value
+    return spec
+
+
+DELETE = object()
+
+BAD_SPECS = [
+    ("unknown top-level section", with_change("optimizer", "sgd"), "optimizer: unknown field"),
+    ("typo in a field", with_change("training.stpes", 10), "training.stpes: unknown field"),
+    ("unknown codec", with_change("compression.codec", "zip"), "compression.codec: unknown codec 'zip'"),
+    ("ratio above 1", with_change("compression.ratio", 1.5), "compression.ratio: Input should be less than or equal to 1"),
+    ("ratio of 0", with_change("compression.ratio", 0), "compression.ratio: Input should be greater than 0"),
+    ("bits out of range", with_change("compression.bits", 20), "compression.bits: Input should be less than or equal to 16"),
+    ("parameter of another codec", with_change("compression.bits", 4), "compression: bits does not apply to codec group_topk"),
+    ("group size 0", with_change("compression.group_size", 0), "compression.group_size: Input should be greater than or equal to 1"),
+    ("ring with a codec that cannot sum", with_change("compression", {"codec": "qsgd", "collective": "ring"}),
+     "compression: the ring collective needs a sparse codec"),
+    ("diverging error feedback", with_change("compression", {"codec": "dct_quant", "keep": 0.5}),
+     "compression: dct_quant with keep=0.5 never sends the dropped frequencies"),
+    ("max below min workers", with_change("scaling.max_workers", 1), "scaling: max_workers (1) is below min_workers (2)"),
+    ("zero workers", with_change("scaling.min_workers", 0), "scaling.min_workers: Input should be greater than or equal to 1"),
+    ("negative lr", with_change("training.lr", -0.1), "training.lr: Input should be greater than 0"),
+    ("steps and epochs", with_change("training.epochs", 3), "training: give steps or epochs, not both"),
+    ("unknown optimizer", with_change("training.optimizer", "lion"), "training.optimizer: Input should be 'sgd', 'adam' or 'adamw'"),
+    ("unknown dataset", with_change("dataset.name", "imagenet"), "dataset.name: unknown dataset 'imagenet'"),
+    ("unknown model", with_change("model.name", "resnet"), "model.name: unknown model 'resnet'"),
+    ("bad job name", with_change("name", "My_Job"), "name: must be lowercase letters"),
+    ("missing name", with_change("name", DELETE), "name: Field required"),
+    ("wrong type", with_change("training.batch_size", "large"), "training.batch_size: Input should be a valid integer"),
+    ("collective typo", with_change("compression.collective", "rings"), "compression.collective: Input should be 'auto'"),
+]
+
+
+@pytest.mark.parametrize("label,spec,message", BAD_SPECS, ids=[b[0] for b in BAD_SPECS])
+def test_bad_spec_exits_2_naming_the_field_and_starts_nothing(tmp_path, label, spec, message):
+    import ray
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    for command in ("validate", "run", "submit"):
+        result = runner.invoke(app, [command, str(path)])
+        assert result.exit_code == 2, (command, result.output)
+        assert message in " ".join(result.output.split()), result.output
+    assert not ray.is_initialized()
+
+
+def test_bad_specs_are_distinct_and_at_least_ten():
+    assert len({m for _, _, m in BAD_SPECS}) == len(BAD_SPECS) >= 10
+
+
+@pytest.mark.parametrize("text,message", [
+    ("name: [unclosed", "(yaml)"),
+    ("- just\n- a list\n", "expected a mapping of sections"),
+])
+def test_unparseable_files_exit_2(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    result = runner.invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_missing_file_exits_2(tmp_path):
+    result = runner.invoke(app, ["validate", str(tmp_path / "nope.yaml")])
+    assert result.exit_code == 2 and "cannot read" in result.output
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "jobs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_specs_validate(path):
+    result = runner.invoke(app, ["validate", str(path)])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("ok: ")
+
+
+def test_synthetic_spec_has_a_gradient_of_at_least_4mb():
+    spec = load_spec(ROOT / "jobs" / "synthetic-large.yaml")
+    widths = [spec.dataset.features, *spec.model.hidden, spec.dataset.classes]
+    params = sum(a * b + b for a, b in zip(widths, widths[1:]))
+    assert 4 * params >= 4_000_000
+
+
+def test_schema_is_the_models_json_schema():
+    result = runner.invoke(app, ["schema"])
+    assert result.exit_code == 0
+    schema = json.loads(result.output)
+    assert schema == JobSpec.model_json_schema()
+    assert schema["additionalProperties"] is False and "compression" in schema["properties"]
+
+
+def test_defaults_fill_in_and_codec_params_exclude_unset():
+    spec = JobSpec.model_validate({"name": "x", "compression": {"codec": "qsgd", "levels": 63}})
+    assert spec.training.steps == 300
+    assert spec.compression.codec_params(rank=3) == {"levels": 63, "seed": 3}

@@ -1,0 +1,102 @@
+"""`rayzip submit` and `ray job submit` against a real `ray start --head` with token auth (issue 3)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+BIN = Path(sys.executable).parent
+TINY = """\
+name: tiny-submit
+model: {name: mlp, hidden: [32]}
+dataset: {name: %s}
+training: {steps: 20, eval_every: 10}
+scaling: {min_workers: 2, max_workers: 2}
+compression: {codec: group_topk, ratio: 0.05}
+checkpoint: {every_steps: 0}
+"""
+FAILING_DATASET = '''\
+def load(**kwargs):
+    raise RuntimeError("dataset storage is unreachable")
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    token = secrets.token_hex(32)
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}  # the cluster's Python has rayzip
+    env.pop("RAY_ADDRESS", None)
+    dashboard = _free_port()
+    start = subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={_free_port()}",
+                            f"--dashboard-port={dashboard}", "--num-cpus=2", "--disable-usage-stats"],
+                           env=env, capture_output=True, text=True, timeout=180)
+    assert start.returncode == 0, start.stdout + start.stderr
+    try:
+        yield f"http://127.0.0.1:{dashboard}", env
+    finally:
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def _rayzip(args, env, cwd=None):
+    return subprocess.run([sys.executable, "-m", "rayzip", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_submit_succeeds_and_exits_0(cluster, tmp_path):
+    address, env = cluster
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(TINY % "digits")
+    result = _rayzip(["submit", str(spec), "--address", address], env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "SUCCEEDED" in result.stdout and "final test accuracy" in result.stdout
+    # The submission id is deterministic: the same spec attaches to the finished job.
+    again = _rayzip(["submit", str(spec), "--address", address], env)
+    assert again.returncode == 0 and "was submitted before (SUCCEEDED)" in again.stdout
+
+
+def test_failed_job_gives_a_nonzero_exit(cluster, tmp_path):
+    address, env = cluster
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "failing_data.py").write_text(FAILING_DATASET)
+    spec = tmp_path / "failing.yaml"
+    spec.write_text(TINY % "failing_data:load")
+    result = _rayzip(["submit", str(spec), "--address", address, "--working-dir", str(code)], env)
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert "FAILED" in result.stdout and "dataset storage is unreachable" in result.stdout
+
+
+def test_submit_without_the_token_is_refused(cluster, tmp_path):
+    address, env = cluster
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(TINY % "digits")
+    no_token = {k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN"}
+    no_token["RAY_AUTH_TOKEN_PATH"] = str(tmp_path / "absent")
+    result = _rayzip(["submit", str(spec), "--address", address, "--no-wait"], no_token)
+    assert result.returncode == 1 and "AuthenticationError" in result.stdout
+
+
+def test_plain_ray_job_submit_runs_rayzip(cluster, tmp_path):
+    address, env = cluster
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "tiny.yaml").write_text(TINY % "digits")
+    result = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", ".",
+                             "--", "rayzip", "run", "jobs/tiny.yaml"],
+                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "succeeded" in (result.stdout + result.stderr).lower()
