@@ -79,6 +79,7 @@ def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
         "wire_compression_ratio": (dense / sent) if sent else None,
         "final_loss": metrics.get("loss"),
         "verify_max_abs_err": metrics.get("verify_max_abs_err"),
+        "verify_documented_bytes": metrics.get("verify_documented_bytes"),
     }
 
 

@@ -19,8 +19,8 @@ import torch
 
 from ..codecs import Codec, CodecError, Payload
 from ..xp import array_module, as_array, to_torch
-from .ring import sparse_ring_allreduce
-from .transport import Transport
+from .ring import chunk_nbytes, sparse_ring_allreduce
+from .transport import HEADER_BYTES, Transport, ring_allreduce_bytes
 
 __all__ = ["AllGather", "AllReduce", "COLLECTIVES", "Communicator", "Ring", "choose_collective",
            "make_communicator"]
@@ -32,6 +32,10 @@ class Communicator:
         self.transport = transport
 
     def average(self, codec: Codec, payload: Payload):
+        raise NotImplementedError
+
+    def documented_bytes(self, codec: Codec, payload: Payload) -> int:
+        """What the last ``average`` of ``payload`` should have sent, by the wire formulas."""
         raise NotImplementedError
 
 
@@ -46,6 +50,9 @@ class AllReduce(Communicator):
         self.transport.all_reduce(tensor)
         return codec.decode_flat(payload) / self.transport.world
 
+    def documented_bytes(self, codec, payload):
+        return ring_allreduce_bytes(payload.arrays["values"].nbytes, self.transport.world)
+
 
 class AllGather(Communicator):
     name = "allgather"
@@ -59,15 +66,28 @@ class AllGather(Communicator):
             total = decoded if total is None else total + decoded
         return total / self.transport.world
 
+    def documented_bytes(self, codec, payload):
+        return (self.transport.world - 1) * codec.wire_nbytes(payload.numel)
+
 
 class Ring(Communicator):
     name = "ring"
 
     def average(self, codec, payload):
         indices, values = codec.to_coo(payload)
+        self.sent: list[tuple[int, int]] = []
         total = sparse_ring_allreduce(indices, values, payload.numel, self.transport,
-                                      value_dtype=getattr(codec, "value_dtype", "fp32"))
+                                      value_dtype=self._value_dtype(codec), sent=self.sent)
         return total / self.transport.world
+
+    def documented_bytes(self, codec, payload):
+        value_bytes = 2 if self._value_dtype(codec) == "fp16" else 4
+        return sum(HEADER_BYTES + chunk_nbytes(span, span if entries < 0 else entries, value_bytes)[0]
+                   for span, entries in self.sent)
+
+    @staticmethod
+    def _value_dtype(codec) -> str:
+        return getattr(codec, "value_dtype", "fp32")
 
 
 COLLECTIVES = {cls.name: cls for cls in (AllReduce, AllGather, Ring)}

@@ -119,11 +119,13 @@ def split_chunks(indices, values, numel: int, world: int, xp) -> tuple[list[Chun
     return chunks, bounds
 
 
-def sparse_ring_allreduce(indices, values, numel: int, transport, value_dtype: str = "fp32"):
+def sparse_ring_allreduce(indices, values, numel: int, transport, value_dtype: str = "fp32",
+                          sent: list | None = None):
     """Sum sparse vectors over the ring: returns the dense float32 sum (numel,) on every worker.
 
     ``indices`` are sorted, unique global int64 indices and ``values`` float32, on numpy or
-    cupy; chunks move as uint8 torch tensors through ``transport.shift``.
+    cupy; chunks move as uint8 torch tensors through ``transport.shift``. ``sent``, if given,
+    collects (span, entries) of each chunk sent, entries -1 for a dense one.
     """
     xp = array_module(values)
     world, rank = transport.world, transport.rank
@@ -131,6 +133,8 @@ def sparse_ring_allreduce(indices, values, numel: int, transport, value_dtype: s
 
     def exchange(send_id: int, recv_id: int) -> Chunk:
         buf, entries = chunks[send_id].pack(value_dtype)
+        if sent is not None:
+            sent.append((chunks[send_id].span, entries))
         received, their_entries = transport.shift(to_torch(buf), entries)
         return Chunk.unpack(as_array(received)[0], chunks[recv_id].span, their_entries, value_dtype)
 

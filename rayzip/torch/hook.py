@@ -42,6 +42,7 @@ class StepStats:
     numel: int = 0
     buckets: list[int] = field(default_factory=list)  # element count of each bucket sent
     verify_max_abs_err: float | None = None
+    verify_documented_bytes: int | None = None  # verify mode: bytes_sent by the wire formulas
     messages: list[int] = field(default_factory=list)
 
 
@@ -132,6 +133,8 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
             average = state.communicator.average(state.codec, payload)
             if state.spec.verify:
                 _verify(state, payload, average)
+                documented = state.communicator.documented_bytes(state.codec, payload)
+                stats.verify_documented_bytes = (stats.verify_documented_bytes or 0) + documented
         else:
             average = state.dense.average(state.dense_codec, state.dense_codec.encode(grad))
     except NonFiniteError as exc:

@@ -139,6 +139,8 @@ def train_loop(config: dict) -> None:
         totals["dense_bytes"] += dense_bytes
         if stats is not None and stats.verify_max_abs_err is not None:
             totals["verify_max_abs_err"] = max(totals.get("verify_max_abs_err", 0.0), stats.verify_max_abs_err)
+        if stats is not None and stats.verify_documented_bytes is not None:
+            totals["verify_documented_bytes"] = totals.get("verify_documented_bytes", 0) + stats.verify_documented_bytes
 
         last = step == steps - 1
         evaluate = (step + 1) % training.eval_every == 0 or last
@@ -155,6 +157,7 @@ def train_loop(config: dict) -> None:
             "compressed": bool(stats.compressed) if stats else False,
             "ratio": stats.ratio if stats else None,
             "verify_max_abs_err": totals.get("verify_max_abs_err"),  # worst step so far
+            "verify_documented_bytes": totals.get("verify_documented_bytes"),
             "test_accuracy": accuracy, "reached_target": reached, "elapsed_s": time.time() - started,
             "done": done,
         }
