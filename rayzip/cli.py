@@ -124,7 +124,7 @@ def _summary_table(summary: dict):
          if summary["target_accuracy"] is not None else "no target"),
         ("steps", str(summary["steps"])),
         ("workers", str(summary["world_size"])),
-        ("codec", f"{summary['codec']} {summary['codec_params'] or ''}".strip()),
+        ("codec", " ".join([summary["codec"], *(f"{k}={v}" for k, v in summary["codec_params"].items())])),
         ("sent per worker", f"{summary['bytes_sent_per_worker'] / 1e6:.3f} MB ({summary['bytes_source']})"),
         ("fp32 ring allreduce would send", f"{summary['dense_bytes_per_worker'] / 1e6:.3f} MB"),
         ("wire compression", f"{ratio:.1f}x" if ratio else "-"),
