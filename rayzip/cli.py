@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -13,7 +15,8 @@ app = typer.Typer(help="Elastic PyTorch training on Ray that compresses what cro
 bench_app = typer.Typer(help="Benchmarks: each prints a table, writes JSON with --json, and "
                              "compares against its baseline in the same run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
-console = Console()
+# Tables are read in logs and CI output too: do not squeeze them to 80 columns there.
+console = Console(width=None if sys.stdout.isatty() else 120)
 
 
 def _load_or_exit(path: Path):
@@ -162,6 +165,49 @@ def bench_codecs(
     if json_path:
         write_json(report, json_path)
         console.print(f"wrote {json_path}")
+
+
+@bench_app.command("cluster")
+def bench_cluster(
+    bandwidth: str = typer.Option("100mbit", help="Link rate of each worker node (tc rate: 100mbit, 1gbit)."),
+    nodes: int = typer.Option(2, min=1, help="Worker nodes (one training worker each)."),
+    latency: Optional[str] = typer.Option(None, help="Added one-way delay, e.g. 1ms (needs netem)."),
+    spec: Optional[Path] = typer.Option(None, help="Job spec (default: jobs/bench-synthetic.yaml)."),
+    methods: str = typer.Option("dense,powersgd,fp16,group_topk,dct_quant", help="Comma-separated methods."),
+    powersgd_start_iter: int = typer.Option(10, help="torch PowerSGD start_powerSGD_iter (torch's default, 1000, "
+                                                     "would leave it uncompressed for a short run)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write accuracy-vs-time PNG here."),
+):
+    """Time-to-accuracy on a real Ray cluster in network namespaces with shaped links (root)."""
+    from .bench.cluster import DEFAULT_SPEC, METHODS, plot, render_table, run_cluster_bench
+    from .bench.netns import ClusterError, preflight
+
+    chosen = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in METHODS]
+    spec_path = spec or DEFAULT_SPEC
+    try:
+        if unknown:
+            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+        _load_or_exit(spec_path)
+        preflight(latency)
+    except (ValueError, ClusterError) as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    try:
+        report = run_cluster_bench(chosen, bandwidth, nodes, latency, spec_path, powersgd_start_iter,
+                                   log=lambda line: console.print(line, highlight=False))
+    except (ClusterError, RuntimeError) as exc:
+        console.print(f"[red]benchmark failed:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    console.print(render_table(report))
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+    if plot_path:
+        plot(report, plot_path)
+        console.print(f"wrote {plot_path}")
 
 
 def main() -> None:  # pragma: no cover - console entry point

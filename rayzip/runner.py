@@ -37,12 +37,18 @@ class ProgressActor:
 
     def __init__(self):
         self.latest: dict | None = None
+        self.history: list[dict] = []  # one entry per evaluation: the accuracy-over-time curve
 
     def update(self, metrics: dict) -> None:
         self.latest = metrics
+        if metrics.get("evaluated"):
+            self.history.append({k: metrics.get(k) for k in ("step", "train_s", "elapsed_s", "test_accuracy", "loss")})
 
     def get(self) -> dict | None:
         return self.latest
+
+    def get_history(self) -> list[dict]:
+        return self.history
 
 
 def _scaling(spec: JobSpec) -> ScalingConfig:
@@ -80,6 +86,13 @@ def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
         "final_loss": metrics.get("loss"),
         "verify_max_abs_err": metrics.get("verify_max_abs_err"),
         "verify_documented_bytes": metrics.get("verify_documented_bytes"),
+        "train_s": metrics.get("train_s"),
+        "mean_step_s": metrics.get("mean_step_s"),
+        "mean_comm_s": metrics.get("mean_comm_s"),
+        "compute_probe_s": metrics.get("compute_probe_s"),
+        "comm_source": metrics.get("comm_source"),
+        "torch_hook": spec.compression.torch_hook,
+        "interface_tx_bytes": metrics.get("interface_tx_bytes"),
     }
 
 
@@ -119,12 +132,14 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
             if latest:
                 on_progress(latest)
     wall_s = time.time() - started
+    history = ray.get(progress.get_history.remote())
     ray.kill(progress)
     if "error" in outcome:
         raise outcome["error"]
     result = outcome["result"]
     summary = summarize(spec, result.metrics or {}, wall_s)
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
+    summary["history"] = history
     return summary
 
 

@@ -138,6 +138,10 @@ class CompressionSpec(_Strict):
     warmup_steps: int = Field(0, ge=0, description="Send the first steps uncompressed.")
     verify: bool = Field(False, description="Self-check each step: compare the collective's average "
                                             "with the mean of all workers' decoded payloads (extra, uncounted traffic).")
+    torch_hook: Optional[Literal["powersgd", "fp16"]] = Field(
+        None, description="Baselines: torch's own PowerSGD or fp16 DDP hook instead of rayzip's (codec none).")
+    powersgd_rank: int = Field(2, ge=1, description="torch PowerSGD matrix_approximation_rank.")
+    powersgd_start_iter: int = Field(1000, ge=2, description="torch PowerSGD start_powerSGD_iter (its default: 1000).")
 
     @field_validator("codec")
     @classmethod
@@ -148,6 +152,8 @@ class CompressionSpec(_Strict):
 
     @model_validator(mode="after")
     def _codec_fits(self):
+        if self.torch_hook is not None and (self.codec != "none" or self.verify):
+            raise ValueError(f"torch_hook {self.torch_hook} replaces rayzip's hook: use codec none, verify false")
         takes = codec_parameters(self.codec)
         for name in _CODEC_FIELDS:
             if getattr(self, name) is not None and name not in takes and name != "seed":

@@ -12,6 +12,7 @@ size is unchanged) each rank's error-feedback residuals and codec state.
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..comm import ring_allreduce_bytes
 from ..spec import JobSpec, TrainingSpec
 from ..torch import compress, scaled_lr
+from ..torch.baselines import register_torch_hook
 from .data import load_dataset, shard
 from .models import build_model
 
@@ -59,6 +61,27 @@ def _accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device) 
         correct += int((logits.argmax(dim=1).cpu() == y[start:start + 4096]).sum())
     model.train()
     return correct / len(x)
+
+
+def _interface_tx_bytes() -> int | None:
+    """Bytes sent so far on gloo's interface, where one is pinned (the emulated cluster)."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    try:
+        return int(Path(f"/sys/class/net/{ifname}/statistics/tx_bytes").read_text()) if ifname else None
+    except OSError:
+        return None
+
+
+def _compute_time(model: DistributedDataParallel, x: torch.Tensor, y: torch.Tensor, repeats: int = 3) -> float:
+    """Forward + backward time of one batch with DDP communication off (no_sync)."""
+    best = float("inf")
+    with model.no_sync():
+        for _ in range(repeats + 1):  # the first call warms up
+            t0 = time.perf_counter()
+            F.cross_entropy(model(x), y).backward()
+            best = min(best, time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    return best
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -108,16 +131,23 @@ def train_loop(config: dict) -> None:
     classes = int(max(y_train.max(), y_test.max())) + 1
     model = ray.train.torch.prepare_model(build_model(spec.model, x_train.shape[1], classes))
     device = ray.train.torch.get_device()
-    hooked = isinstance(model, DistributedDataParallel) and (spec.compression.codec != "none" or spec.compression.verify)
-    state = compress(model, spec.compression) if hooked else None
+    ddp = isinstance(model, DistributedDataParallel)
+    comp = spec.compression
+    state = compress(model, comp) if ddp and comp.torch_hook is None and (comp.codec != "none" or comp.verify) else None
+    counter = (register_torch_hook(model, comp.torch_hook, comp.powersgd_rank, comp.powersgd_start_iter)
+               if ddp and comp.torch_hook else None)
     optimizer = _optimizer(training, model.parameters())
     numel = sum(p.numel() for p in model.parameters())
 
     mine = shard(len(x_train), rank, world, training.seed)
     steps = total_steps(training, len(mine))
+    compute_probe_s = _compute_time(model, x_train[mine[:training.batch_size]].to(device),
+                                    y_train[mine[:training.batch_size]].to(device)) if ddp else 0.0
     start, totals, accuracy = _restore(ray.train.get_checkpoint(), rank, world, model, optimizer, state)
-    totals = {"bytes_sent": 0, "dense_bytes": 0, **totals}
+    totals = {"bytes_sent": 0, "dense_bytes": 0, "train_s": 0.0, "step_s": 0.0, "comm_s": 0.0, "timed_steps": 0, **totals}
     every = spec.checkpoint.every_steps
+    train_start = time.perf_counter() - totals["train_s"]
+    tx_start = _interface_tx_bytes()
 
     for step in range(start, steps):
         t0 = time.perf_counter()
@@ -134,7 +164,14 @@ def train_loop(config: dict) -> None:
 
         stats = state.last_step if state is not None else None
         dense_bytes = ring_allreduce_bytes(4 * numel, world)
-        bytes_sent = stats.bytes_sent if stats is not None else dense_bytes
+        if stats is not None:
+            bytes_sent, comm_s = stats.bytes_sent, stats.comm_s
+        else:  # plain DDP or a torch hook: comm time is what the step took beyond compute
+            bytes_sent = counter.take() if counter is not None else dense_bytes
+            comm_s = max(0.0, step_s - compute_probe_s) if ddp else 0.0
+        totals["step_s"] += step_s
+        totals["comm_s"] += comm_s
+        totals["timed_steps"] += 1
         totals["bytes_sent"] += bytes_sent
         totals["dense_bytes"] += dense_bytes
         if stats is not None and stats.verify_max_abs_err is not None:
@@ -144,16 +181,23 @@ def train_loop(config: dict) -> None:
 
         last = step == steps - 1
         evaluate = (step + 1) % training.eval_every == 0 or last
+        # Training time excludes evaluation and reporting, so time-to-accuracy compares training.
+        totals["train_s"] = time.perf_counter() - train_start
+        paused = time.perf_counter()
         if evaluate:
             accuracy = _accuracy(model, x_test, y_test, device)
         reached = training.target_accuracy is not None and accuracy is not None and accuracy >= training.target_accuracy
         done = last or reached
         metrics = {
             "step": step, "loss": float(loss.detach()), "lr": lr, "world_size": world,
-            "step_s": step_s, "comm_s": stats.comm_s if stats else 0.0,
+            "step_s": step_s, "comm_s": comm_s, "compute_probe_s": compute_probe_s,
+            "mean_step_s": totals["step_s"] / totals["timed_steps"], "mean_comm_s": totals["comm_s"] / totals["timed_steps"],
+            "comm_source": "hook" if stats is not None else "step minus compute",
+            "train_s": totals["train_s"], "evaluated": evaluate,
+            "interface_tx_bytes": (_interface_tx_bytes() - tx_start) if tx_start is not None else None,
             "bytes_sent": bytes_sent, "dense_bytes": dense_bytes,
             "total_bytes_sent": totals["bytes_sent"], "total_dense_bytes": totals["dense_bytes"],
-            "bytes_source": "counted" if stats is not None else "formula",
+            "bytes_source": "counted" if stats is not None or counter is not None else "formula",
             "compressed": bool(stats.compressed) if stats else False,
             "ratio": stats.ratio if stats else None,
             "verify_max_abs_err": totals.get("verify_max_abs_err"),  # worst step so far
@@ -172,5 +216,6 @@ def train_loop(config: dict) -> None:
         # it runs at evaluations and checkpoints only; every rank reaches it at the same steps.
         if evaluate or checkpoint is not None:
             ray.train.report(metrics, checkpoint=checkpoint, delete_local_checkpoint_after_upload=checkpoint is not None)
+        train_start += time.perf_counter() - paused
         if done:
             break
