@@ -156,7 +156,7 @@ class CompressionSpec(_Strict):
             raise ValueError(f"torch_hook {self.torch_hook} replaces rayzip's hook: use codec none, verify false")
         takes = codec_parameters(self.codec)
         for name in _CODEC_FIELDS:
-            if getattr(self, name) is not None and name not in takes and name != "seed":
+            if getattr(self, name) is not None and name not in takes:
                 raise ValueError(f"{name} does not apply to codec {self.codec} "
                                  f"(it takes {', '.join(takes) or 'no parameters'})")
         try:

@@ -40,6 +40,7 @@ BAD_SPECS = [
     ("ratio of 0", with_change("compression.ratio", 0), "compression.ratio: Input should be greater than 0"),
     ("bits out of range", with_change("compression.bits", 20), "compression.bits: Input should be less than or equal to 16"),
     ("parameter of another codec", with_change("compression.bits", 4), "compression: bits does not apply to codec group_topk"),
+    ("seed for a codec without one", with_change("compression.seed", 3), "compression: seed does not apply to codec group_topk"),
     ("group size 0", with_change("compression.group_size", 0), "compression.group_size: Input should be greater than or equal to 1"),
     ("ring with a codec that cannot sum", with_change("compression", {"codec": "qsgd", "collective": "ring"}),
      "compression: the ring collective needs a sparse codec"),

@@ -185,10 +185,9 @@ class NetnsCluster:
 
     def _start_ray(self) -> None:
         ray = str(Path(self.bin) / "ray")
-        head = _run(["ip", "netns", "exec", self.head_ns, ray, "start", "--head", f"--node-ip-address={self.head_ip}",
-                     "--port=6379", "--num-cpus=0", "--dashboard-host=0.0.0.0", "--dashboard-port=8265",
-                     "--disable-usage-stats", f"--temp-dir={self.tmp / 'ray'}"], env=self.env(), timeout=300)
-        del head
+        _run(["ip", "netns", "exec", self.head_ns, ray, "start", "--head", f"--node-ip-address={self.head_ip}",
+              "--port=6379", "--num-cpus=0", "--dashboard-host=0.0.0.0", "--dashboard-port=8265",
+              "--disable-usage-stats", f"--temp-dir={self.tmp / 'ray'}"], env=self.env(), timeout=300)
         for index, ns in enumerate(self.worker_ns, start=1):
             _run(["ip", "netns", "exec", ns, ray, "start", f"--address={self.address}",
                   f"--node-ip-address={self.node_ip(index)}", f"--num-cpus={self.cpus_per_node}",
