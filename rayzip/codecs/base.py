@@ -167,6 +167,13 @@ class Codec:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{type(self).__name__}({args})"
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a stateful codec (a seeded one) must carry across checkpoints; {} by default."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
     def error_feedback_issue(self) -> str | None:
         """Why error feedback would diverge with this configuration, or None when it is sound.
 

@@ -82,10 +82,15 @@ class CompressionState:
         """Compression on, or off (dense fp32 allreduce), from the next step on."""
         self._pending_enabled = bool(enabled)
 
+    def _apply_ratio(self, ratio: float) -> None:
+        """Swap in the codec at ``ratio``, keeping its state (a seeded codec's call count)."""
+        codec = type(self.codec)(**{**self.spec.codec_params(self.rank), "ratio": ratio})
+        codec.load_state_dict(self.codec.state_dict())
+        self.codec = codec
+
     def _begin_step(self) -> None:
         if self._pending_ratio is not None:
-            params = {**self.spec.codec_params(self.rank), "ratio": self._pending_ratio}
-            self.codec = type(self.codec)(**params)
+            self._apply_ratio(self._pending_ratio)
             self._pending_ratio = None
         if self._pending_enabled is not None:
             self.enabled, self._pending_enabled = self._pending_enabled, None
@@ -104,17 +109,15 @@ class CompressionState:
     # --- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"step": self.step, "enabled": self.enabled, "ratio": self.ratio,
-                "memory": self.memory.state_dict(), "codec": getattr(self.codec, "state_dict", dict)(),
+                "memory": self.memory.state_dict(), "codec": self.codec.state_dict(),
                 "totals": dict(self.totals)}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.enabled = int(state["step"]), bool(state["enabled"])
         if state.get("ratio") is not None and hasattr(self.codec, "ratio"):
-            self.set_ratio(state["ratio"])
-            self._begin_step()
+            self._apply_ratio(state["ratio"])
         self.memory.load_state_dict(state["memory"])
-        if hasattr(self.codec, "load_state_dict"):
-            self.codec.load_state_dict(state["codec"])
+        self.codec.load_state_dict(state["codec"])
         self.totals.update(state.get("totals", {}))
 
 
