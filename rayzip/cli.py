@@ -15,6 +15,8 @@ app = typer.Typer(help="Elastic PyTorch training on Ray that compresses what cro
 bench_app = typer.Typer(help="Benchmarks: each prints a table, writes JSON with --json, and "
                              "compares against its baseline in the same run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+checkpoint_app = typer.Typer(help="Inspect, verify and decompress rayzip checkpoints.", no_args_is_help=True)
+app.add_typer(checkpoint_app, name="checkpoint")
 # Tables are read in logs and CI output too: do not squeeze them to 80 columns there.
 console = Console(width=None if sys.stdout.isatty() else 120)
 
@@ -176,6 +178,9 @@ def bench_cluster(
     methods: str = typer.Option("dense,powersgd,fp16,group_topk,dct_quant", help="Comma-separated methods."),
     powersgd_start_iter: int = typer.Option(10, help="torch PowerSGD start_powerSGD_iter (torch's default, 1000, "
                                                      "would leave it uncompressed for a short run)."),
+    budget_steps: Optional[int] = typer.Option(None, "--budget-steps", min=1,
+                                               help="Train every method exactly this many steps instead of "
+                                                    "stopping at the target, so final accuracies compare."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write accuracy-vs-time PNG here."),
 ):
@@ -196,7 +201,7 @@ def bench_cluster(
         raise typer.Exit(2)
     try:
         report = run_cluster_bench(chosen, bandwidth, nodes, latency, spec_path, powersgd_start_iter,
-                                   log=lambda line: console.print(line, highlight=False))
+                                   log=lambda line: console.print(line, highlight=False), budget_steps=budget_steps)
     except (ClusterError, RuntimeError) as exc:
         console.print(f"[red]benchmark failed:[/red] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
@@ -208,6 +213,101 @@ def bench_cluster(
     if plot_path:
         plot(report, plot_path)
         console.print(f"wrote {plot_path}")
+
+
+@bench_app.command("checkpoint")
+def bench_checkpoint(
+    spec: Optional[Path] = typer.Option(None, help="Job spec whose model and data to train (default: "
+                                                     "jobs/bench-synthetic.yaml)."),
+    steps: int = typer.Option(200, min=1, help="Adam steps before the full checkpoint."),
+    repeat: int = typer.Option(3, min=1, help="Timed repetitions; the fastest counts."),
+    compressors: str = typer.Option("rayzip,zstd-3,zstd-19,zipnn", help="Comma-separated compressors."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+):
+    """Checkpoint ratio and speed: rayzip against zstd and ZipNN on a real training run's state."""
+    from .bench.checkpoint import render_table, run_checkpoint_bench
+    from .bench.cluster import DEFAULT_SPEC
+
+    chosen = tuple(c.strip() for c in compressors.split(",") if c.strip())
+    unknown = [c for c in chosen if c not in ("rayzip", "zstd-3", "zstd-19", "zipnn")]
+    if unknown:
+        console.print(f"[red]error:[/red] unknown compressor(s) {', '.join(unknown)}; "
+                      "choose from rayzip, zstd-3, zstd-19, zipnn", highlight=False)
+        raise typer.Exit(2)
+    if "zipnn" in chosen:
+        try:
+            import zipnn  # noqa: F401
+        except ImportError:
+            console.print("[red]error:[/red] the zipnn baseline needs `pip install zipnn` "
+                          "(or leave it out with --compressors)", highlight=False)
+            raise typer.Exit(2)
+    report = run_checkpoint_bench(spec or DEFAULT_SPEC, steps, repeat, chosen,
+                                  log=lambda line: console.print(line, highlight=False))
+    console.print(render_table(report))
+    for key, value in report["comparisons"].items():
+        console.print(f"{key}: {value:.3f}", highlight=False)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+
+
+def _checkpoint_or_exit(action):
+    from .checkpoint import CheckpointError
+
+    try:
+        return action()
+    except CheckpointError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+
+@checkpoint_app.command("inspect")
+def checkpoint_inspect(path: Path = typer.Argument(..., help="Checkpoint directory."),
+                       as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")):
+    """Per-tensor codec, dtype, shape and compression, without decompressing."""
+    from rich.table import Table
+
+    from .checkpoint import inspect
+
+    info = _checkpoint_or_exit(lambda: inspect(path))
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    table = Table(title=f"{path}: {info['raw_bytes'] / 1e6:.2f} MB -> {info['stored_bytes'] / 1e6:.2f} MB "
+                        f"({info['ratio'] or 0:.3f}x)" + (f", delta against {info['base']['path']}" if info["base"] else ""))
+    for col in ("tensor", "dtype", "shape", "codec", "delta", "raw MB", "ratio"):
+        table.add_column(col, justify="right" if col in ("raw MB", "ratio") else "left")
+    for row in info["tensors"]:
+        params = ",".join(f"{k}={v}" for k, v in row["params"].items())
+        table.add_row(row["name"], row["dtype"], str(row["shape"]), row["codec"] + (f" ({params})" if params else ""),
+                      "yes" if row["delta"] else "", f"{row['raw_bytes'] / 1e6:.3f}",
+                      f"{row['raw_bytes'] / row['stored_bytes']:.3f}" if row["stored_bytes"] else "-")
+    console.print(table)
+
+
+@checkpoint_app.command("verify")
+def checkpoint_verify(path: Path = typer.Argument(..., help="Checkpoint directory.")):
+    """Restore every tensor, base chain included, and check every checksum. Exit 1 on any fault."""
+    from .checkpoint import verify
+
+    summary = _checkpoint_or_exit(lambda: verify(path))
+    console.print(f"ok: {summary['tensors']} tensors and {summary['objects']} objects restore exactly"
+                  + (f" (base {summary['base']})" if summary["base"] else ""), highlight=False)
+
+
+@checkpoint_app.command("decompress")
+def checkpoint_decompress(path: Path = typer.Argument(..., help="Checkpoint directory."),
+                          out: Path = typer.Option(..., "--out", "-o", help="Write the state here with torch.save.")):
+    """Write the restored state as a plain torch.save file."""
+    import torch
+
+    from .checkpoint import load
+
+    state = _checkpoint_or_exit(lambda: load(path))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, out)
+    console.print(f"wrote {out}", highlight=False)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -38,8 +38,16 @@ class ProgressActor:
     def __init__(self):
         self.latest: dict | None = None
         self.history: list[dict] = []  # one entry per evaluation: the accuracy-over-time curve
+        self.restarts = {"steps_run": 0, "restarts": 0, "steps_redone": 0}
 
     def update(self, metrics: dict) -> None:
+        # A step at or before the last one seen means the workers restarted from a checkpoint.
+        if self.latest is not None and metrics["step"] <= self.latest["step"]:
+            self.restarts["restarts"] += 1
+            self.restarts["steps_redone"] += self.latest["step"] - metrics["step"] + 1
+            self.restarts.setdefault("resumes", []).append({"last_step": self.latest["step"], "resumed_at": metrics["step"]})
+            self.history = [h for h in self.history if h["step"] < metrics["step"]]
+        self.restarts["steps_run"] += 1
         self.latest = metrics
         if metrics.get("evaluated"):
             self.history.append({k: metrics.get(k) for k in ("step", "train_s", "elapsed_s", "test_accuracy", "loss")})
@@ -49,6 +57,9 @@ class ProgressActor:
 
     def get_history(self) -> list[dict]:
         return self.history
+
+    def get_restarts(self) -> dict:
+        return {**self.restarts, "resumes": list(self.restarts.get("resumes", []))}
 
 
 def _scaling(spec: JobSpec) -> ScalingConfig:
@@ -73,6 +84,8 @@ def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
         "final_test_accuracy": metrics.get("test_accuracy"),
         "target_accuracy": spec.training.target_accuracy,
         "reached_target": bool(metrics.get("reached_target")),
+        "time_to_target_s": metrics.get("time_to_target_s"),  # training time when first reached
+        "steps_to_target": metrics.get("steps_to_target"),
         "steps": metrics.get("step", -1) + 1,
         "wall_s": wall_s,
         "world_size": metrics.get("world_size"),
@@ -89,6 +102,7 @@ def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
         "train_s": metrics.get("train_s"),
         "mean_step_s": metrics.get("mean_step_s"),
         "mean_comm_s": metrics.get("mean_comm_s"),
+        "mean_network_s": metrics.get("mean_network_s"),
         "compute_probe_s": metrics.get("compute_probe_s"),
         "comm_source": metrics.get("comm_source"),
         "torch_hook": spec.compression.torch_hook,
@@ -96,20 +110,30 @@ def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
     }
 
 
+def _chain_dir(storage: str, run_id: str) -> str | None:
+    """Where the delta chain's bases live: beside Ray's checkpoints, out of their rotation.
+    Cloud storage (a URI) gets self-contained checkpoints instead."""
+    if "://" in storage:
+        return None
+    return os.path.join(os.path.abspath(storage), run_id, "rayzip-bases")
+
+
 def run_job(spec: JobSpec, storage_path: str | None = None,
             on_progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Train ``spec`` to completion; returns the summary (see :func:`summarize`)."""
     init_ray()
     run_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    storage = storage_path or os.environ.get("RAYZIP_STORAGE_PATH") or os.path.expanduser("~/ray_results")
     progress_name = f"rayzip-progress-{run_id}"
     progress = ProgressActor.options(name=progress_name).remote()
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"spec": spec.model_dump(), "progress": progress_name, "t0": time.time()},
+        train_loop_config={"spec": spec.model_dump(), "progress": progress_name, "t0": time.time(),
+                           "chain_dir": _chain_dir(storage, run_id)},
         scaling_config=_scaling(spec),
         run_config=RunConfig(
             name=run_id,
-            storage_path=storage_path or os.environ.get("RAYZIP_STORAGE_PATH"),
+            storage_path=storage,
             failure_config=FailureConfig(max_failures=spec.scaling.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.num_to_keep),
         ),
@@ -133,6 +157,7 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
                 on_progress(latest)
     wall_s = time.time() - started
     history = ray.get(progress.get_history.remote())
+    restarts = ray.get(progress.get_restarts.remote())
     ray.kill(progress)
     if "error" in outcome:
         raise outcome["error"]
@@ -140,6 +165,7 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     summary = summarize(spec, result.metrics or {}, wall_s)
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
     summary["history"] = history
+    summary.update(restarts)  # steps_run, restarts, steps_redone
     return summary
 
 

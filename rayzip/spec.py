@@ -91,7 +91,10 @@ class TrainingSpec(_Strict):
     momentum: float = Field(0.9, ge=0, lt=1, description="sgd momentum.")
     weight_decay: float = Field(0.0, ge=0)
     seed: int = Field(0, ge=0)
-    target_accuracy: Optional[float] = Field(None, gt=0, le=1, description="Stop once test accuracy reaches it.")
+    target_accuracy: Optional[float] = Field(None, gt=0, le=1, description="Test accuracy to reach; the time "
+                                                                         "it first is reached is recorded.")
+    stop_at_target: bool = Field(True, description="Stop once the target is reached (false: run every step, "
+                                                   "to compare final accuracy at the same budget).")
     eval_every: int = Field(50, ge=1, description="Steps between test-set evaluations.")
     base_world_size: int = Field(1, ge=1, description="lr = lr * world_size / base_world_size.")
     lr_warmup_steps: int = Field(0, ge=0, description="Ramp the scaled lr up linearly over these steps.")
@@ -134,6 +137,10 @@ class CompressionSpec(_Strict):
     bucket_size: Optional[int] = Field(None, ge=1, description="qsgd entries per norm.")
     seed: Optional[int] = Field(None, ge=0, description="randomk/qsgd seed.")
     error_feedback: bool = True
+    momentum_correction: bool = Field(
+        False, description="Keep SGD momentum on each worker, before compression, and clear it where "
+                           "entries are sent (DGC). Needs error_feedback and optimizer sgd with momentum; "
+                           "the optimizer then runs with momentum 0.")
     collective: Literal["auto", "ring", "allreduce", "allgather"] = "auto"
     warmup_steps: int = Field(0, ge=0, description="Send the first steps uncompressed.")
     verify: bool = Field(False, description="Self-check each step: compare the collective's average "
@@ -154,6 +161,9 @@ class CompressionSpec(_Strict):
     def _codec_fits(self):
         if self.torch_hook is not None and (self.codec != "none" or self.verify):
             raise ValueError(f"torch_hook {self.torch_hook} replaces rayzip's hook: use codec none, verify false")
+        if self.momentum_correction and (not self.error_feedback or self.torch_hook is not None):
+            raise ValueError("momentum_correction works on rayzip's error feedback: "
+                             "set error_feedback true and leave torch_hook unset")
         takes = codec_parameters(self.codec)
         for name in _CODEC_FIELDS:
             if getattr(self, name) is not None and name not in takes:
@@ -182,6 +192,9 @@ class CompressionSpec(_Strict):
 class CheckpointSpec(_Strict):
     every_steps: int = Field(50, ge=0, description="Report a checkpoint every N steps (0: only at the end).")
     num_to_keep: int = Field(2, ge=1)
+    full_every: int = Field(10, ge=1, description="Write a full base of the weights every K checkpoints; "
+                                                  "the checkpoints store weights as XOR deltas against it "
+                                                  "(1: every checkpoint self-contained).")
 
 
 class MetricsSpec(_Strict):
@@ -197,6 +210,14 @@ class JobSpec(_Strict):
     compression: CompressionSpec = CompressionSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     metrics: MetricsSpec = MetricsSpec()
+
+    @model_validator(mode="after")
+    def _momentum_has_a_home(self):
+        t = self.training
+        if self.compression.momentum_correction and (t.optimizer != "sgd" or t.momentum == 0):
+            raise ValueError("compression.momentum_correction moves SGD momentum into the hook: it needs "
+                             f"training.optimizer sgd with momentum > 0 (got {t.optimizer}, momentum {t.momentum})")
+        return self
 
     @field_validator("name")
     @classmethod

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rayzip.codecs import CODECS, CodecError, ErrorFeedback, NoMemory, NonFiniteError, get_codec
+from rayzip.codecs import CODECS, CodecError, ErrorFeedback, MomentumCorrection, NoMemory, NonFiniteError, get_codec
 from rayzip.codecs.bitpack import pack_bits, unpack_bits
 from rayzip.codecs.dct_quant import zigzag_order
 from rayzip.codecs.randomk import random_indices
@@ -186,6 +186,22 @@ def test_group_topk_on_ties_keeps_k_of_the_largest_magnitudes():
     assert np.all(np.abs(x[kept_idx]) == 3) and np.array_equal(out[kept_idx], x[kept_idx])
 
 
+def test_group_topk_mixes_tied_and_untied_groups():
+    # Group 1 is all zeros and group 3 has five entries tied at the top: both take the slow
+    # path, the rest the partition threshold; every group must still keep k of its largest.
+    x = gaussian(8 * 64, seed=3).reshape(8, 64)
+    x[1] = 0.0
+    x[3, :5] = 9.0
+    codec = get_codec("group_topk", ratio=4 / 64, group_size=64, value_dtype="fp32")
+    payload = codec.encode(x.reshape(-1))
+    offsets = payload.arrays["indices"].reshape(8, 4).astype(np.int64)
+    for g in range(8):
+        assert np.all(np.diff(offsets[g]) > 0), g
+        kth = np.sort(np.abs(x[g]))[-4]
+        assert np.all(np.abs(x[g, offsets[g]]) >= kth), g
+    assert np.all(x[3, offsets[3]] == 9.0)
+
+
 def test_topk_keeps_the_global_largest():
     x = gaussian(5000)
     out = get_codec("topk", ratio=0.01).decode(get_codec("topk", ratio=0.01).encode(x))
@@ -262,6 +278,17 @@ def test_error_feedback_keeps_the_decoded_sum_near_t_times_input(name):
     if name not in ("fp16", "bf16", "qsgd"):  # unbiased or near-exact codecs drift slowly anyway
         _, without = _drift(name, NoMemory(), steps)
         assert without > 5 * final, (without, final)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSY))
+def test_error_feedback_residual_is_exactly_compensated_minus_decoded(name):
+    codec = get_codec(name, **LOSSY[name])
+    memory = ErrorFeedback()
+    x, y = gaussian(5000, seed=1), gaussian(5000, seed=2)
+    memory.encode(codec, "a", x)
+    compensated = y + memory.residuals["a"]
+    payload = memory.encode(codec, "a", y)
+    assert np.array_equal(memory.residuals["a"], compensated - codec.decode_flat(payload))
 
 
 def test_error_feedback_state_round_trips_and_checks_layout():
@@ -434,3 +461,37 @@ def test_dct_quant_any_configuration_round_trips_within_one_step(n, block, bits,
         body = (n // block**2) * block**2
         # Orthonormal transform: the blockwise error norm is the coefficient error norm.
         assert np.linalg.norm(out[:body] - x[:body]) <= step / 2 * math.sqrt(body) * 1.01 + 1e-6
+
+
+def test_momentum_correction_masks_the_velocity_of_sent_entries():
+    memory = MomentumCorrection(0.9)
+    codec = get_codec("topk", ratio=0.1)
+    g1, g2 = gaussian(200, seed=1), gaussian(200, seed=2)
+    p1 = memory.encode(codec, "a", g1)
+    sent = codec.to_coo(p1)[0]
+    velocity = memory.velocities["a"]
+    assert np.all(velocity[sent] == 0) and np.array_equal(np.delete(velocity, sent), np.delete(g1, sent))
+    assert np.all(memory.residuals["a"][sent] == 0)
+    p2 = memory.encode(codec, "a", g2)
+    # Unsent entries carry momentum 0.9 * g1 + g2 plus their residual g1; sent ones only g2.
+    expected = np.where(np.isin(np.arange(200), sent), g2, (np.float32(0.9) * g1 + g2) + g1)
+    np.testing.assert_allclose(codec.decode_flat(p2)[codec.to_coo(p2)[0]], expected[codec.to_coo(p2)[0]], rtol=1e-6)
+    restored = MomentumCorrection(0.9)
+    restored.load_state_dict(memory.state_dict())
+    assert np.array_equal(restored.velocities["a"], memory.velocities["a"])
+    assert np.array_equal(restored.residuals["a"], memory.residuals["a"])
+    with pytest.raises(CodecError, match="momentum in"):
+        MomentumCorrection(1.0)
+
+
+def test_memory_follows_parameters_into_new_buckets():
+    memory = MomentumCorrection(0.5)
+    memory.residuals["ab"] = np.arange(5, dtype=np.float32)  # pieces a (2) then b (3)
+    memory.velocities["ab"] = -np.arange(5, dtype=np.float32)
+    old = {"ab": [("a", 2), ("b", 3)]}
+    memory.regroup(old, "bc", [("b", 3), ("c", 1)])  # c is new: zeros
+    assert memory.residuals["bc"].tolist() == [2, 3, 4, 0]
+    assert memory.velocities["bc"].tolist() == [-2, -3, -4, 0]
+    memory.regroup({}, "a", [("a", 2)])  # the leftover piece waits for its new bucket
+    assert memory.residuals["a"].tolist() == [0, 1] and memory.velocities["a"].tolist() == [0, -1]
+    assert set(memory.residuals) == {"bc", "a"}

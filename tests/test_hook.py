@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from gloo_world import run_world
+try:
+    from gloo_world import run_world
+except ImportError:
+    from tests.gloo_world import run_world
 from rayzip.torch import CompressionSpec, compress, scaled_lr
 
 
@@ -99,3 +102,38 @@ def test_scaled_lr():
     assert scaled_lr(0.1, 4, step=10, warmup_steps=10) == pytest.approx(0.4)
     with pytest.raises(ValueError):
         scaled_lr(0.1, 0)
+
+
+def _sgd_rank(rank, world, momentum_correction, steps, momentum=0.9):
+    ddp = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.5)
+    if momentum_correction:
+        compress(ddp, CompressionSpec(codec="none", momentum_correction=True), momentum=momentum)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.0 if momentum_correction else momentum)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    return torch.cat([p.detach().flatten() for p in ddp.parameters()]).numpy()
+
+
+def test_momentum_correction_through_a_lossless_codec_is_sgd_momentum():
+    # Nothing waits in the residual, so per-worker momentum then averaging equals averaging
+    # then the optimizer's momentum: only the order of float additions differs.
+    corrected = run_world(_sgd_rank, 2, True, 6)
+    plain = run_world(_sgd_rank, 2, False, 6)
+    np.testing.assert_array_equal(corrected[0], corrected[1])
+    np.testing.assert_allclose(corrected[0], plain[0], rtol=1e-5, atol=1e-6)
+    without_momentum = run_world(_sgd_rank, 2, False, 6, 0.0)
+    assert not np.allclose(corrected[0], without_momentum[0], atol=1e-4)  # momentum really acted
+
+
+def test_momentum_correction_needs_the_momentum_factor():
+    with pytest.raises(AssertionError, match="needs the SGD momentum factor"):
+        run_world(_needs_momentum, 2)
+
+
+def _needs_momentum(rank, world):
+    ddp = torch.nn.parallel.DistributedDataParallel(_model())
+    compress(ddp, CompressionSpec(codec="group_topk", ratio=0.05, momentum_correction=True))

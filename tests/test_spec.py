@@ -17,16 +17,19 @@ runner = CliRunner()
 GOOD = yaml.safe_load((ROOT / "jobs" / "digits-group-topk.yaml").read_text())
 
 
-def with_change(path: str, value):
+def with_change(path: str, value, *more):
+    """GOOD with ``path`` set to ``value`` (DELETE removes it); ``more`` are further pairs."""
     spec = json.loads(json.dumps(GOOD))
-    *parents, leaf = path.split(".")
-    node = spec
-    for key in parents:
-        node = node.setdefault(key, {})
-    if value is DELETE:
-        node.pop(leaf)
-    else:
-        node[leaf] = value
+    changes = [(path, value), *zip(more[::2], more[1::2])]
+    for change_path, change in changes:
+        *parents, leaf = change_path.split(".")
+        node = spec
+        for key in parents:
+            node = node.setdefault(key, {})
+        if change is DELETE:
+            node.pop(leaf)
+        else:
+            node[leaf] = change
     return spec
 
 
@@ -56,6 +59,12 @@ BAD_SPECS = [
     ("bad job name", with_change("name", "My_Job"), "name: must be lowercase letters"),
     ("missing name", with_change("name", DELETE), "name: Field required"),
     ("wrong type", with_change("training.batch_size", "large"), "training.batch_size: Input should be a valid integer"),
+    ("momentum correction under adam",
+     with_change("training.optimizer", "adam", "compression.momentum_correction", True),
+     "compression.momentum_correction moves SGD momentum into the hook: it needs training.optimizer sgd"),
+    ("momentum correction without error feedback",
+     with_change("compression.momentum_correction", True, "compression.error_feedback", False),
+     "compression: momentum_correction works on rayzip's error feedback"),
     ("collective typo", with_change("compression.collective", "rings"), "compression.collective: Input should be 'auto'"),
 ]
 

@@ -19,7 +19,7 @@ from .cast import BFloat16, Float16, NoCompression
 from .coo import Coo
 from .dct_quant import DCTQuant
 from .group_topk import GroupTopK
-from .memory import ErrorFeedback, NoMemory
+from .memory import ErrorFeedback, MomentumCorrection, NoMemory
 from .qsgd import QSGD
 from .randomk import RandomK
 from .topk import TopK
@@ -30,6 +30,7 @@ __all__ = [
     "CodecError",
     "ErrorFeedback",
     "Field",
+    "MomentumCorrection",
     "NoMemory",
     "NonFiniteError",
     "Payload",

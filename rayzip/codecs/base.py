@@ -242,6 +242,12 @@ class Codec:
     def _decode(self, payload: Payload):
         raise NotImplementedError
 
+    def residual(self, compensated, payload: Payload):
+        """What ``payload`` leaves out of ``compensated``: flat float32, possibly reusing
+        ``compensated``'s memory (the caller gives it up)."""
+        flat, xp = as_array(compensated)
+        return (flat.reshape(-1) - self.decode_flat(payload)).astype(xp.float32, copy=False)
+
     # --- compressed-domain sum ---------------------------------------------------------
     def aggregate(self, payloads: list[Payload]) -> Payload:
         """Sum payloads without a full decode. Only for codecs with ``summable`` or

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 
 from .base import CodecError
-from ..xp import as_array, asnumpy, is_torch
+from ..xp import array_module, as_array, asnumpy, is_torch
 
-__all__ = ["ErrorFeedback", "NoMemory", "check_error_feedback"]
+__all__ = ["ErrorFeedback", "MomentumCorrection", "NoMemory", "check_error_feedback"]
 
 
 def check_error_feedback(codec) -> None:
@@ -45,13 +45,15 @@ class ErrorFeedback:
     def compensate(self, name: str, x):
         """``x`` plus the residual kept under ``name`` (a new float32 array, or torch tensor)."""
         arr, xp = as_array(x)
-        out = arr.astype(xp.float32).reshape(-1)  # always a copy: x is never modified
+        flat = arr.reshape(-1)
         residual = self.residuals.get(name)
-        if residual is not None:
-            if residual.shape != out.shape:
+        if residual is None:
+            out = flat.astype(xp.float32)  # always a new array: x is never modified
+        else:
+            if residual.shape != flat.shape:
                 raise ValueError(f"error feedback for {name!r} holds {residual.size} elements, "
-                                 f"the input has {out.size}: the bucket layout changed")
-            out += residual
+                                 f"the input has {flat.size}: the bucket layout changed")
+            out = xp.add(flat, residual, dtype=xp.float32)
         out = out.reshape(arr.shape)
         if is_torch(x):
             from ..xp import to_torch
@@ -69,11 +71,39 @@ class ErrorFeedback:
         check_error_feedback(codec)
         compensated = self.compensate(name, x)
         payload = codec.encode(compensated)
-        self.update(name, compensated, codec.decode_flat(payload))
+        # compensated is this call's own array, so the codec may turn it into the residual.
+        self.residuals[name] = codec.residual(compensated, payload)
         return payload
 
     def reset(self) -> None:
         self.residuals.clear()
+
+    def _stores(self) -> list[dict[str, Any]]:
+        return [self.residuals]
+
+    def regroup(self, old: dict[str, list[tuple[str, int]]], name: str, pieces: list[tuple[str, int]]) -> None:
+        """Rebuild the state of ``name``, the concatenation of ``pieces`` (piece name, length),
+        from the state of the ``old`` names, each the concatenation of its own pieces.
+
+        DDP regroups parameters into new buckets after its first step, and a restarted job
+        starts from the first step's grouping again; this carries every parameter's residual
+        (and momentum) across. Old names are split into their pieces, which wait under their
+        own names until a later ``regroup`` claims them; a piece nobody held starts at zero.
+        """
+        for store in self._stores():
+            for old_name, old_pieces in old.items():
+                arr = store.pop(old_name, None)
+                if arr is None:
+                    continue
+                offset = 0
+                for piece, size in old_pieces:
+                    store[piece] = arr[offset: offset + size]
+                    offset += size
+            parts = {piece: store.pop(piece) for piece, _ in pieces if piece in store}
+            if parts:
+                xp = array_module(next(iter(parts.values())))
+                store[name] = xp.concatenate([parts[p] if p in parts else xp.zeros(size, xp.float32)
+                                              for p, size in pieces])
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Residuals as host numpy arrays (for checkpoints)."""
@@ -82,6 +112,73 @@ class ErrorFeedback:
     def load_state_dict(self, state: dict[str, Any], xp=np) -> None:
         self.residuals = {name: xp.asarray(np.asarray(r, dtype=np.float32).reshape(-1))
                           for name, r in state.items()}
+
+
+class MomentumCorrection(ErrorFeedback):
+    """Error feedback on a local momentum: momentum correction with factor masking (DGC).
+
+    Plain error feedback under SGD momentum lets a coordinate's gradient wait in the
+    residual, then arrive all at once into a momentum buffer that has moved on, which
+    destabilises sparse training. Here each worker keeps its own velocity
+    ``u = momentum * u + grad`` and compresses ``u`` plus the residual; the optimizer must
+    then run *without* momentum. For a sparse codec the velocity of the entries just sent is
+    cleared (momentum factor masking), so stale momentum does not push them again (Lin et
+    al., "Deep Gradient Compression", ICLR 2018). Through a lossless codec nothing waits,
+    nothing is masked, and the update equals SGD momentum on the averaged gradient.
+
+    Usage::
+
+        memory = MomentumCorrection(0.9)
+        optimizer = torch.optim.SGD(params, lr=lr, momentum=0.0)   # momentum lives here now
+        payload = memory.encode(codec, "bucket0", grad)
+    """
+
+    def __init__(self, momentum: float) -> None:
+        if not (isinstance(momentum, (int, float)) and 0.0 < momentum < 1.0):
+            raise CodecError(f"momentum correction needs a momentum in (0, 1), got {momentum!r}")
+        super().__init__()
+        self.momentum = float(momentum)
+        self.velocities: dict[str, Any] = {}
+
+    def encode(self, codec, name: str, x):
+        check_error_feedback(codec)
+        arr, xp = as_array(x)
+        flat = arr.reshape(-1)
+        velocity = self.velocities.get(name)
+        if velocity is None:
+            velocity = flat.astype(xp.float32)
+        else:
+            if velocity.shape != flat.shape:
+                raise ValueError(f"momentum for {name!r} holds {velocity.size} elements, "
+                                 f"the input has {flat.size}: the bucket layout changed")
+            velocity *= self.momentum
+            velocity += flat
+        self.velocities[name] = velocity
+        compensated = self.compensate(name, velocity)
+        payload = codec.encode(compensated)
+        self.residuals[name] = codec.residual(compensated, payload)
+        if codec.sparse:
+            velocity[codec.to_coo(payload)[0]] = 0.0
+        return payload
+
+    def reset(self) -> None:
+        super().reset()
+        self.velocities.clear()
+
+    def _stores(self) -> list[dict[str, Any]]:
+        return [self.residuals, self.velocities]
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {**super().state_dict(),
+                **{_VELOCITY + name: asnumpy(v).copy() for name, v in self.velocities.items()}}
+
+    def load_state_dict(self, state: dict[str, Any], xp=np) -> None:
+        super().load_state_dict({k: v for k, v in state.items() if not k.startswith(_VELOCITY)}, xp)
+        self.velocities = {k[len(_VELOCITY):]: xp.asarray(np.asarray(v, dtype=np.float32).reshape(-1))
+                           for k, v in state.items() if k.startswith(_VELOCITY)}
+
+
+_VELOCITY = "velocity:"
 
 
 class NoMemory(ErrorFeedback):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Codec, CodecError, Payload
-from ..xp import array_module
+from ..xp import array_module, as_array
 
 __all__ = ["SparseCodec", "VALUE_DTYPES", "coo_sum", "scatter"]
 
@@ -59,6 +59,16 @@ class SparseCodec(Codec):
     def decode_flat(self, payload: Payload):
         indices, values = self.to_coo(payload)
         return scatter(indices, values, payload.numel, array_module(values))
+
+    def residual(self, compensated, payload: Payload):
+        # Only the kept entries change: no dense decode, no new array.
+        flat, xp = as_array(compensated)
+        flat = flat.reshape(-1)
+        if flat.dtype != xp.float32:
+            flat = flat.astype(xp.float32)
+        indices, values = self.to_coo(payload)
+        flat[indices] -= values
+        return flat
 
     def _narrow_values(self, values):
         """Cast kept values to the wire dtype; fp16 refuses what it cannot hold."""

@@ -78,7 +78,8 @@ class Ring(Communicator):
         self.sent: list[tuple[int, int]] = []
         total = sparse_ring_allreduce(indices, values, payload.numel, self.transport,
                                       value_dtype=self._value_dtype(codec), sent=self.sent)
-        return total / self.transport.world
+        total /= self.transport.world  # the ring's own fresh array
+        return total
 
     def documented_bytes(self, codec, payload):
         value_bytes = 2 if self._value_dtype(codec) == "fp16" else 4

@@ -13,6 +13,8 @@ Usage::
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -35,20 +37,26 @@ class Transport:
         self.device = torch.device(device)
         self.bytes_sent = 0
         self.messages: list[int] = []  # size of every send this step (tests read it)
+        # Seconds inside torch.distributed: the wire plus waiting for slower peers.
+        self.network_s = 0.0
 
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over all workers, in place."""
+        start = time.perf_counter()
         dist.all_reduce(tensor, group=self.group)
+        self.network_s += time.perf_counter() - start
         self._count(ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world))
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every worker's ``tensor`` (all the same size), in rank order."""
         out = [torch.empty_like(tensor) for _ in range(self.world)]
+        start = time.perf_counter()
         dist.all_gather(out, tensor, group=self.group)
+        self.network_s += time.perf_counter() - start
         self._count((self.world - 1) * tensor.numel() * tensor.element_size())
         return out
 
@@ -69,10 +77,12 @@ class Transport:
         return received, int(incoming[1])
 
     def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
+        start = time.perf_counter()
         ops = [dist.P2POp(dist.isend, send, dst, group=self.group),
                dist.P2POp(dist.irecv, recv, src, group=self.group)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+        self.network_s += time.perf_counter() - start
 
     def _count(self, nbytes: int) -> None:
         self.bytes_sent += nbytes

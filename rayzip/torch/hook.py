@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..codecs import ErrorFeedback, NoMemory, NonFiniteError, get_codec
+from ..codecs import ErrorFeedback, MomentumCorrection, NoMemory, NonFiniteError, get_codec
 from ..comm import AllReduce, Transport, make_communicator, ring_allreduce_bytes
 from ..spec import CompressionSpec
 from ..xp import to_torch
@@ -39,6 +39,7 @@ class StepStats:
     bytes_sent: int = 0  # bytes this worker handed to torch.distributed to send
     dense_bytes: int = 0  # an fp32 ring allreduce of the same buckets: 2(n-1)/n * 4 * numel
     comm_s: float = 0.0  # hook entry to averaged gradient, summed over buckets
+    network_s: float = 0.0  # of comm_s, inside torch.distributed (wire and waiting for peers)
     numel: int = 0
     buckets: list[int] = field(default_factory=list)  # element count of each bucket sent
     verify_max_abs_err: float | None = None
@@ -49,13 +50,19 @@ class StepStats:
 class CompressionState:
     """Everything the hook keeps between calls: codec, error feedback, collective, counters."""
 
-    def __init__(self, spec: CompressionSpec, process_group=None, device: torch.device | str = "cpu"):
+    def __init__(self, spec: CompressionSpec, process_group=None, device: torch.device | str = "cpu",
+                 momentum: float | None = None, parameters: list[torch.Tensor] | None = None):
         self.spec = spec
+        # Memory is kept per bucket and named by the model's parameter positions, so it can
+        # follow the parameters when DDP regroups them (after its first step, and again after
+        # a restart). Without the parameters, buckets are named by index and size.
+        self._positions = {id(p): (i, p.numel()) for i, p in enumerate(parameters)} if parameters else None
+        self.layout: dict[str, list[tuple[str, int]]] = {}
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
         self.transport = Transport(process_group, device=device)
         self.codec = spec.build_codec(rank=self.rank)
-        self.memory = ErrorFeedback() if spec.error_feedback else NoMemory()
+        self.memory = _memory(spec, momentum)
         self.communicator = make_communicator(spec.collective, self.codec, self.transport)
         self.dense_codec = get_codec("none")  # warm-up and compression-off steps
         self.dense = AllReduce(self.transport)
@@ -65,7 +72,7 @@ class CompressionState:
         self._pending_enabled: bool | None = None
         self.current = StepStats(ratio=getattr(self.codec, "ratio", None))
         self.last_step: StepStats | None = None
-        self.totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "comm_s": 0.0}
+        self.totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "comm_s": 0.0, "network_s": 0.0}
 
     # --- control, applied at step boundaries so that every rank switches together -------
     @property
@@ -98,11 +105,26 @@ class CompressionState:
         self.current = StepStats(step=self.step, compressed=compressed, ratio=self.ratio if compressed else None)
         self.transport.messages = []
 
+    def memory_name(self, bucket: dist.GradBucket) -> str:
+        """The bucket's name in the memory, regrouping the memory if DDP moved parameters."""
+        if self._positions is None:
+            return f"bucket{bucket.index()}/{bucket.buffer().numel()}"
+        pieces = [(f"p{i}", n) for i, n in (self._positions[id(p)] for p in bucket.parameters())]
+        name = "params:" + ",".join(piece for piece, _ in pieces)
+        if name not in self.layout:
+            mine = {piece for piece, _ in pieces}
+            old = {n: ps for n, ps in self.layout.items() if mine.intersection(piece for piece, _ in ps)}
+            self.memory.regroup(old, name, pieces)
+            for n in old:
+                del self.layout[n]
+            self.layout[name] = pieces
+        return name
+
     def _end_step(self) -> None:
         self.current.messages = self.transport.messages
         self.last_step = self.current
         self.totals["steps"] += 1
-        for key in ("bytes_sent", "dense_bytes", "comm_s"):
+        for key in ("bytes_sent", "dense_bytes", "comm_s", "network_s"):
             self.totals[key] += getattr(self.current, key)
         self.step += 1
 
@@ -110,6 +132,7 @@ class CompressionState:
     def state_dict(self) -> dict:
         return {"step": self.step, "enabled": self.enabled, "ratio": self.ratio,
                 "memory": self.memory.state_dict(), "codec": self.codec.state_dict(),
+                "layout": {name: list(pieces) for name, pieces in self.layout.items()},
                 "totals": dict(self.totals)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -117,8 +140,18 @@ class CompressionState:
         if state.get("ratio") is not None and hasattr(self.codec, "ratio"):
             self._apply_ratio(state["ratio"])
         self.memory.load_state_dict(state["memory"])
+        self.layout = {name: [tuple(p) for p in pieces] for name, pieces in state.get("layout", {}).items()}
         self.codec.load_state_dict(state["codec"])
         self.totals.update(state.get("totals", {}))
+
+
+def _memory(spec: CompressionSpec, momentum: float | None):
+    if spec.momentum_correction:
+        if not momentum:
+            raise ValueError("momentum_correction needs the SGD momentum factor: compress(ddp, spec, momentum=0.9), "
+                             "with the optimizer built with momentum=0")
+        return MomentumCorrection(momentum)
+    return ErrorFeedback() if spec.error_feedback else NoMemory()
 
 
 def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -128,18 +161,19 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
     start = time.perf_counter()
     grad = bucket.buffer()
     stats = state.current
-    sent_before = state.transport.bytes_sent
+    sent_before, network_before = state.transport.bytes_sent, state.transport.network_s
     try:
         if stats.compressed:
             # Keyed by size too: DDP rebuilds its buckets after the first step.
-            payload = state.memory.encode(state.codec, f"bucket{bucket.index()}/{grad.numel()}", grad)
+            payload = state.memory.encode(state.codec, state.memory_name(bucket), grad)
             average = state.communicator.average(state.codec, payload)
             if state.spec.verify:
                 _verify(state, payload, average)
                 documented = state.communicator.documented_bytes(state.codec, payload)
                 stats.verify_documented_bytes = (stats.verify_documented_bytes or 0) + documented
-        else:
-            average = state.dense.average(state.dense_codec, state.dense_codec.encode(grad))
+        else:  # through the memory too: it sends what error feedback held back, and momentum
+            payload = state.memory.encode(state.dense_codec, state.memory_name(bucket), grad)
+            average = state.dense.average(state.dense_codec, payload)
     except NonFiniteError as exc:
         raise NonFiniteError(f"rank {state.rank}, step {state.step}, gradient bucket {bucket.index()}: {exc}") from None
     stats.bytes_sent += state.transport.bytes_sent - sent_before
@@ -148,6 +182,7 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
     stats.buckets.append(grad.numel())
     result = to_torch(average).to(device=grad.device, dtype=grad.dtype).view_as(grad)
     stats.comm_s += time.perf_counter() - start
+    stats.network_s += state.transport.network_s - network_before
     if bucket.is_last():
         state._end_step()
     future: torch.futures.Future = torch.futures.Future()
@@ -168,9 +203,14 @@ def _verify(state: CompressionState, payload, average) -> None:
 
 
 def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: CompressionSpec,
-             process_group=None) -> CompressionState:
-    """Register rayzip's compressed comm hook on ``ddp_model``; returns its state."""
+             process_group=None, momentum: float | None = None) -> CompressionState:
+    """Register rayzip's compressed comm hook on ``ddp_model``; returns its state.
+
+    With ``spec.momentum_correction``, pass the SGD ``momentum`` here and build the optimizer
+    with momentum 0: the hook applies it, per worker, before compressing.
+    """
     device = next(ddp_model.parameters()).device
-    state = CompressionState(spec, process_group=process_group, device=device)
+    state = CompressionState(spec, process_group=process_group, device=device, momentum=momentum,
+                             parameters=list(ddp_model.parameters()))
     ddp_model.register_comm_hook(state, compressed_hook)
     return state

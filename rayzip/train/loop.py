@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from ..checkpoint import DeltaChain
+from ..checkpoint import load as load_checkpoint
+from ..checkpoint import save as save_checkpoint
 from ..comm import ring_allreduce_bytes
 from ..spec import JobSpec, TrainingSpec
 from ..torch import compress, scaled_lr
@@ -39,9 +42,10 @@ def total_steps(training: TrainingSpec, shard_size: int) -> int:
     return training.epochs * max(1, math.ceil(shard_size / training.batch_size))
 
 
-def _optimizer(training: TrainingSpec, params) -> torch.optim.Optimizer:
+def _optimizer(training: TrainingSpec, params, momentum_in_hook: bool = False) -> torch.optim.Optimizer:
     if training.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=training.lr, momentum=training.momentum, weight_decay=training.weight_decay)
+        momentum = 0.0 if momentum_in_hook else training.momentum
+        return torch.optim.SGD(params, lr=training.lr, momentum=momentum, weight_decay=training.weight_decay)
     cls = torch.optim.Adam if training.optimizer == "adam" else torch.optim.AdamW
     return cls(params, lr=training.lr, weight_decay=training.weight_decay)
 
@@ -89,27 +93,39 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _save(directory: Path, rank: int, world: int, step: int, model, optimizer, state, totals: dict,
-          accuracy: float | None) -> None:
+          accuracy: float | None, chain: DeltaChain | None) -> None:
+    """Each rank writes its part of the step's checkpoint as a compressed rayzip checkpoint:
+    rank 0 the model, optimizer, step and RNG (``trainer/``; with a chain, weights as XOR
+    deltas against its current base), every rank its hook state, error-feedback residuals
+    and momentum included (``rank{r}/``)."""
     if rank == 0:
-        torch.save({"model": _unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-                    "step": step, "world_size": world, "totals": totals, "test_accuracy": accuracy},
-                   directory / "trainer.pt")
+        index = totals.get("checkpoints", 0)
+        totals["checkpoints"] = index + 1
+        trainer = {"model": _unwrap(model).state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                   "world_size": world, "totals": totals, "test_accuracy": accuracy, "torch_rng": torch.get_rng_state()}
+        if chain is None:
+            save_checkpoint(directory / "trainer", trainer)
+        else:
+            chain.history = chain.save(directory / "trainer", trainer, index, chain.history)
     if state is not None:
-        torch.save({"world_size": world, "hook": state.state_dict()}, directory / f"rank{rank}.pt")
+        save_checkpoint(directory / f"rank{rank}", {"world_size": world, "hook": state.state_dict()})
 
 
-def _restore(checkpoint, rank: int, world: int, model, optimizer, state):
+def _restore(checkpoint, rank: int, world: int, model, optimizer, state, chain: DeltaChain | None):
     """(next step, byte totals, last accuracy) from a checkpoint, or a fresh start."""
     if checkpoint is None:
         return 0, {}, None
     with checkpoint.as_directory() as path:
         path = Path(path)
-        trainer = torch.load(path / "trainer.pt", weights_only=False)
+        trainer = load_checkpoint(path / "trainer")  # a corrupt file raises, naming file and tensor
+        if chain is not None:
+            chain.history = list(trainer.get("chain", []))
         _unwrap(model).load_state_dict(trainer["model"])
         optimizer.load_state_dict(trainer["optimizer"])
-        mine = path / f"rank{rank}.pt"
+        torch.set_rng_state(trainer["torch_rng"])
+        mine = path / f"rank{rank}"
         if state is not None and mine.exists():
-            saved = torch.load(mine, weights_only=False)
+            saved = load_checkpoint(mine)
             if saved["world_size"] == world:
                 state.load_state_dict(saved["hook"])
             else:  # another world size shards the buckets' residuals differently: start them anew
@@ -133,18 +149,28 @@ def train_loop(config: dict) -> None:
     device = ray.train.torch.get_device()
     ddp = isinstance(model, DistributedDataParallel)
     comp = spec.compression
-    state = compress(model, comp) if ddp and comp.torch_hook is None and (comp.codec != "none" or comp.verify) else None
+    hooked = ddp and comp.torch_hook is None and (comp.codec != "none" or comp.verify or comp.momentum_correction)
+    state = compress(model, comp, momentum=training.momentum if comp.momentum_correction else None) if hooked else None
     counter = (register_torch_hook(model, comp.torch_hook, comp.powersgd_rank, comp.powersgd_start_iter)
                if ddp and comp.torch_hook else None)
-    optimizer = _optimizer(training, model.parameters())
+    # At world size 1 there is no hook, so momentum stays in the optimizer.
+    momentum_in_hook = state is not None and comp.momentum_correction
+    optimizer = _optimizer(training, model.parameters(), momentum_in_hook)
     numel = sum(p.numel() for p in model.parameters())
 
     mine = shard(len(x_train), rank, world, training.seed)
     steps = total_steps(training, len(mine))
     compute_probe_s = _compute_time(model, x_train[mine[:training.batch_size]].to(device),
                                     y_train[mine[:training.batch_size]].to(device)) if ddp else 0.0
-    start, totals, accuracy = _restore(ray.train.get_checkpoint(), rank, world, model, optimizer, state)
-    totals = {"bytes_sent": 0, "dense_bytes": 0, "train_s": 0.0, "step_s": 0.0, "comm_s": 0.0, "timed_steps": 0, **totals}
+    chain = None
+    if rank == 0 and config.get("chain_dir") and spec.checkpoint.full_every > 1:
+        chain = DeltaChain(config["chain_dir"], spec.checkpoint.full_every, spec.checkpoint.num_to_keep)
+    start, totals, accuracy = _restore(ray.train.get_checkpoint(), rank, world, model, optimizer, state, chain)
+    if training.optimizer == "sgd":  # a checkpoint from another world size may hold the other setting
+        for group in optimizer.param_groups:
+            group["momentum"] = 0.0 if momentum_in_hook else training.momentum
+    totals = {"bytes_sent": 0, "dense_bytes": 0, "train_s": 0.0, "step_s": 0.0, "comm_s": 0.0, "network_s": 0.0,
+              "timed_steps": 0, **totals}
     every = spec.checkpoint.every_steps
     train_start = time.perf_counter() - totals["train_s"]
     tx_start = _interface_tx_bytes()
@@ -165,12 +191,14 @@ def train_loop(config: dict) -> None:
         stats = state.last_step if state is not None else None
         dense_bytes = ring_allreduce_bytes(4 * numel, world)
         if stats is not None:
-            bytes_sent, comm_s = stats.bytes_sent, stats.comm_s
+            bytes_sent, comm_s, network_s = stats.bytes_sent, stats.comm_s, stats.network_s
         else:  # plain DDP or a torch hook: comm time is what the step took beyond compute
             bytes_sent = counter.take() if counter is not None else dense_bytes
             comm_s = max(0.0, step_s - compute_probe_s) if ddp else 0.0
+            network_s = comm_s
         totals["step_s"] += step_s
         totals["comm_s"] += comm_s
+        totals["network_s"] += network_s
         totals["timed_steps"] += 1
         totals["bytes_sent"] += bytes_sent
         totals["dense_bytes"] += dense_bytes
@@ -187,11 +215,14 @@ def train_loop(config: dict) -> None:
         if evaluate:
             accuracy = _accuracy(model, x_test, y_test, device)
         reached = training.target_accuracy is not None and accuracy is not None and accuracy >= training.target_accuracy
-        done = last or reached
+        if reached and totals.get("time_to_target_s") is None:
+            totals["time_to_target_s"], totals["steps_to_target"] = totals["train_s"], step + 1
+        done = last or (reached and training.stop_at_target)
         metrics = {
             "step": step, "loss": float(loss.detach()), "lr": lr, "world_size": world,
             "step_s": step_s, "comm_s": comm_s, "compute_probe_s": compute_probe_s,
             "mean_step_s": totals["step_s"] / totals["timed_steps"], "mean_comm_s": totals["comm_s"] / totals["timed_steps"],
+            "mean_network_s": totals["network_s"] / totals["timed_steps"],
             "comm_source": "hook" if stats is not None else "step minus compute",
             "train_s": totals["train_s"], "evaluated": evaluate,
             "interface_tx_bytes": (_interface_tx_bytes() - tx_start) if tx_start is not None else None,
@@ -202,13 +233,14 @@ def train_loop(config: dict) -> None:
             "ratio": stats.ratio if stats else None,
             "verify_max_abs_err": totals.get("verify_max_abs_err"),  # worst step so far
             "verify_documented_bytes": totals.get("verify_documented_bytes"),
-            "test_accuracy": accuracy, "reached_target": reached, "elapsed_s": time.time() - started,
-            "done": done,
+            "test_accuracy": accuracy, "reached_target": totals.get("time_to_target_s") is not None,
+            "time_to_target_s": totals.get("time_to_target_s"), "steps_to_target": totals.get("steps_to_target"), "elapsed_s": time.time() - started,
+            "done": done, "pid": os.getpid(),
         }
         checkpoint = None
         if (every and (step + 1) % every == 0) or done:
             tmp = Path(tempfile.mkdtemp(prefix="rayzip-ckpt-"))
-            _save(tmp, rank, world, step, model, optimizer, state, totals, accuracy)
+            _save(tmp, rank, world, step, model, optimizer, state, totals, accuracy, chain)
             checkpoint = ray.train.Checkpoint.from_directory(str(tmp))
         if progress is not None:
             progress.update.remote(metrics)  # fire and forget: per-step progress costs nothing
@@ -216,6 +248,11 @@ def train_loop(config: dict) -> None:
         # it runs at evaluations and checkpoints only; every rank reaches it at the same steps.
         if evaluate or checkpoint is not None:
             ray.train.report(metrics, checkpoint=checkpoint, delete_local_checkpoint_after_upload=checkpoint is not None)
+        if checkpoint is not None and not done:
+            # A report waits only for room in a one-slot queue that the controller drains when
+            # it polls, so the checkpoint just reported is not yet registered: a worker lost now
+            # would send the job back two intervals. Reporting again waits until it is.
+            ray.train.report(metrics)
         train_start += time.perf_counter() - paused
         if done:
             break

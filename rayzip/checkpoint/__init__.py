@@ -1,0 +1,16 @@
+"""Lossless compressed checkpoints: XOR deltas of weights against a base, prefix-index
+mapping of optimizer state, byte planes and zstd, with a checksum per tensor.
+
+Usage::
+
+    from rayzip import checkpoint
+
+    checkpoint.save("ckpt-100", {"model": model.state_dict(), "optimizer": opt.state_dict()})
+    checkpoint.save("ckpt-110", state, base="ckpt-100")    # deltas against ckpt-100
+    state = checkpoint.load("ckpt-110")                     # bit-exact
+"""
+
+from .chain import DeltaChain
+from .store import CheckpointError, inspect, load, save, verify
+
+__all__ = ["CheckpointError", "DeltaChain", "inspect", "load", "save", "verify"]

@@ -1,0 +1,299 @@
+"""The checkpoint directory: ``manifest.json`` plus ``tensors.bin``.
+
+``save(directory, state, base=...)`` writes any nest of dicts, lists and tuples whose
+leaves are tensors (torch, numpy or cupy), numbers, strings, None or other picklable
+objects; ``load(directory)`` returns the same nest with every tensor bit-exact.
+
+The manifest lists, per tensor: name (its path in the nest), dtype, shape, codec and codec
+parameters, whether it is a delta against the base, the byte range of each of its streams
+in ``tensors.bin``, and two CRC-32s, of its stored bytes and of its restored words. It also
+names the base checkpoint (by path relative to this one, and the base's own checksum) and
+carries a checksum of ``tensors.bin`` as a whole. Every mismatch raises
+:class:`CheckpointError` naming the file and the tensor.
+
+Usage::
+
+    save("ckpt-10", {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 10})
+    save("ckpt-20", state, base="ckpt-10")            # weights stored as XOR deltas
+    state = load("ckpt-20")                           # reads ckpt-10 too
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..xp import asnumpy, is_torch
+from .codecs import CODECS, choose, pack_stream, unpack_stream
+from .transforms import tensor_words, words_to_tensor
+
+__all__ = ["CheckpointError", "FORMAT", "inspect", "load", "save", "verify"]
+
+FORMAT = "rayzip-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+DATA = "tensors.bin"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be restored exactly: names the file and the tensor."""
+
+
+# --- the nest <-> (tree, leaves) ------------------------------------------------------------
+
+def _flatten(obj: Any, path: str, tensors: dict[str, Any], objects: dict[str, bytes]):
+    if is_torch(obj) or isinstance(obj, np.ndarray) or type(obj).__module__.startswith("cupy"):
+        tensors[path] = obj
+        return {"$tensor": path}
+    if isinstance(obj, dict):
+        return {"$dict": [[_key(k, path), _flatten(v, f"{path}/{k}", tensors, objects)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        items = [_flatten(v, f"{path}/{i}", tensors, objects) for i, v in enumerate(obj)]
+        return {"$list" if isinstance(obj, list) else "$tuple": items}
+    if obj is None or isinstance(obj, (bool, int, float, str)) and _json_exact(obj):
+        return obj
+    objects[path] = pickle.dumps(obj)
+    return {"$pickle": path}
+
+
+def _key(key: Any, path: str) -> Any:
+    if isinstance(key, (str, int)) and not isinstance(key, bool):
+        return key
+    raise CheckpointError(f"{path}: dict key {key!r} is not a str or int")
+
+
+def _json_exact(value: Any) -> bool:
+    return not isinstance(value, float) or np.isfinite(value)
+
+
+def _unflatten(node: Any, tensors: dict[str, Any], objects: dict[str, bytes]):
+    if not isinstance(node, dict):
+        return node
+    if "$tensor" in node:
+        return tensors[node["$tensor"]]
+    if "$pickle" in node:
+        return pickle.loads(objects[node["$pickle"]])
+    if "$dict" in node:
+        return {k: _unflatten(v, tensors, objects) for k, v in node["$dict"]}
+    items = [_unflatten(v, tensors, objects) for v in node.get("$list", node.get("$tuple", []))]
+    return items if "$list" in node else tuple(items)
+
+
+# --- save ---------------------------------------------------------------------------------
+
+def _dtype_name(x: Any) -> str:
+    return str(x.dtype).replace("torch.", "")
+
+
+def save(directory: str | os.PathLike, state: Any, base: str | os.PathLike | None = None,
+         optimizer_state: Callable[[str], bool] | None = None, delta: Callable[[str], bool] | None = None,
+         absolute_base: bool = False) -> dict:
+    """Write ``state`` to ``directory``; returns the manifest.
+
+    With ``base`` (a checkpoint directory), tensors present there with the same dtype and
+    shape, and for which ``delta(name)`` holds (default: all), are stored as XOR deltas
+    against it. The base is recorded by path relative to ``directory``, or absolute with
+    ``absolute_base`` (for a checkpoint that will be moved, as Ray moves reported ones).
+    ``optimizer_state(name)`` marks tensors whose codec choice should try the prefix mapping
+    first (default: names under ``optimizer``). Names are paths in the nest: ``/model/fc.weight``.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, Any] = {}
+    objects: dict[str, bytes] = {}
+    tree = _flatten(state, "", tensors, objects)
+    is_optimizer = optimizer_state or (lambda name: name.startswith("/optimizer"))
+    base_tensors, base_ref = ({}, None)
+    wants_delta = delta or (lambda name: True)
+    if base is not None:
+        where = Path(base).resolve()
+        checksum = _read_manifest(where)["checksum"]
+        base_tensors = _base_words(where, checksum, {n for n in tensors if wants_delta(n)})
+        base_ref = {"path": str(where) if absolute_base else os.path.relpath(where, directory.resolve()),
+                    "checksum": checksum}
+    entries = {}
+    crcs: list[int] = []
+    offset = 0
+    with open(directory / DATA, "wb") as out:
+        for name, tensor in tensors.items():
+            words, xp = tensor_words(tensor)
+            dtype = _dtype_name(tensor)
+            base_words = base_tensors.get(name)
+            is_delta = (base_words is not None and base_words[1] == dtype
+                        and tuple(base_words[2]) == tuple(tensor.shape) and wants_delta(name))
+            prior = xp.asarray(base_words[0]) if is_delta else None
+            codec = choose(words, prior, dtype, xp, is_optimizer(name))
+            streams, params = codec.encode(words, prior, xp)
+            stored = []
+            for stream in streams:
+                blob, compressed = pack_stream(stream)
+                out.write(blob)
+                crcs.append(zlib.crc32(blob))
+                stored.append({"offset": offset, "stored": len(blob), "nbytes": int(stream.nbytes),
+                               "zstd": compressed, "crc32": crcs[-1]})
+                offset += len(blob)
+            entries[name] = {"dtype": dtype, "shape": list(tensor.shape), "codec": codec.name,
+                             "params": params, "delta": is_delta, "streams": stored,
+                             "crc32": zlib.crc32(asnumpy(words).view(np.uint8))}
+        for name, blob in objects.items():
+            out.write(blob)
+            crcs.append(zlib.crc32(blob))
+            entries[name] = {"pickle": True, "streams": [{"offset": offset, "stored": len(blob), "nbytes": len(blob),
+                                                          "zstd": False, "crc32": crcs[-1]}]}
+            offset += len(blob)
+    manifest = {"format": FORMAT, "version": VERSION, "base": base_ref, "data": DATA, "data_bytes": offset,
+                "checksum": _whole(crcs), "tree": tree, "tensors": entries}
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest))
+    os.replace(tmp, directory / MANIFEST)  # the manifest appears last, whole
+    return manifest
+
+
+_BASE_CACHE: dict[tuple, dict] = {}
+
+
+def _base_words(where: Path, checksum: str, names: set[str]) -> dict:
+    """The base's words for ``names``; the last base used stays cached, as a training run
+    writes many deltas against one base."""
+    key = (str(where), checksum, frozenset(names))
+    if key not in _BASE_CACHE:
+        _BASE_CACHE.clear()
+        _BASE_CACHE[key] = _load_tensors(where, words_only=True, names=names)
+    return _BASE_CACHE[key]
+
+
+# --- load ---------------------------------------------------------------------------------
+
+def _read_manifest(directory: Path) -> dict:
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no manifest; not a rayzip checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: manifest is not valid JSON ({exc})") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path}: not a {FORMAT} v{VERSION} manifest")
+    return manifest
+
+
+def _base_dir(directory: Path, manifest: dict) -> Path | None:
+    ref = manifest.get("base")
+    if not ref:
+        return None
+    base = (directory / ref["path"]).resolve()
+    if not (base / MANIFEST).exists():
+        raise CheckpointError(f"{directory / MANIFEST}: its base checkpoint {base} is missing")
+    found = _read_manifest(base)["checksum"]
+    if found != ref["checksum"]:
+        raise CheckpointError(f"{directory / MANIFEST}: base {base} has checksum {found}, "
+                              f"the delta was made against {ref['checksum']}")
+    return base
+
+
+def _load_tensors(directory: Path, words_only: bool = False, names: set[str] | None = None):
+    """{name: (words, dtype, shape)} when words_only, else the manifest and restored leaves."""
+    manifest = _read_manifest(directory)
+    data_path = directory / manifest["data"]
+    try:
+        data = data_path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{data_path}: missing") from None
+    if len(data) != manifest["data_bytes"]:
+        raise CheckpointError(f"{data_path}: {len(data)} bytes, the manifest records {manifest['data_bytes']} "
+                              f"(truncated or appended); first tensor affected: "
+                              f"{_first_beyond(manifest, len(data))}")
+    base_dir = _base_dir(directory, manifest)
+    needs_base = any(e.get("delta") for e in manifest["tensors"].values())
+    base = _load_tensors(base_dir, words_only=True) if base_dir is not None and needs_base else {}
+    tensors, objects = {}, {}
+    for name, entry in manifest["tensors"].items():
+        if names is not None and name not in names:
+            continue
+        streams = []
+        for s in entry["streams"]:
+            blob = data[s["offset"]: s["offset"] + s["stored"]]
+            if zlib.crc32(blob) != s["crc32"]:
+                raise CheckpointError(f"{data_path}: tensor {name!r}: stored bytes fail their CRC-32 (corrupt)")
+            try:
+                streams.append(unpack_stream(blob, s["zstd"], s["nbytes"]))
+            except Exception as exc:
+                raise CheckpointError(f"{data_path}: tensor {name!r}: cannot decompress ({exc})") from None
+        if entry.get("pickle"):
+            objects[name] = streams[0].tobytes()
+            continue
+        dtype, shape = entry["dtype"], tuple(entry["shape"])
+        count = int(np.prod(shape, dtype=np.int64))
+        width = _itemsize(dtype)
+        prior = None
+        if entry["delta"]:
+            if name not in base:
+                raise CheckpointError(f"{data_path}: tensor {name!r} is a delta, but base {base_dir} does not hold it")
+            prior = base[name][0]
+        word_dtype = np.dtype(f"<u{width}") if width > 1 else np.dtype(np.uint8)
+        codec = CODECS[entry["codec"]]()
+        words = codec.decode(streams, entry["params"], count, word_dtype, prior, np)
+        if words.size != count or zlib.crc32(words.view(np.uint8)) != entry["crc32"]:
+            raise CheckpointError(f"{data_path}: tensor {name!r}: restored words fail their CRC-32")
+        tensors[name] = (words, dtype, shape) if words_only else words_to_tensor(words, dtype, shape)
+    if names is None and _whole([s["crc32"] for e in manifest["tensors"].values() for s in e["streams"]]) != manifest["checksum"]:
+        raise CheckpointError(f"{directory / MANIFEST}: the stream checksums do not add up to its whole checksum "
+                              f"{manifest['checksum']} (the manifest was edited)")
+    if words_only:
+        return tensors
+    return manifest, tensors, objects
+
+
+def _whole(crcs: list[int]) -> str:
+    """The checksum of the whole: a CRC-32 of the streams' CRC-32s, in file order. With the
+    data size and every stream's own CRC checked, it covers every stored byte."""
+    return f"crc32:{zlib.crc32(np.asarray(crcs, dtype='<u4').tobytes()):08x}"
+
+
+def _first_beyond(manifest: dict, size: int) -> str:
+    for name, entry in manifest["tensors"].items():
+        if any(s["offset"] + s["stored"] > size for s in entry["streams"]):
+            return repr(name)
+    return "none"
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def load(directory: str | os.PathLike) -> Any:
+    """The state saved in ``directory``, with torch tensors on the CPU."""
+    manifest, tensors, objects = _load_tensors(Path(directory))
+    return _unflatten(manifest["tree"], tensors, objects)
+
+
+def verify(directory: str | os.PathLike) -> dict:
+    """Restore every tensor (and the base chain) and check every checksum; returns a summary."""
+    manifest, tensors, objects = _load_tensors(Path(directory))
+    return {"tensors": len(tensors), "objects": len(objects), "base": (manifest.get("base") or {}).get("path")}
+
+
+def inspect(directory: str | os.PathLike) -> dict:
+    """Per-tensor sizes and codecs, without decompressing."""
+    manifest = _read_manifest(Path(directory))
+    rows = []
+    for name, entry in manifest["tensors"].items():
+        raw = sum(s["nbytes"] for s in entry["streams"])
+        if not entry.get("pickle"):
+            raw = int(np.prod(entry["shape"], dtype=np.int64)) * _itemsize(entry["dtype"])
+        stored = sum(s["stored"] for s in entry["streams"])
+        rows.append({"name": name, "dtype": entry.get("dtype", "pickle"), "shape": entry.get("shape"),
+                     "codec": entry.get("codec", "pickle"), "params": {k: v for k, v in entry.get("params", {}).items() if k != "table"},
+                     "delta": entry.get("delta", False), "raw_bytes": raw, "stored_bytes": stored})
+    raw = sum(r["raw_bytes"] for r in rows)
+    return {"base": manifest.get("base"), "checksum": manifest["checksum"], "tensors": rows,
+            "raw_bytes": raw, "stored_bytes": manifest["data_bytes"],
+            "ratio": raw / manifest["data_bytes"] if manifest["data_bytes"] else None}
