@@ -482,16 +482,3 @@ def test_momentum_correction_masks_the_velocity_of_sent_entries():
     assert np.array_equal(restored.residuals["a"], memory.residuals["a"])
     with pytest.raises(CodecError, match="momentum in"):
         MomentumCorrection(1.0)
-
-
-def test_memory_follows_parameters_into_new_buckets():
-    memory = MomentumCorrection(0.5)
-    memory.residuals["ab"] = np.arange(5, dtype=np.float32)  # pieces a (2) then b (3)
-    memory.velocities["ab"] = -np.arange(5, dtype=np.float32)
-    old = {"ab": [("a", 2), ("b", 3)]}
-    memory.regroup(old, "bc", [("b", 3), ("c", 1)])  # c is new: zeros
-    assert memory.residuals["bc"].tolist() == [2, 3, 4, 0]
-    assert memory.velocities["bc"].tolist() == [-2, -3, -4, 0]
-    memory.regroup({}, "a", [("a", 2)])  # the leftover piece waits for its new bucket
-    assert memory.residuals["a"].tolist() == [0, 1] and memory.velocities["a"].tolist() == [0, -1]
-    assert set(memory.residuals) == {"bc", "a"}

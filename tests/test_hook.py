@@ -56,8 +56,8 @@ def test_ring_hook_averages_the_decoded_payloads_and_counts_bytes():
             assert stats["verify_max_abs_err"] < 1e-6
             assert stats["numel"] == numel
             assert stats["bytes_sent"] == sum(stats["messages"]) == stats["verify_documented_bytes"] > 0
-            assert sum(stats["buckets"]) == numel
-            assert len(stats["buckets"]) > 1 or step == 0  # DDP rebuilds its buckets after step 0
+            # Several DDP buckets (bucket_cap_mb=0.5), gathered and sent as one gradient.
+            assert stats["buckets"] == [numel]
             assert stats["dense_bytes"] == sum(2 * (world - 1) * 4 * n // world for n in stats["buckets"])
             assert stats["bytes_sent"] < stats["dense_bytes"] / 3
         assert not np.allclose(grads[0], results[0][step][1])  # compressed differs from plain DDP
@@ -90,7 +90,8 @@ def test_warmup_steps_go_dense_then_compress_and_ratio_switches_at_a_step():
 
 
 def test_nan_gradient_is_reported_with_rank_step_and_bucket():
-    with pytest.raises(AssertionError, match=r"NonFiniteError: rank \d, step 1, gradient bucket \d+: .*NaN/Inf"):
+    with pytest.raises(AssertionError, match=r"NonFiniteError: rank \d, step 1, gradient: .*NaN/Inf.*"
+                                             r"\(parameter 0 of the model, element \d+\)"):
         run_world(_train_rank, 2, {"codec": "group_topk", "ratio": 0.05}, 2, None, 1)
 
 

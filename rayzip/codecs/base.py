@@ -232,9 +232,11 @@ class Codec:
         found = find_nonfinite(flat, xp)
         if found:
             count, first = found
-            raise NonFiniteError(
+            error = NonFiniteError(
                 f"{self.name}: input has {count} NaN/Inf value(s), first at flat index {first}"
             )
+            error.first_index = first
+            raise error
 
     def _encode(self, flat, xp) -> dict[str, Any]:
         raise NotImplementedError

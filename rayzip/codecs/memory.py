@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .base import CodecError
-from ..xp import array_module, as_array, asnumpy, is_torch
+from ..xp import as_array, asnumpy, is_torch
 
 __all__ = ["ErrorFeedback", "MomentumCorrection", "NoMemory", "check_error_feedback"]
 
@@ -77,33 +77,6 @@ class ErrorFeedback:
 
     def reset(self) -> None:
         self.residuals.clear()
-
-    def _stores(self) -> list[dict[str, Any]]:
-        return [self.residuals]
-
-    def regroup(self, old: dict[str, list[tuple[str, int]]], name: str, pieces: list[tuple[str, int]]) -> None:
-        """Rebuild the state of ``name``, the concatenation of ``pieces`` (piece name, length),
-        from the state of the ``old`` names, each the concatenation of its own pieces.
-
-        DDP regroups parameters into new buckets after its first step, and a restarted job
-        starts from the first step's grouping again; this carries every parameter's residual
-        (and momentum) across. Old names are split into their pieces, which wait under their
-        own names until a later ``regroup`` claims them; a piece nobody held starts at zero.
-        """
-        for store in self._stores():
-            for old_name, old_pieces in old.items():
-                arr = store.pop(old_name, None)
-                if arr is None:
-                    continue
-                offset = 0
-                for piece, size in old_pieces:
-                    store[piece] = arr[offset: offset + size]
-                    offset += size
-            parts = {piece: store.pop(piece) for piece, _ in pieces if piece in store}
-            if parts:
-                xp = array_module(next(iter(parts.values())))
-                store[name] = xp.concatenate([parts[p] if p in parts else xp.zeros(size, xp.float32)
-                                              for p, size in pieces])
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Residuals as host numpy arrays (for checkpoints)."""
@@ -164,9 +137,6 @@ class MomentumCorrection(ErrorFeedback):
     def reset(self) -> None:
         super().reset()
         self.velocities.clear()
-
-    def _stores(self) -> list[dict[str, Any]]:
-        return [self.residuals, self.velocities]
 
     def state_dict(self) -> dict[str, np.ndarray]:
         return {**super().state_dict(),

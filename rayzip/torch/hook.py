@@ -53,11 +53,20 @@ class CompressionState:
     def __init__(self, spec: CompressionSpec, process_group=None, device: torch.device | str = "cpu",
                  momentum: float | None = None, parameters: list[torch.Tensor] | None = None):
         self.spec = spec
-        # Memory is kept per bucket and named by the model's parameter positions, so it can
-        # follow the parameters when DDP regroups them (after its first step, and again after
-        # a restart). Without the parameters, buckets are named by index and size.
-        self._positions = {id(p): (i, p.numel()) for i, p in enumerate(parameters)} if parameters else None
-        self.layout: dict[str, list[tuple[str, int]]] = {}
+        # With the model's parameters, the hook gathers every bucket into one gradient in
+        # parameter order and compresses that once per step. What the codec sees (its groups,
+        # its top k) then does not depend on how DDP bucketed the parameters, which differs
+        # between a job's first step and the rest, so a restarted job repeats the uninterrupted
+        # one exactly. Without them, each bucket is compressed on its own.
+        self._offsets: dict[int, tuple[int, int]] | None = None
+        if parameters:
+            starts = [0]
+            for p in parameters:
+                starts.append(starts[-1] + p.numel())
+            self._offsets = {id(p): (starts[i], p.numel()) for i, p in enumerate(parameters)}
+            self._numel = starts[-1]
+        self._flat: torch.Tensor | None = None
+        self._waiting: list[tuple[torch.futures.Future, list[tuple[int, int]], torch.Tensor]] = []
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
         self.transport = Transport(process_group, device=device)
@@ -105,21 +114,6 @@ class CompressionState:
         self.current = StepStats(step=self.step, compressed=compressed, ratio=self.ratio if compressed else None)
         self.transport.messages = []
 
-    def memory_name(self, bucket: dist.GradBucket) -> str:
-        """The bucket's name in the memory, regrouping the memory if DDP moved parameters."""
-        if self._positions is None:
-            return f"bucket{bucket.index()}/{bucket.buffer().numel()}"
-        pieces = [(f"p{i}", n) for i, n in (self._positions[id(p)] for p in bucket.parameters())]
-        name = "params:" + ",".join(piece for piece, _ in pieces)
-        if name not in self.layout:
-            mine = {piece for piece, _ in pieces}
-            old = {n: ps for n, ps in self.layout.items() if mine.intersection(piece for piece, _ in ps)}
-            self.memory.regroup(old, name, pieces)
-            for n in old:
-                del self.layout[n]
-            self.layout[name] = pieces
-        return name
-
     def _end_step(self) -> None:
         self.current.messages = self.transport.messages
         self.last_step = self.current
@@ -132,7 +126,6 @@ class CompressionState:
     def state_dict(self) -> dict:
         return {"step": self.step, "enabled": self.enabled, "ratio": self.ratio,
                 "memory": self.memory.state_dict(), "codec": self.codec.state_dict(),
-                "layout": {name: list(pieces) for name, pieces in self.layout.items()},
                 "totals": dict(self.totals)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -140,7 +133,6 @@ class CompressionState:
         if state.get("ratio") is not None and hasattr(self.codec, "ratio"):
             self._apply_ratio(state["ratio"])
         self.memory.load_state_dict(state["memory"])
-        self.layout = {name: [tuple(p) for p in pieces] for name, pieces in state.get("layout", {}).items()}
         self.codec.load_state_dict(state["codec"])
         self.totals.update(state.get("totals", {}))
 
@@ -155,27 +147,61 @@ def _memory(spec: CompressionSpec, momentum: float | None):
 
 
 def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: the bucket's gradient averaged over workers, through the codec."""
+    """DDP comm hook: the bucket's gradient averaged over workers, through the codec.
+
+    Buckets are gathered into the whole gradient, in parameter order; at the last bucket of
+    the step it is compressed and exchanged once, and every bucket's future completes.
+    """
     if bucket.index() == 0:
         state._begin_step()
+    if state._offsets is None:
+        future = torch.futures.Future()
+        future.set_result(_exchange(state, bucket.buffer(), f"bucket{bucket.index()}/{bucket.buffer().numel()}",
+                                    f"gradient bucket {bucket.index()}"))
+        if bucket.is_last():
+            state._end_step()
+        return future
     start = time.perf_counter()
-    grad = bucket.buffer()
+    buffer = bucket.buffer()
+    if state._flat is None:
+        state._flat = torch.empty(state._numel, dtype=torch.float32, device=buffer.device)
+    spans, pos = [], 0
+    for p in bucket.parameters():
+        offset, n = state._offsets[id(p)]
+        state._flat[offset: offset + n].copy_(buffer[pos: pos + n])
+        spans.append((offset, n))
+        pos += n
+    future = torch.futures.Future()
+    state._waiting.append((future, spans, buffer))
+    state.current.comm_s += time.perf_counter() - start
+    if bucket.is_last():
+        average = _exchange(state, state._flat, "model", "gradient")
+        for waiting, spans, buffer in state._waiting:
+            waiting.set_result(torch.cat([average[o: o + n] for o, n in spans]).to(buffer.dtype))
+        state._waiting.clear()
+        state._end_step()
+    return future
+
+
+def _exchange(state: CompressionState, grad: torch.Tensor, name: str, what: str) -> torch.Tensor:
+    """Compress ``grad`` with error feedback, exchange it, return the average as a tensor."""
+    start = time.perf_counter()
     stats = state.current
     sent_before, network_before = state.transport.bytes_sent, state.transport.network_s
     try:
         if stats.compressed:
-            # Keyed by size too: DDP rebuilds its buckets after the first step.
-            payload = state.memory.encode(state.codec, state.memory_name(bucket), grad)
+            payload = state.memory.encode(state.codec, name, grad)
             average = state.communicator.average(state.codec, payload)
             if state.spec.verify:
                 _verify(state, payload, average)
                 documented = state.communicator.documented_bytes(state.codec, payload)
                 stats.verify_documented_bytes = (stats.verify_documented_bytes or 0) + documented
         else:  # through the memory too: it sends what error feedback held back, and momentum
-            payload = state.memory.encode(state.dense_codec, state.memory_name(bucket), grad)
+            payload = state.memory.encode(state.dense_codec, name, grad)
             average = state.dense.average(state.dense_codec, payload)
     except NonFiniteError as exc:
-        raise NonFiniteError(f"rank {state.rank}, step {state.step}, gradient bucket {bucket.index()}: {exc}") from None
+        raise NonFiniteError(f"rank {state.rank}, step {state.step}, {what}: {exc}"
+                             + _which_parameter(state, exc)) from None
     stats.bytes_sent += state.transport.bytes_sent - sent_before
     stats.dense_bytes += ring_allreduce_bytes(4 * grad.numel(), state.world)
     stats.numel += grad.numel()
@@ -183,11 +209,18 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
     result = to_torch(average).to(device=grad.device, dtype=grad.dtype).view_as(grad)
     stats.comm_s += time.perf_counter() - start
     stats.network_s += state.transport.network_s - network_before
-    if bucket.is_last():
-        state._end_step()
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(result)
-    return future
+    return result
+
+
+def _which_parameter(state: CompressionState, exc: NonFiniteError) -> str:
+    """' (parameter i, element j)' for the first bad flat index, when the hook knows the layout."""
+    index = getattr(exc, "first_index", None)
+    if index is None or state._offsets is None:
+        return ""
+    for i, (offset, n) in enumerate(sorted(state._offsets.values())):
+        if offset <= index < offset + n:
+            return f" (parameter {i} of the model, element {index - offset})"
+    return ""
 
 
 def _verify(state: CompressionState, payload, average) -> None:
