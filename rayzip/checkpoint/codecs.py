@@ -99,8 +99,7 @@ class Planes(StreamCodec):
         return list(byte_planes(words, xp)), {"rotate": self.rotate}
 
     def decode(self, streams, params, count, dtype, base, xp):
-        planes = xp.stack([xp.asarray(s) for s in streams])
-        words = from_byte_planes(planes, dtype, xp)
+        words = from_byte_planes([xp.asarray(s) for s in streams], dtype, xp)
         rotate = params.get("rotate", 0)
         if rotate:
             words = _rotate_left(words, 8 * words.dtype.itemsize - rotate)
@@ -155,12 +154,14 @@ class Prefix(StreamCodec):
         else:
             indices = xp.asarray(streams[0])
             indices = indices if index_bits <= 8 else indices.view("<u2")
-        table = xp.asarray(np.asarray(params["table"] + [0], dtype=np.uint16))
-        prefix = table[xp.minimum(indices.astype(xp.int64), table.size - 1)]
+        # One entry per possible index, so the lookup needs no bounds work; escapes read 0 here.
+        table = np.zeros(escape + 1, dtype=np.uint16)
+        table[: len(params["table"])] = params["table"]
+        prefix = xp.asarray(table)[indices]
         prefix[indices == escape] = xp.asarray(streams[1]).view("<u2")
         planes = [xp.asarray(s) for s in streams[2:]]
         planes += [xp.zeros(count, xp.uint8)] * (width // 8 - len(planes))
-        low = from_byte_planes(xp.stack(planes), dtype, xp)
+        low = from_byte_planes(planes, dtype, xp)
         return self._delta(prefix_join(prefix, low, bits, xp), base)
 
 

@@ -77,8 +77,8 @@ def byte_planes(words, xp):
 
 
 def from_byte_planes(planes, dtype, xp):
-    """Inverse of :func:`byte_planes`."""
-    width, count = planes.shape
+    """Inverse of :func:`byte_planes`; ``planes`` may also be a list of the rows."""
+    width, count = len(planes), len(planes[0])
     out = xp.empty((count, width), dtype=xp.uint8)
     for j in range(width):
         out[:, j] = planes[j]
