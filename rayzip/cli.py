@@ -45,8 +45,6 @@ def validate(spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spe
 @app.command()
 def schema():
     """Print the job spec's JSON schema."""
-    import json
-
     from .spec import JobSpec
 
     print(json.dumps(JobSpec.model_json_schema(), indent=2))
@@ -151,7 +149,8 @@ def bench_codecs(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
     """Encode/decode GB/s, wire ratio and error of every codec, against memcpy."""
-    from .bench.codecs import DEFAULT_CODECS, parse_size, render_table, run_codec_bench, write_json
+    from .bench import write_json
+    from .bench.codecs import DEFAULT_CODECS, parse_size, render_table, run_codec_bench
     from .codecs import CodecError
 
     try:
@@ -185,6 +184,7 @@ def bench_cluster(
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write accuracy-vs-time PNG here."),
 ):
     """Time-to-accuracy on a real Ray cluster in network namespaces with shaped links (root)."""
+    from .bench import write_json
     from .bench.cluster import DEFAULT_SPEC, METHODS, plot, render_table, run_cluster_bench
     from .bench.netns import ClusterError, preflight
 
@@ -207,8 +207,7 @@ def bench_cluster(
         raise typer.Exit(1)
     console.print(render_table(report))
     if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(report, json_path)
         console.print(f"wrote {json_path}")
     if plot_path:
         plot(report, plot_path)
@@ -225,6 +224,7 @@ def bench_checkpoint(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
     """Checkpoint ratio and speed: rayzip against zstd and ZipNN on a real training run's state."""
+    from .bench import write_json
     from .bench.checkpoint import render_table, run_checkpoint_bench
     from .bench.cluster import DEFAULT_SPEC
 
@@ -247,8 +247,7 @@ def bench_checkpoint(
     for key, value in report["comparisons"].items():
         console.print(f"{key}: {value:.3f}", highlight=False)
     if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(report, json_path)
         console.print(f"wrote {json_path}")
 
 

@@ -38,14 +38,14 @@ class ProgressActor:
     def __init__(self):
         self.latest: dict | None = None
         self.history: list[dict] = []  # one entry per evaluation: the accuracy-over-time curve
-        self.restarts = {"steps_run": 0, "restarts": 0, "steps_redone": 0}
+        self.restarts = {"steps_run": 0, "restarts": 0, "steps_redone": 0, "resumes": []}
 
     def update(self, metrics: dict) -> None:
         # A step at or before the last one seen means the workers restarted from a checkpoint.
         if self.latest is not None and metrics["step"] <= self.latest["step"]:
             self.restarts["restarts"] += 1
             self.restarts["steps_redone"] += self.latest["step"] - metrics["step"] + 1
-            self.restarts.setdefault("resumes", []).append({"last_step": self.latest["step"], "resumed_at": metrics["step"]})
+            self.restarts["resumes"].append({"last_step": self.latest["step"], "resumed_at": metrics["step"]})
             self.history = [h for h in self.history if h["step"] < metrics["step"]]
         self.restarts["steps_run"] += 1
         self.latest = metrics
@@ -59,7 +59,7 @@ class ProgressActor:
         return self.history
 
     def get_restarts(self) -> dict:
-        return {**self.restarts, "resumes": list(self.restarts.get("resumes", []))}
+        return {**self.restarts, "resumes": list(self.restarts["resumes"])}
 
 
 def _scaling(spec: JobSpec) -> ScalingConfig:

@@ -19,10 +19,12 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
+
+from .timing import best_time
 
 __all__ = ["collect_states", "run_checkpoint_bench"]
 
@@ -60,20 +62,15 @@ def _snapshot(model, optimizer) -> dict:
                           "param_groups": opt["param_groups"]}}
 
 
-def _tensors(state: dict) -> list[torch.Tensor]:
-    out = list(state["model"].values())
-    for s in state["optimizer"]["state"].values():
-        out += [v for v in s.values() if v.numel() > 1]  # the moments; not the step counters
-    return out
+def _bench_view(state: dict) -> dict:
+    """What every compressor is measured on: the weights and Adam's moments (not the step
+    counters)."""
+    return {"model": state["model"],
+            "optimizer": {i: {k: v for k, v in s.items() if v.numel() > 1} for i, s in state["optimizer"]["state"].items()}}
 
 
-def _timed(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
-    best, result = float("inf"), None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, result
+def _tensors(view: dict) -> list[torch.Tensor]:
+    return [*view["model"].values(), *(v for s in view["optimizer"].values() for v in s.values())]
 
 
 def _rayzip(state: dict, base_state: dict | None, workdir: Path, repeat: int) -> tuple[int, float, float]:
@@ -90,8 +87,8 @@ def _rayzip(state: dict, base_state: dict | None, workdir: Path, repeat: int) ->
             shutil.rmtree(target)
         return checkpoint.save(target, state, base=base)
 
-    c_s, manifest = _timed(compress, repeat)
-    d_s, restored = _timed(lambda: checkpoint.load(target), repeat)
+    c_s, manifest = best_time(compress, repeat, np)
+    d_s, restored = best_time(lambda: checkpoint.load(target), repeat, np)
     for name, value in state["model"].items():  # the benchmark refuses to report a lossy result
         if not torch.equal(value.view(torch.int32), restored["model"][name].view(torch.int32)):
             raise AssertionError(f"rayzip restored {name} inexactly")
@@ -143,13 +140,13 @@ def run_checkpoint_bench(spec_path: Path, steps: int = 200, repeat: int = 3,
     results = []
     tmp = Path(tempfile.mkdtemp(prefix="rayzip-bench-ckpt-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     try:
-        for data, state in states.items():
-            raws = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in _tensors(state)]
+        views = {data: _bench_view(state) for data, state in states.items()}
+        for data, view in views.items():
+            raws = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in _tensors(view)]
             raw_bytes = sum(len(r) for r in raws)
             for name in compressors:
                 if name == "rayzip":
-                    stored, c_s, d_s = _rayzip(_bench_view(state), None if data == "full" else _bench_view(states["full"]),
-                                               tmp, repeat)
+                    stored, c_s, d_s = _rayzip(view, None if data == "full" else views["full"], tmp, repeat)
                 else:
                     make = _zipnn if name == "zipnn" else (lambda level=int(name.split("-")[1]): _zstd(level))
                     # zstd-19 is slow: one timed pass is enough to place it.
@@ -162,12 +159,6 @@ def run_checkpoint_bench(spec_path: Path, steps: int = 200, repeat: int = 3,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"steps": steps, "spacings": list(SPACINGS), "results": results, "comparisons": _comparisons(results)}
-
-
-def _bench_view(state: dict) -> dict:
-    """The same tensors the baselines see: weights and the Adam moments."""
-    return {"model": state["model"],
-            "optimizer": {i: {k: v for k, v in s.items() if v.numel() > 1} for i, s in state["optimizer"]["state"].items()}}
 
 
 def _comparisons(results: list[dict]) -> dict:

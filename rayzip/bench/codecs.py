@@ -7,9 +7,7 @@ hold on a noisy, shared machine where absolute GB/s do not.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -127,7 +125,3 @@ def render_table(report: dict):
                       f"{r['vs_memcpy']:.3f}", f"{r['decode_vs_memcpy']:.3f}", f"{r['rel_error']:.2e}")
     return table
 
-
-def write_json(report: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")

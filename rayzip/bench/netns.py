@@ -171,11 +171,12 @@ class NetnsCluster:
         tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFNAME]
         # A burst of at least rate/250 bytes (4 ms) keeps tbf from starving fast links.
         burst = max(64 * 1024, _rate_bytes(rate) // 250)
+        tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", "200ms"]
         if self.latency:
             _run([*tc, "root", "handle", "1:", "netem", "delay", self.latency])
-            _run([*tc, "parent", "1:", "handle", "2:", "tbf", "rate", rate, "burst", str(burst), "latency", "200ms"])
+            _run([*tc, "parent", "1:", "handle", "2:", *tbf])
         else:
-            _run([*tc, "root", "handle", "1:", "tbf", "rate", rate, "burst", str(burst), "latency", "200ms"])
+            _run([*tc, "root", "handle", "1:", *tbf])
 
     def set_bandwidth(self, rate: str) -> None:
         """Change every worker link's rate while the cluster runs."""

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
-
 from .store import save
 
 __all__ = ["DeltaChain"]

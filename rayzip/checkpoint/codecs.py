@@ -193,7 +193,7 @@ def _index_bits(counts: np.ndarray, total: int, bits: int) -> int:
 CODECS = {"raw": Raw, "planes": Planes, "prefix": Prefix}
 
 
-def candidates(dtype: str, width: int, optimizer_state: bool) -> list[StreamCodec]:
+def candidates(dtype: str, optimizer_state: bool) -> list[StreamCodec]:
     if dtype in ("float32", "float16", "bfloat16", "float64"):
         bits = {"float32": (9, 12), "float16": (6, 8), "bfloat16": (9, 12), "float64": (12,)}[dtype]
         prefixes = [Prefix(b) for b in bits]
@@ -206,7 +206,7 @@ def candidates(dtype: str, width: int, optimizer_state: bool) -> list[StreamCode
 
 def choose(words, base, dtype: str, xp, optimizer_state: bool = False) -> StreamCodec:
     """The candidate that stores a sample of ``words`` smallest."""
-    options = candidates(dtype, 8 * words.dtype.itemsize, optimizer_state)
+    options = candidates(dtype, optimizer_state)
     if len(options) == 1 or words.size <= SAMPLE:
         return options[0]
     # Sixteen evenly spaced runs keep the local structure that zstd's matches find.

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..xp import asnumpy, is_torch
 from .codecs import CODECS, choose, pack_stream, unpack_stream
-from .transforms import tensor_words, words_to_tensor
+from .transforms import WORD_DTYPES, tensor_words, words_to_tensor
 
 __all__ = ["CheckpointError", "FORMAT", "inspect", "load", "save", "verify"]
 
@@ -230,15 +230,13 @@ def _load_tensors(directory: Path, words_only: bool = False, names: set[str] | N
             continue
         dtype, shape = entry["dtype"], tuple(entry["shape"])
         count = int(np.prod(shape, dtype=np.int64))
-        width = _itemsize(dtype)
         prior = None
         if entry["delta"]:
             if name not in base:
                 raise CheckpointError(f"{data_path}: tensor {name!r} is a delta, but base {base_dir} does not hold it")
             prior = base[name][0]
-        word_dtype = np.dtype(f"<u{width}") if width > 1 else np.dtype(np.uint8)
         codec = CODECS[entry["codec"]]()
-        words = codec.decode(streams, entry["params"], count, word_dtype, prior, np)
+        words = codec.decode(streams, entry["params"], count, WORD_DTYPES[_itemsize(dtype)], prior, np)
         if words.size != count or zlib.crc32(words.view(np.uint8)) != entry["crc32"]:
             raise CheckpointError(f"{data_path}: tensor {name!r}: restored words fail their CRC-32")
         tensors[name] = (words, dtype, shape) if words_only else words_to_tensor(words, dtype, shape)
@@ -286,9 +284,8 @@ def inspect(directory: str | os.PathLike) -> dict:
     manifest = _read_manifest(Path(directory))
     rows = []
     for name, entry in manifest["tensors"].items():
-        raw = sum(s["nbytes"] for s in entry["streams"])
-        if not entry.get("pickle"):
-            raw = int(np.prod(entry["shape"], dtype=np.int64)) * _itemsize(entry["dtype"])
+        raw = (sum(s["nbytes"] for s in entry["streams"]) if entry.get("pickle")
+               else int(np.prod(entry["shape"], dtype=np.int64)) * _itemsize(entry["dtype"]))
         stored = sum(s["stored"] for s in entry["streams"])
         rows.append({"name": name, "dtype": entry.get("dtype", "pickle"), "shape": entry.get("shape"),
                      "codec": entry.get("codec", "pickle"), "params": {k: v for k, v in entry.get("params", {}).items() if k != "table"},

@@ -31,7 +31,7 @@ from ..xp import array_module, is_torch
 __all__ = ["WORD_DTYPES", "byte_planes", "from_byte_planes", "prefix_split", "prefix_join",
            "tensor_words", "words_to_tensor"]
 
-WORD_DTYPES = {1: np.uint8, 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+WORD_DTYPES = {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
 def tensor_words(x: Any) -> tuple[Any, Any]:

@@ -34,6 +34,12 @@ def check_error_feedback(codec) -> None:
         raise CodecError(issue)
 
 
+def _check_layout(what: str, name: str, held, flat) -> None:
+    if held.shape != flat.shape:
+        raise ValueError(f"{what} for {name!r} holds {held.size} elements, "
+                         f"the input has {flat.size}: the bucket layout changed")
+
+
 class ErrorFeedback:
     """Residuals by name. They live on the tensors' device, in float32."""
 
@@ -50,9 +56,7 @@ class ErrorFeedback:
         if residual is None:
             out = flat.astype(xp.float32)  # always a new array: x is never modified
         else:
-            if residual.shape != flat.shape:
-                raise ValueError(f"error feedback for {name!r} holds {residual.size} elements, "
-                                 f"the input has {flat.size}: the bucket layout changed")
+            _check_layout("error feedback", name, residual, flat)
             out = xp.add(flat, residual, dtype=xp.float32)
         out = out.reshape(arr.shape)
         if is_torch(x):
@@ -121,9 +125,7 @@ class MomentumCorrection(ErrorFeedback):
         if velocity is None:
             velocity = flat.astype(xp.float32)
         else:
-            if velocity.shape != flat.shape:
-                raise ValueError(f"momentum for {name!r} holds {velocity.size} elements, "
-                                 f"the input has {flat.size}: the bucket layout changed")
+            _check_layout("momentum", name, velocity, flat)
             velocity *= self.momentum
             velocity += flat
         self.velocities[name] = velocity

@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -45,18 +46,16 @@ class Transport:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over all workers, in place."""
-        start = time.perf_counter()
-        dist.all_reduce(tensor, group=self.group)
-        self.network_s += time.perf_counter() - start
+        with self._on_network():
+            dist.all_reduce(tensor, group=self.group)
         self._count(ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world))
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every worker's ``tensor`` (all the same size), in rank order."""
         out = [torch.empty_like(tensor) for _ in range(self.world)]
-        start = time.perf_counter()
-        dist.all_gather(out, tensor, group=self.group)
-        self.network_s += time.perf_counter() - start
+        with self._on_network():
+            dist.all_gather(out, tensor, group=self.group)
         self._count((self.world - 1) * tensor.numel() * tensor.element_size())
         return out
 
@@ -77,12 +76,19 @@ class Transport:
         return received, int(incoming[1])
 
     def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
-        start = time.perf_counter()
         ops = [dist.P2POp(dist.isend, send, dst, group=self.group),
                dist.P2POp(dist.irecv, recv, src, group=self.group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        self.network_s += time.perf_counter() - start
+        with self._on_network():
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    @contextmanager
+    def _on_network(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.network_s += time.perf_counter() - start
 
     def _count(self, nbytes: int) -> None:
         self.bytes_sent += nbytes

@@ -41,7 +41,7 @@ class StepStats:
     comm_s: float = 0.0  # hook entry to averaged gradient, summed over buckets
     network_s: float = 0.0  # of comm_s, inside torch.distributed (wire and waiting for peers)
     numel: int = 0
-    buckets: list[int] = field(default_factory=list)  # element count of each bucket sent
+    buckets: list[int] = field(default_factory=list)  # element count of each exchange (the whole gradient, once)
     verify_max_abs_err: float | None = None
     verify_documented_bytes: int | None = None  # verify mode: bytes_sent by the wire formulas
     messages: list[int] = field(default_factory=list)

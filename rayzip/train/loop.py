@@ -121,7 +121,13 @@ def _restore(checkpoint, rank: int, world: int, model, optimizer, state, chain: 
         if chain is not None:
             chain.history = list(trainer.get("chain", []))
         _unwrap(model).load_state_dict(trainer["model"])
+        # The saved param groups carry their momentum, which lives in the hook or in the
+        # optimizer depending on the world size that saved them: keep this run's own.
+        momentum = [group.get("momentum") for group in optimizer.param_groups]
         optimizer.load_state_dict(trainer["optimizer"])
+        for group, value in zip(optimizer.param_groups, momentum):
+            if value is not None:
+                group["momentum"] = value
         torch.set_rng_state(trainer["torch_rng"])
         mine = path / f"rank{rank}"
         if state is not None and mine.exists():
@@ -154,8 +160,7 @@ def train_loop(config: dict) -> None:
     counter = (register_torch_hook(model, comp.torch_hook, comp.powersgd_rank, comp.powersgd_start_iter)
                if ddp and comp.torch_hook else None)
     # At world size 1 there is no hook, so momentum stays in the optimizer.
-    momentum_in_hook = state is not None and comp.momentum_correction
-    optimizer = _optimizer(training, model.parameters(), momentum_in_hook)
+    optimizer = _optimizer(training, model.parameters(), momentum_in_hook=state is not None and comp.momentum_correction)
     numel = sum(p.numel() for p in model.parameters())
 
     mine = shard(len(x_train), rank, world, training.seed)
@@ -166,9 +171,6 @@ def train_loop(config: dict) -> None:
     if rank == 0 and config.get("chain_dir") and spec.checkpoint.full_every > 1:
         chain = DeltaChain(config["chain_dir"], spec.checkpoint.full_every, spec.checkpoint.num_to_keep)
     start, totals, accuracy = _restore(ray.train.get_checkpoint(), rank, world, model, optimizer, state, chain)
-    if training.optimizer == "sgd":  # a checkpoint from another world size may hold the other setting
-        for group in optimizer.param_groups:
-            group["momentum"] = 0.0 if momentum_in_hook else training.momentum
     totals = {"bytes_sent": 0, "dense_bytes": 0, "train_s": 0.0, "step_s": 0.0, "comm_s": 0.0, "network_s": 0.0,
               "timed_steps": 0, **totals}
     every = spec.checkpoint.every_steps
