@@ -220,7 +220,8 @@ def bench_checkpoint(
                                                      "jobs/bench-synthetic.yaml)."),
     steps: int = typer.Option(200, min=1, help="Adam steps before the full checkpoint."),
     repeat: int = typer.Option(3, min=1, help="Timed repetitions; the fastest counts."),
-    compressors: str = typer.Option("rayzip,zstd-3,zstd-19,zipnn", help="Comma-separated compressors."),
+    compressors: str = typer.Option("rayzip,rayzip-1t,zstd-3,zstd-19,zipnn",
+                                    help="Comma-separated compressors (rayzip-1t: rayzip on one thread)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
     """Checkpoint ratio and speed: rayzip against zstd and ZipNN on a real training run's state."""
@@ -229,10 +230,11 @@ def bench_checkpoint(
     from .bench.cluster import DEFAULT_SPEC
 
     chosen = tuple(c.strip() for c in compressors.split(",") if c.strip())
-    unknown = [c for c in chosen if c not in ("rayzip", "zstd-3", "zstd-19", "zipnn")]
+    known = ("rayzip", "rayzip-1t", "zstd-3", "zstd-19", "zipnn")
+    unknown = [c for c in chosen if c not in known]
     if unknown:
         console.print(f"[red]error:[/red] unknown compressor(s) {', '.join(unknown)}; "
-                      "choose from rayzip, zstd-3, zstd-19, zipnn", highlight=False)
+                      f"choose from {', '.join(known)}", highlight=False)
         raise typer.Exit(2)
     if "zipnn" in chosen:
         try:

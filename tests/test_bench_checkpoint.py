@@ -19,12 +19,12 @@ def test_bench_checkpoint_compares_rayzip_zstd_and_zipnn_on_the_same_data(tmp_pa
                                     "dataset": {"name": "digits"}}))
     out = tmp_path / "ckpt.json"
     result = runner.invoke(app, ["bench", "checkpoint", "--spec", str(spec), "--steps", "3", "--repeat", "1",
-                                 "--compressors", "rayzip,zstd-3,zipnn", "--json", str(out)])
+                                 "--compressors", "rayzip,rayzip-1t,zstd-3,zipnn", "--json", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     rows = report["results"]
     assert {(r["data"], r["compressor"]) for r in rows} == {
-        (d, c) for d in ("full", "delta-1", "delta-10", "delta-100") for c in ("rayzip", "zstd-3", "zipnn")}
+        (d, c) for d in ("full", "delta-1", "delta-10", "delta-100") for c in ("rayzip", "rayzip-1t", "zstd-3", "zipnn")}
     for r in rows:
         assert {"data", "compressor", "ratio", "compress_gbps", "decompress_gbps"} <= set(r)
         assert r["ratio"] == pytest.approx(r["raw_bytes"] / r["stored_bytes"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from rayzip import checkpoint
-from rayzip.checkpoint import CheckpointError
+from rayzip.checkpoint import CheckpointError, codecs, transforms
 from rayzip.checkpoint.codecs import Planes, Prefix
 from rayzip.checkpoint.transforms import tensor_words
 from rayzip.cli import app
@@ -63,10 +64,34 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int
           torch.int8, torch.uint8, torch.bool]
 
 
-@settings(max_examples=60, deadline=None)
+@contextlib.contextmanager
+def engine(name: str):
+    """``kernels``: the C kernels (Huffman coding); ``numpy``: the fallback without them."""
+    saved = transforms.kernels, codecs.kernels
+    if name == "numpy":
+        transforms.kernels = codecs.kernels = None
+    try:
+        yield
+    finally:
+        transforms.kernels, codecs.kernels = saved
+
+
+def test_the_c_kernels_are_built():
+    # CI builds them (setup.py); without them every test below would pass on the fallback alone.
+    assert transforms.kernels is not None and codecs.kernels is not None
+
+
+@pytest.mark.parametrize("name", ["kernels", "numpy"])
+@settings(max_examples=40, deadline=None)
 @given(dtype=st.sampled_from(DTYPES), shape=st.lists(st.integers(0, 70), min_size=0, max_size=3),
-       seed=st.integers(0, 2**16), delta=st.booleans(), big=st.booleans())
-def test_round_trip_is_bit_exact_over_dtypes_shapes_and_special_values(tmp_path_factory, dtype, shape, seed, delta, big):
+       seed=st.integers(0, 2**16), delta=st.booleans(), big=st.booleans(), threads=st.sampled_from([1, 2]))
+def test_round_trip_is_bit_exact_over_dtypes_shapes_and_special_values(tmp_path_factory, name, dtype, shape, seed,
+                                                                       delta, big, threads):
+    with engine(name):
+        _round_trip(tmp_path_factory, dtype, shape, seed, delta, big, threads)
+
+
+def _round_trip(tmp_path_factory, dtype, shape, seed, delta, big, threads):
     if big:  # large enough for the codec choice to sample and try the prefix mapping
         shape = [70_000 + seed % 7]
     tmp = tmp_path_factory.mktemp("ckpt")
@@ -76,7 +101,8 @@ def test_round_trip_is_bit_exact_over_dtypes_shapes_and_special_values(tmp_path_
         moved = special_tensor(dtype, tuple(shape), seed + 1)
         checkpoint.save(tmp / "base", {"optimizer": {"m": moved}, "w": moved})
         base = tmp / "base"
-    checkpoint.save(tmp / "c", {"optimizer": {"m": t}, "w": t, "step": 7, "note": ("a", 1.5, None)}, base=base)
+    checkpoint.save(tmp / "c", {"optimizer": {"m": t}, "w": t, "step": 7, "note": ("a", 1.5, None)}, base=base,
+                    threads=threads)
     back = checkpoint.load(tmp / "c")
     assert_bit_exact(t, back["w"])
     assert_bit_exact(t, back["optimizer"]["m"])
@@ -93,6 +119,77 @@ def test_each_float_codec_round_trips_with_and_without_base(codec):
         back = codec.decode([np.ascontiguousarray(s).view(np.uint8) for s in streams], params, words.size,
                             words.dtype, prior, np)
         assert np.array_equal(back, words)
+
+
+def skewed_bytes(kind: int, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == 0:
+        return rng.integers(0, 256, n, dtype=np.uint8)
+    if kind == 1:
+        return np.full(n, seed % 256, dtype=np.uint8)
+    if kind == 2:  # geometric: up to 255 distinct values, long codes in the tail
+        return np.minimum(rng.geometric(0.05, n), 255).astype(np.uint8)
+    if kind == 3:  # runs of alike values, as exponents of optimizer state
+        return (120 + np.cumsum(rng.integers(-1, 2, n)) % 9).astype(np.uint8)
+    return (rng.zipf(1.2, n) % 256).astype(np.uint8)  # one value dominates, a very long tail
+
+
+@settings(max_examples=80, deadline=None)
+@given(kind=st.integers(0, 4), n=st.integers(1, 20_000), seed=st.integers(0, 2**16), order=st.integers(0, 1))
+def test_huffman_round_trips_any_bytes(kind, n, seed, order):
+    data = skewed_bytes(kind, n, seed)
+    stream = transforms.kernels.huffman_encode(data, order)
+    back = np.empty_like(data)
+    transforms.kernels.huffman_decode(stream, back)
+    assert np.array_equal(back, data)
+
+
+def test_a_damaged_huffman_stream_is_an_error_or_other_bytes_never_a_crash():
+    data = skewed_bytes(3, 50_000, 1)
+    stream = transforms.kernels.huffman_encode(data, 1)
+    rng = np.random.default_rng(0)
+    out = np.empty_like(data)
+    errors = 0
+    for trial in range(300):
+        damaged = bytearray(stream)
+        for at in rng.integers(0, len(damaged), 1 + trial % 5):
+            damaged[at] ^= int(rng.integers(1, 256))
+        if trial % 3 == 0:
+            damaged = damaged[: int(rng.integers(0, len(damaged)))]
+        try:
+            transforms.kernels.huffman_decode(bytes(damaged), out)
+        except ValueError:
+            errors += 1
+    assert errors > 0  # the stored checksums catch the rest before decoding
+
+
+def test_planes_and_prefix_kernels_match_numpy():
+    t = special_tensor(torch.float32, (10_000,), 3)
+    base = special_tensor(torch.float32, (10_000,), 4)
+    words, prior = tensor_words(t)[0], tensor_words(base)[0]
+    for codec in (Planes(rotate=1), Prefix(9), Prefix(12)):
+        fast = codec.encode(words, prior, np)
+        with engine("numpy"):
+            slow = codec.encode(words, prior, np)
+        assert fast[1] == slow[1]
+        assert all(np.array_equal(np.asarray(a).view(np.uint8).ravel(), np.asarray(b).view(np.uint8).ravel())
+                   for a, b in zip(fast[0], slow[0]))
+
+
+def test_threads_write_the_same_bytes(tmp_path):
+    state = adam_state(0)(3)
+    one, blobs_one = checkpoint.encode(state, threads=1)
+    two, blobs_two = checkpoint.encode(state, threads=2)
+    assert b"".join(blobs_one) == b"".join(blobs_two) and one["checksum"] == two["checksum"]
+    assert_bit_exact(checkpoint.decode(two, blobs_two)["model"]["0.weight"], state["model"]["0.weight"])
+
+
+def test_a_huffman_checkpoint_without_the_kernels_is_a_clear_error(tmp_path):
+    checkpoint.save(tmp_path / "c", adam_state(0)(3))
+    assert any(s["coding"] == "huffman" for e in checkpoint.inspect(tmp_path / "c")["tensors"] for s in
+               json.loads((tmp_path / "c" / "manifest.json").read_text())["tensors"][e["name"]]["streams"])
+    with engine("numpy"), pytest.raises(CheckpointError, match="C kernels are not built"):
+        checkpoint.load(tmp_path / "c")
 
 
 def adam_state(steps: int, seed: int = 0):
@@ -149,7 +246,7 @@ def test_a_flipped_byte_names_the_file_and_the_tensor(tmp_path):
     data = bytearray((path / "tensors.bin").read_bytes())
     data[stream["offset"] + stream["stored"] // 2] ^= 0x10
     (path / "tensors.bin").write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"tensors\.bin: tensor '/optimizer/m'.*CRC"):
+    with pytest.raises(CheckpointError, match=r"tensors\.bin: tensor '/optimizer/m'.*checksum"):
         checkpoint.load(path)
     result = CliRunner().invoke(app, ["checkpoint", "verify", str(path)])
     assert result.exit_code == 1 and "/optimizer/m" in result.output

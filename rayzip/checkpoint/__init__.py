@@ -1,5 +1,6 @@
 """Lossless compressed checkpoints: XOR deltas of weights against a base, prefix-index
-mapping of optimizer state, byte planes and zstd, with a checksum per tensor.
+mapping of optimizer state, byte planes coded by Huffman (order 0 or 1) or zstd, with a
+checksum per tensor.
 
 Usage::
 
@@ -8,9 +9,10 @@ Usage::
     checkpoint.save("ckpt-100", {"model": model.state_dict(), "optimizer": opt.state_dict()})
     checkpoint.save("ckpt-110", state, base="ckpt-100")    # deltas against ckpt-100
     state = checkpoint.load("ckpt-110")                     # bit-exact
+    manifest, blobs = checkpoint.encode(state)              # the same, in memory
 """
 
 from .chain import DeltaChain
-from .store import CheckpointError, inspect, load, save, verify
+from .store import CheckpointError, decode, encode, inspect, load, save, verify
 
-__all__ = ["CheckpointError", "DeltaChain", "inspect", "load", "save", "verify"]
+__all__ = ["CheckpointError", "DeltaChain", "decode", "encode", "inspect", "load", "save", "verify"]

@@ -22,39 +22,155 @@ from typing import Any
 
 import numpy as np
 import zstandard
+import threading
 
 from ..codecs.bitpack import pack_bits, unpack_bits
 from ..xp import asnumpy
-from .transforms import byte_planes, from_byte_planes, prefix_join, prefix_split
+from .transforms import byte_planes, from_byte_planes, kernels, prefix_join, prefix_split
 
-__all__ = ["CODECS", "StreamCodec", "choose", "pack_stream", "unpack_stream"]
+__all__ = ["CODECS", "StreamCodec", "byte_entropy", "choose", "context_entropy", "pack_stream", "unpack_stream"]
 
 ZSTD_LEVEL = 1  # higher levels gain < 2% on float planes at several times the time
-SAMPLE = 1 << 16  # elements tried per candidate when choosing
+SAMPLE = 1 << 14  # elements tried per candidate when choosing
 
 
-_COMPRESSORS: dict[int, Any] = {}
+_COMPRESSORS = threading.local()
 PROBE = 1 << 16  # bytes of a stream's head tried first
+RAW_ABOVE = 7.9  # bits per byte: near-random mantissa planes are stored as they are
+RUNS_BELOW = 1.0  # bits per byte: mostly one value; zstd's matches beat Huffman's 1-bit floor
+HUFFMAN_FROM = 4096  # bytes: below this, the 128-byte code table does not pay
+TABLE_BYTES = 128  # one Huffman code table: 256 4-bit code lengths
+ORDER1_CONTEXTS = 64  # order-1 codes pay where few byte values precede (exponents); with
+# many, their tables and decoding cost more than they save
+MIXED_ABOVE = 5.0  # bits per byte from which zstd's fastest level is tried
+ZSTD_FAST = -1
+PLAN_SAMPLE = 1 << 18  # bytes of a stream whose statistics decide its coding
 
 
-def pack_stream(data, level: int = ZSTD_LEVEL) -> tuple[Any, bool]:
-    """(stored bytes, zstd?) for one stream: compressed when that is smaller.
+def _bytes(data) -> np.ndarray:
+    return np.ascontiguousarray(asnumpy(data)).reshape(-1).view(np.uint8)
 
-    A stream whose first 64 KB do not shrink by 2% (the low mantissa bytes of floats are
-    near-random) is stored raw without compressing the rest.
+
+def _entropy(counts: np.ndarray) -> float:
+    """Bits per symbol of a histogram."""
+    total = counts.sum()
+    p = counts[counts > 0].astype(np.float64) / max(float(total), 1.0)
+    return float(-(p * np.log2(p)).sum())
+
+
+def byte_entropy(data) -> float:
+    """Bits per byte of ``data`` under its own byte histogram (order-0 entropy)."""
+    arr = _bytes(data)
+    if kernels is not None:
+        counts = np.empty(256, dtype=np.uint64)
+        kernels.histogram(arr, counts)
+    else:
+        counts = np.bincount(arr, minlength=256)
+    return _entropy(counts)
+
+
+def pair_counts(data) -> np.ndarray:
+    """Order-1 byte counts, ``[previous * 256 + byte]`` (the first byte after a 0)."""
+    arr = _bytes(data)
+    if kernels is not None:
+        pairs = np.empty(1 << 16, dtype=np.uint64)
+        kernels.pair_histogram(arr, pairs)
+        return pairs
+    return np.bincount(np.concatenate([[0], arr[:-1]]).astype(np.int64) << 8 | arr, minlength=1 << 16)
+
+
+def context_entropy(data, pairs: np.ndarray | None = None) -> tuple[float, float, int]:
+    """(order-0 bits per byte, order-1 bits per byte given the byte before, contexts seen)."""
+    pairs = pair_counts(data) if pairs is None else pairs
+    if kernels is not None:
+        return kernels.pair_entropy(np.ascontiguousarray(pairs, dtype=np.uint64))
+    pairs = pairs.reshape(256, 256).astype(np.float64)
+    rows = np.broadcast_to(pairs.sum(axis=1, keepdims=True), pairs.shape)
+    seen = pairs > 0
+    # H(byte | previous) = sum over pairs of n(a, b) * log2(n(a) / n(a, b)), per byte
+    conditional = float((pairs[seen] * np.log2(rows[seen] / pairs[seen])).sum()) / max(pairs.sum(), 1.0)
+    return _entropy(pairs.sum(axis=0)), conditional, int(seen.any(axis=1).sum())
+
+
+def _sample(arr: np.ndarray, size: int) -> np.ndarray:
+    """Four evenly spaced runs of ``size`` bytes in all."""
+    if arr.size <= size:
+        return arr
+    run = size // 4
+    return np.concatenate([arr[s: s + run] for s in np.linspace(0, arr.size - run, 4).astype(np.int64)])
+
+
+def _plan(arr: np.ndarray) -> tuple[str, int, float]:
+    """How a stream of bytes should be coded: ``(coding, parameter, estimated stored
+    bytes)``, the parameter being the Huffman order or the zstd level. Statistics of a
+    256 KB sample decide:
+
+    * near-random (>= 7.9 bits per byte: low mantissa bytes): raw;
+    * nearly all one value (< 1 bit per byte: unchanged tensors, exponents of XOR deltas):
+      zstd, whose matches encode long runs below Huffman's 1-bit floor;
+    * few contexts and a skewed distribution given the byte before (exponents of optimizer
+      state, where neighbours are alike): order-1 Huffman, a code per preceding byte;
+    * skewed (exponents of weights, prefix indices): order-0 Huffman;
+    * between (5 bits or more: the mantissa bytes of XOR deltas, whose zero runs zstd's
+      matches take): zstd at its fastest level when that beats the order-0 estimate.
     """
-    arr = np.ascontiguousarray(asnumpy(data)).reshape(-1).view(np.uint8)
     if arr.size < 64:
-        return arr.tobytes(), False
-    compressor = _COMPRESSORS.get(level) or _COMPRESSORS.setdefault(level, zstandard.ZstdCompressor(level=level))
+        return "raw", 0, float(arr.size)
+    sample = _sample(arr, PLAN_SAMPLE)
+    scale = arr.size / sample.size
+    if byte_entropy(sample) >= RAW_ABOVE:  # 256 counts: cheaper than the 65536 pairs
+        return "raw", 0, float(arr.size)
+    order0, order1, contexts = context_entropy(sample)
+    if order0 < RUNS_BELOW or arr.size < HUFFMAN_FROM:
+        return "zstd", ZSTD_LEVEL, _zstd_bytes(sample, ZSTD_LEVEL) * scale
+    order0_bytes = arr.size * order0 / 8 + TABLE_BYTES
+    order1_bytes = arr.size * order1 / 8 + TABLE_BYTES * contexts
+    if contexts <= ORDER1_CONTEXTS and order1_bytes < 0.98 * order0_bytes:
+        return "huffman", 1, order1_bytes
+    if order0 >= MIXED_ABOVE:
+        fast = _zstd_bytes(sample, ZSTD_FAST) * scale
+        if fast < order0_bytes:
+            return "zstd", ZSTD_FAST, fast
+    return "huffman", 0, order0_bytes
+
+
+def _zstd_bytes(data: np.ndarray, level: int) -> int:
+    return len(_compressor(level).compress(data))
+
+
+def _compressor(level: int):
+    """This thread's compressor for ``level`` (a ZstdCompressor is not thread-safe)."""
+    mine = _COMPRESSORS.__dict__.setdefault("by_level", {})
+    return mine.get(level) or mine.setdefault(level, zstandard.ZstdCompressor(level=level))
+
+
+def pack_stream(data, level: int = ZSTD_LEVEL) -> tuple[Any, str]:
+    """(stored bytes, coding) for one stream; coding is ``raw``, ``huffman`` or ``zstd``,
+    as :func:`_plan` decides. Without the C kernels, zstd codes every stream whose first
+    64 KB shrink."""
+    arr = _bytes(data)
+    if arr.size < 64:
+        return arr, "raw"
+    if kernels is not None:
+        coding, parameter, _ = _plan(arr)
+        packed = (arr if coding == "raw" else kernels.huffman_encode(arr, parameter) if coding == "huffman"
+                  else _compressor(parameter).compress(arr))
+        return (packed, coding) if len(packed) < arr.size else (arr, "raw")
+    compressor = _compressor(level)
     if arr.size > 4 * PROBE and len(compressor.compress(arr[:PROBE])) > 0.98 * PROBE:
-        return arr, False
+        return arr, "raw"
     packed = compressor.compress(arr)
-    return (packed, True) if len(packed) < arr.size else (arr, False)
+    return (packed, "zstd") if len(packed) < arr.size else (arr, "raw")
 
 
-def unpack_stream(blob: bytes, compressed: bool, nbytes: int) -> np.ndarray:
-    data = zstandard.ZstdDecompressor().decompress(blob, max_output_size=nbytes) if compressed else blob
+def unpack_stream(blob: bytes, coding: str, nbytes: int) -> np.ndarray:
+    if coding == "huffman":
+        if kernels is None:
+            raise ValueError("the stream is Huffman-coded and rayzip's C kernels are not built")
+        data = np.empty(nbytes, dtype=np.uint8)
+        kernels.huffman_decode(blob, data)
+        return data
+    data = zstandard.ZstdDecompressor().decompress(blob, max_output_size=nbytes) if coding == "zstd" else blob
     if len(data) != nbytes:
         raise ValueError(f"stream holds {len(data)} bytes, {nbytes} expected")
     return np.frombuffer(data, dtype=np.uint8)
@@ -93,23 +209,10 @@ class Planes(StreamCodec):
         self.rotate = rotate
 
     def encode(self, words, base, xp):
-        words = self._delta(words, base)
-        if self.rotate:
-            words = _rotate_left(words, self.rotate)
-        return list(byte_planes(words, xp)), {"rotate": self.rotate}
+        return list(byte_planes(words, xp, base=base, rotate=self.rotate)), {"rotate": self.rotate}
 
     def decode(self, streams, params, count, dtype, base, xp):
-        words = from_byte_planes([xp.asarray(s) for s in streams], dtype, xp)
-        rotate = params.get("rotate", 0)
-        if rotate:
-            words = _rotate_left(words, 8 * words.dtype.itemsize - rotate)
-        return self._delta(words, base)
-
-
-def _rotate_left(words, r: int):
-    width = 8 * words.dtype.itemsize
-    kind = words.dtype.type
-    return (words << kind(r)) | (words >> kind(width - r))
+        return from_byte_planes([xp.asarray(s) for s in streams], dtype, xp, base=base, rotate=params.get("rotate", 0))
 
 
 class Prefix(StreamCodec):
@@ -121,10 +224,17 @@ class Prefix(StreamCodec):
     def encode(self, words, base, xp):
         width = 8 * words.dtype.itemsize
         bits = self.bits or default_prefix_bits(width)
-        words = self._delta(words, base)
-        prefix, low = prefix_split(words, bits, xp)
-        # Prefixes are < 2**bits <= 65536: a histogram, not a sort, finds the distinct ones.
-        histogram = xp.bincount(prefix.astype(xp.int64) if xp is not np else prefix, minlength=1 << bits)
+        fused = kernels is not None and xp is np
+        if fused:
+            words = np.ascontiguousarray(words)
+            base = None if base is None else np.ascontiguousarray(base)
+            histogram = np.empty(1 << bits, dtype=np.uint64)
+            kernels.prefix_histogram(words, width // 8, bits, base, histogram)
+        else:
+            words = self._delta(words, base)
+            prefix, low = prefix_split(words, bits, xp)
+            # Prefixes are < 2**bits <= 65536: a histogram, not a sort, finds the distinct ones.
+            histogram = xp.bincount(prefix.astype(xp.int64) if xp is not np else prefix, minlength=1 << bits)
         values = xp.flatnonzero(histogram)
         counts = histogram[values]
         order = xp.argsort(-counts, kind="stable")
@@ -134,16 +244,24 @@ class Prefix(StreamCodec):
         table = values[:escape]
         lookup = xp.full(1 << bits, escape, dtype=xp.uint8 if index_bits <= 8 else xp.uint16)
         lookup[table] = xp.arange(table.size, dtype=lookup.dtype)
-        indices = lookup[prefix]
-        escaped = prefix[indices == escape].astype("<u2")
-        # zstd's Huffman stage codes byte-wide indices near their entropy; when that is no
-        # better than the fixed width, bit-packing is smaller and costs no compression.
+        low_count = -(-(width - bits) // 8)
+        if fused:
+            indices = np.empty(words.size, dtype=lookup.dtype)
+            escaped = np.empty(2 * words.size, dtype=np.uint8)
+            low_planes = np.empty((low_count, words.size), dtype=np.uint8)
+            escaped = escaped[: 2 * kernels.prefix_map(words, width // 8, bits, base, lookup, escape,
+                                                       indices, escaped, low_planes)]
+        else:
+            indices = lookup[prefix]
+            escaped = prefix[indices == escape].astype("<u2").view(xp.uint8)
+            low_planes = byte_planes(low, xp)[:low_count]
+        # Byte-wide indices are Huffman-coded near their entropy; when that is no better than
+        # the fixed width, bit-packing is as small and costs no coding.
         packed = _entropy_bits(asnumpy(counts[:escape]), words.size) > 0.95 * index_bits
         index_stream = (pack_bits(indices, index_bits, xp) if packed else
                         indices.astype(xp.uint8) if index_bits <= 8 else indices.astype("<u2").view(xp.uint8))
-        low_planes = byte_planes(low, xp)[: -(-(width - bits) // 8)]
         params = {"bits": bits, "index_bits": index_bits, "table": asnumpy(table).tolist(), "packed": packed}
-        return [index_stream, escaped.view(xp.uint8), *low_planes], params
+        return [index_stream, escaped, *low_planes], params
 
     def decode(self, streams, params, count, dtype, base, xp):
         bits, index_bits = params["bits"], params["index_bits"]
@@ -194,22 +312,27 @@ CODECS = {"raw": Raw, "planes": Planes, "prefix": Prefix}
 
 
 def candidates(dtype: str, optimizer_state: bool) -> list[StreamCodec]:
+    """The codecs worth trying for a dtype, the default (fastest) first."""
     if dtype in ("float32", "float16", "bfloat16", "float64"):
         bits = {"float32": (9, 12), "float16": (6, 8), "bfloat16": (9, 12), "float64": (12,)}[dtype]
         prefixes = [Prefix(b) for b in bits]
         planes = [Planes(rotate=1), Planes()]
-        return [*prefixes, *planes] if optimizer_state else [*planes, *prefixes]
+        return [*prefixes, *planes] if optimizer_state and PREFIX_FIRST else [*planes, *prefixes]
     if dtype.startswith(("int", "uint")) or dtype == "bool":
         return [Planes()]
     return [Raw()]
 
 
+PREFIX_FIRST = False
+MARGIN = 0.02  # another codec replaces the default only when it stores the sample this much smaller
+
+
 def choose(words, base, dtype: str, xp, optimizer_state: bool = False) -> StreamCodec:
-    """The candidate that stores a sample of ``words`` smallest."""
+    """The default codec, unless another stores a sample of ``words`` at least 2% smaller."""
     options = candidates(dtype, optimizer_state)
     if len(options) == 1 or words.size <= SAMPLE:
         return options[0]
-    # Sixteen evenly spaced runs keep the local structure that zstd's matches find.
+    # Sixteen evenly spaced runs keep the local structure that order-1 codes and zstd use.
     run = SAMPLE // 16
     starts = np.linspace(0, words.size - run, 16).astype(np.int64)
     sample = xp.concatenate([words[s: s + run] for s in starts])
@@ -217,5 +340,6 @@ def choose(words, base, dtype: str, xp, optimizer_state: bool = False) -> Stream
     sizes = []
     for codec in options:
         streams, _ = codec.encode(sample, sample_base, xp)
-        sizes.append(sum(len(pack_stream(s)[0]) for s in streams))
-    return options[int(np.argmin(sizes))]
+        sizes.append(sum(_plan(_bytes(s))[2] for s in streams))
+    best = int(np.argmin(sizes))
+    return options[best] if sizes[best] < (1 - MARGIN) * sizes[0] else options[0]

@@ -28,8 +28,13 @@ import numpy as np
 
 from ..xp import array_module, is_torch
 
-__all__ = ["WORD_DTYPES", "byte_planes", "from_byte_planes", "prefix_split", "prefix_join",
-           "tensor_words", "words_to_tensor"]
+try:  # the C kernels (setup.py); numpy does the same work, slower, without them
+    from . import _kernels as kernels
+except ImportError:  # pragma: no cover - depends on the build
+    kernels = None
+
+__all__ = ["WORD_DTYPES", "byte_planes", "from_byte_planes", "kernels", "prefix_split", "prefix_join",
+           "rotate_left", "tensor_words", "words_to_tensor"]
 
 WORD_DTYPES = {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
@@ -66,9 +71,19 @@ def words_to_tensor(words, dtype: str, shape: tuple[int, ...]):
     return raw.view(getattr(torch, dtype)).reshape(shape)
 
 
-def byte_planes(words, xp):
-    """``(itemsize, numel)`` uint8: row j holds byte j (little-endian) of every word."""
+def byte_planes(words, xp, base=None, rotate: int = 0):
+    """``(itemsize, numel)`` uint8: row j holds byte j (little-endian) of every word, after
+    the word is XORed with ``base`` (when given) and rotated left by ``rotate`` bits."""
     width = words.dtype.itemsize
+    if kernels is not None and xp is np:
+        planes = np.empty((width, words.size), dtype=np.uint8)
+        kernels.split_planes(np.ascontiguousarray(words), planes, width, rotate,
+                             None if base is None else np.ascontiguousarray(base))
+        return planes
+    if base is not None:
+        words = words ^ base
+    if rotate:
+        words = rotate_left(words, rotate)
     as_bytes = words.view(xp.uint8).reshape(-1, width)
     planes = xp.empty((width, words.size), dtype=xp.uint8)
     for j in range(width):  # one strided column at a time: 4x faster than a transpose copy
@@ -76,13 +91,31 @@ def byte_planes(words, xp):
     return planes
 
 
-def from_byte_planes(planes, dtype, xp):
-    """Inverse of :func:`byte_planes`; ``planes`` may also be a list of the rows."""
+def from_byte_planes(planes, dtype, xp, base=None, rotate: int = 0):
+    """Inverse of :func:`byte_planes`; ``planes`` is the 2-D array or a list of its rows."""
+    dtype = np.dtype(dtype)
     width, count = len(planes), len(planes[0])
+    if kernels is not None and xp is np:
+        stacked = planes if isinstance(planes, np.ndarray) else np.concatenate(planes)
+        words = np.empty(count, dtype=dtype)
+        kernels.join_planes(np.ascontiguousarray(stacked), words, width, rotate,
+                            None if base is None else np.ascontiguousarray(base))
+        return words
     out = xp.empty((count, width), dtype=xp.uint8)
     for j in range(width):
         out[:, j] = planes[j]
-    return out.reshape(-1).view(dtype)
+    words = out.reshape(-1).view(dtype)
+    if rotate:
+        words = rotate_left(words, 8 * width - rotate)
+    return words if base is None else words ^ base
+
+
+def rotate_left(words, r: int):
+    """Rotating a float's word left by one moves the sign bit to the bottom, so the top byte
+    of fp32 and bf16 is exactly the exponent."""
+    width = 8 * words.dtype.itemsize
+    kind = words.dtype.type
+    return (words << kind(r)) | (words >> kind(width - r))
 
 
 def prefix_split(words, bits: int, xp):

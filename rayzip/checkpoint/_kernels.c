@@ -1,0 +1,675 @@
+/* Fused single-pass kernels for checkpoint compression on the CPU.
+ *
+ * numpy needs one pass over memory per operation (XOR, rotate, one strided copy per byte
+ * plane, a histogram per plane), and zstd's match finder is slow on byte planes that have
+ * no repeats to find, only a skewed distribution. These kernels do the plane transforms in
+ * one pass and code a plane's bytes with a canonical Huffman code, which is what a skewed
+ * order-0 distribution needs. rayzip.checkpoint falls back to numpy and zstd when this
+ * module is not built.
+ *
+ * A code table is 128 bytes of code lengths (two 4-bit lengths per byte, symbol 2k in the
+ * low nibble, 0 = absent). Codes form an LSB-first bit stream, each code's bits reversed so
+ * that the decoder indexes its table with the low bits of its buffer. Codes are at most
+ * MAX_BITS long.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_BITS 11
+#define HEADER 128
+
+static inline uint64_t load64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline void store32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static inline void store64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+
+static void byte_histogram(const uint8_t *src, Py_ssize_t n, uint64_t counts[256]) {
+    /* Four tables, so that runs of one byte value do not serialise on one counter. */
+    uint64_t t[4][256];
+    memset(t, 0, sizeof t);
+    Py_ssize_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        t[0][src[i]]++; t[1][src[i + 1]]++; t[2][src[i + 2]]++; t[3][src[i + 3]]++;
+    }
+    for (; i < n; i++) t[0][src[i]]++;
+    for (int s = 0; s < 256; s++) counts[s] = t[0][s] + t[1][s] + t[2][s] + t[3][s];
+}
+
+typedef struct { uint64_t weight; int symbol; } Leaf;
+
+static int by_weight(const void *a, const void *b) {
+    const Leaf *x = a, *y = b;
+    if (x->weight != y->weight) return x->weight < y->weight ? -1 : 1;
+    return x->symbol - y->symbol;
+}
+
+/* Huffman code lengths for the present symbols, by the two-queue method on leaves sorted
+ * by weight (O(k log k); order-1 codes build up to 256 of these). If the tree is deeper
+ * than MAX_BITS, the counts are halved (keeping every present symbol) and it is rebuilt. */
+static void code_lengths(const uint64_t counts[256], uint8_t lengths[256]) {
+    Leaf leaves[256];
+    int k = 0;
+    for (int s = 0; s < 256; s++) if (counts[s]) { leaves[k].weight = counts[s]; leaves[k].symbol = s; k++; }
+    memset(lengths, 0, 256);
+    if (k == 0) return;
+    if (k == 1) { lengths[leaves[0].symbol] = 1; return; }
+    for (;;) {
+        qsort(leaves, k, sizeof(Leaf), by_weight);
+        uint64_t weight[511];
+        int parent[511], depth[511], deepest = 0;
+        for (int i = 0; i < k; i++) weight[i] = leaves[i].weight;
+        int leaf = 0, inner = k;
+        for (int next = k; next < 2 * k - 1; next++) {
+            int pick[2];
+            for (int t = 0; t < 2; t++)
+                pick[t] = (leaf < k && (inner >= next || weight[leaf] <= weight[inner])) ? leaf++ : inner++;
+            weight[next] = weight[pick[0]] + weight[pick[1]];
+            parent[pick[0]] = parent[pick[1]] = next;
+        }
+        depth[2 * k - 2] = 0;
+        for (int node = 2 * k - 3; node >= 0; node--) depth[node] = depth[parent[node]] + 1;
+        for (int i = 0; i < k; i++) if (depth[i] > deepest) deepest = depth[i];
+        if (deepest <= MAX_BITS) {
+            for (int i = 0; i < k; i++) lengths[leaves[i].symbol] = (uint8_t)depth[i];
+            return;
+        }
+        for (int i = 0; i < k; i++) leaves[i].weight = (leaves[i].weight >> 1) | 1;
+    }
+}
+
+/* Canonical codes, bit-reversed for an LSB-first stream. Fails on lengths that overfill
+ * the code space (a corrupt header). */
+static int canonical_codes(const uint8_t lengths[256], uint16_t codes[256]) {
+    int count_of[MAX_BITS + 1] = {0};
+    for (int s = 0; s < 256; s++) {
+        if (lengths[s] > MAX_BITS) return -1;
+        count_of[lengths[s]]++;
+    }
+    count_of[0] = 0;
+    uint32_t next[MAX_BITS + 2], code = 0;
+    for (int len = 1; len <= MAX_BITS; len++) {
+        code = (code + count_of[len - 1]) << 1;
+        next[len] = code;
+    }
+    uint64_t kraft = 0;
+    for (int len = 1; len <= MAX_BITS; len++) kraft += (uint64_t)count_of[len] << (MAX_BITS - len);
+    if (kraft > (1u << MAX_BITS)) return -1;
+    for (int s = 0; s < 256; s++) {
+        int len = lengths[s];
+        codes[s] = 0;
+        if (!len) continue;
+        uint32_t c = next[len]++, r = 0;
+        for (int k = 0; k < len; k++) r |= ((c >> k) & 1u) << (len - 1 - k);
+        codes[s] = (uint16_t)r;
+    }
+    return 0;
+}
+
+static PyObject *py_histogram(PyObject *self, PyObject *args) {
+    Py_buffer src, out;
+    if (!PyArg_ParseTuple(args, "y*w*", &src, &out)) return NULL;
+    if (out.len != 256 * 8) {
+        PyBuffer_Release(&src); PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "histogram: out must hold 256 uint64");
+        return NULL;
+    }
+    uint64_t counts[256];
+    Py_BEGIN_ALLOW_THREADS
+    byte_histogram(src.buf, src.len, counts);
+    Py_END_ALLOW_THREADS
+    memcpy(out.buf, counts, sizeof counts);
+    PyBuffer_Release(&src); PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
+/* Order-1 counts: counts[prev * 256 + byte], the first byte counted in context 0. */
+static void pair_histogram(const uint8_t *src, Py_ssize_t n, uint64_t *counts) {
+    memset(counts, 0, 65536 * sizeof(uint64_t));
+    unsigned prev = 0;
+    for (Py_ssize_t i = 0; i < n; i++) { counts[(prev << 8) | src[i]]++; prev = src[i]; }
+}
+
+static PyObject *py_pair_histogram(PyObject *self, PyObject *args) {
+    Py_buffer src, out;
+    if (!PyArg_ParseTuple(args, "y*w*", &src, &out)) return NULL;
+    if (out.len != 65536 * 8) {
+        PyBuffer_Release(&src); PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "pair_histogram: out must hold 65536 uint64");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pair_histogram(src.buf, src.len, out.buf);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src); PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
+/* (order-0 bits per byte, order-1 bits per byte, contexts seen) of pair counts; numpy
+ * needs a dozen passes over the 65536 cells for the same. */
+static PyObject *py_pair_entropy(PyObject *self, PyObject *args) {
+    Py_buffer pairs;
+    if (!PyArg_ParseTuple(args, "y*", &pairs)) return NULL;
+    if (pairs.len != 65536 * 8) {
+        PyBuffer_Release(&pairs);
+        PyErr_SetString(PyExc_ValueError, "pair_entropy: pairs must hold 65536 uint64");
+        return NULL;
+    }
+    const uint64_t *n = pairs.buf;
+    double columns[256] = {0}, total = 0, order1 = 0, order0 = 0;
+    int contexts = 0;
+    for (int c = 0; c < 256; c++) {
+        double row = 0, sum_nlogn = 0;
+        for (int b = 0; b < 256; b++) {
+            double x = (double)n[256 * c + b];
+            if (x > 0) { row += x; sum_nlogn += x * log2(x); columns[b] += x; }
+        }
+        if (row > 0) { contexts++; order1 += row * log2(row) - sum_nlogn; total += row; }
+    }
+    for (int b = 0; b < 256; b++) if (columns[b] > 0) order0 -= columns[b] * log2(columns[b] / total);
+    PyBuffer_Release(&pairs);
+    if (total == 0) return Py_BuildValue("ddi", 0.0, 0.0, 0);
+    return Py_BuildValue("ddi", order0 / total, order1 / total, contexts);
+}
+
+/* Stream: order byte (0 or 1), a 32-byte bitmap of the contexts that have a code, 128 bytes
+ * of code lengths per such context, the byte lengths of the SEGMENTS bit streams (uint32
+ * little-endian each), then those streams. Order 0 has the one context 0; order 1 codes each
+ * byte with the code of the byte before it, which captures the runs of similar exponents
+ * that neighbouring optimizer-state values have.
+ *
+ * The input is cut into SEGMENTS equal parts, each its own bit stream starting in context
+ * 0: the encoder and the decoder then advance four independent chains of shifts and table
+ * lookups at once instead of one. */
+#define SEGMENTS 4
+
+typedef struct { uint8_t *o; uint64_t acc; int bits; unsigned prev; } BitWriter;
+
+static inline void put_code(BitWriter *w, uint32_t entry) {
+    w->acc |= (uint64_t)(entry & 0xFFFF) << w->bits;
+    w->bits += entry >> 16;
+}
+
+static inline void flush_bits(BitWriter *w) {  /* whole bytes out; < 8 bits stay */
+    store64(w->o, w->acc);
+    w->o += w->bits >> 3;
+    w->acc >>= w->bits & ~7;
+    w->bits &= 7;
+}
+
+static void segment_bounds(Py_ssize_t n, Py_ssize_t start[SEGMENTS + 1]) {
+    Py_ssize_t part = (n + SEGMENTS - 1) / SEGMENTS;
+    for (int k = 0; k <= SEGMENTS; k++) start[k] = k * part < n ? k * part : n;
+}
+
+static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
+    Py_buffer src;
+    int order;
+    if (!PyArg_ParseTuple(args, "y*i", &src, &order)) return NULL;
+    if (order != 0 && order != 1) {
+        PyBuffer_Release(&src);
+        PyErr_SetString(PyExc_ValueError, "order must be 0 or 1");
+        return NULL;
+    }
+    const uint8_t *in = src.buf;
+    Py_ssize_t n = src.len, start[SEGMENTS + 1];
+    if ((uint64_t)n >= ((uint64_t)SEGMENTS << 32)) {  /* per-segment counts are 32-bit */
+        PyBuffer_Release(&src);
+        PyErr_SetString(PyExc_ValueError, "huffman_encode: stream too large (split it)");
+        return NULL;
+    }
+    segment_bounds(n, start);
+    Py_ssize_t capacity = ((start[1] - start[0]) * MAX_BITS + 7) / 8 + 16;
+    uint64_t *counts = malloc(65536 * sizeof(uint64_t));
+    uint32_t *entry = malloc(65536 * sizeof(uint32_t));  /* code | length << 16, per context */
+    uint8_t *lengths = malloc(65536), *scratch = malloc(SEGMENTS * capacity);
+    if (!counts || !entry || !lengths || !scratch) {
+        free(counts); free(entry); free(lengths); free(scratch); PyBuffer_Release(&src);
+        return PyErr_NoMemory();
+    }
+    int contexts = 0;
+    uint8_t bitmap[32] = {0};
+    BitWriter w[SEGMENTS];
+    Py_BEGIN_ALLOW_THREADS
+    memset(counts, 0, 65536 * sizeof(uint64_t));
+    if (order) {
+        /* One table per segment, the segments interleaved: a run of one pair does not wait
+         * on its own counter's last increment. */
+        uint32_t *tables = calloc((size_t)SEGMENTS << 16, sizeof(uint32_t));
+        if (tables) {
+            Py_ssize_t common = start[SEGMENTS] - start[SEGMENTS - 1];
+            unsigned p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+            const uint8_t *s0 = in + start[0], *s1 = in + start[1], *s2 = in + start[2], *s3 = in + start[3];
+            uint32_t *t0 = tables, *t1 = tables + 65536, *t2 = tables + 2 * 65536, *t3 = tables + 3 * 65536;
+            for (Py_ssize_t i = 0; i < common; i++) {
+                unsigned b0 = s0[i], b1 = s1[i], b2 = s2[i], b3 = s3[i];
+                t0[(p0 << 8) | b0]++; t1[(p1 << 8) | b1]++; t2[(p2 << 8) | b2]++; t3[(p3 << 8) | b3]++;
+                p0 = b0; p1 = b1; p2 = b2; p3 = b3;
+            }
+            unsigned last[SEGMENTS] = {p0, p1, p2, p3};
+            for (int k = 0; k < SEGMENTS; k++) {
+                unsigned prev = last[k];
+                for (Py_ssize_t i = start[k] + common; i < start[k + 1]; i++) { counts[(prev << 8) | in[i]]++; prev = in[i]; }
+                for (int c = 0; c < 65536; c++) counts[c] += tables[((size_t)k << 16) + c];
+            }
+            free(tables);
+        } else {
+            for (int k = 0; k < SEGMENTS; k++) {
+                unsigned prev = 0;
+                for (Py_ssize_t i = start[k]; i < start[k + 1]; i++) { counts[(prev << 8) | in[i]]++; prev = in[i]; }
+            }
+        }
+    } else {
+        byte_histogram(in, n, counts);
+    }
+    for (int c = 0; c < 256; c++) {
+        uint64_t *row = counts + 256 * c, total = 0;
+        for (int s = 0; s < 256; s++) total += row[s];
+        uint16_t codes[256] = {0};
+        memset(lengths + 256 * c, 0, 256);
+        if (total) {
+            code_lengths(row, lengths + 256 * c);
+            canonical_codes(lengths + 256 * c, codes);
+            bitmap[c >> 3] |= (uint8_t)(1u << (c & 7));
+            contexts++;
+        }
+        for (int s = 0; s < 256; s++) entry[256 * c + s] = codes[s] | ((uint32_t)lengths[256 * c + s] << 16);
+    }
+    const unsigned context_mask = order ? 0xFFu : 0u;
+    for (int k = 0; k < SEGMENTS; k++) { w[k].o = scratch + k * capacity; w[k].acc = 0; w[k].bits = 0; w[k].prev = 0; }
+    /* All four segments have at least `common` bytes; four codes (<= 44 bits) per flush.
+     * The writers' state lives in locals: the byte stores could alias a struct's fields. */
+    Py_ssize_t common = start[SEGMENTS] - start[SEGMENTS - 1], j = 0;
+#define W_DECL(k) uint8_t *o##k = w[k].o; uint64_t acc##k = 0; int bits##k = 0; unsigned prev##k = 0; \
+                  const uint8_t *in##k = in + start[k];
+#define W_PUT(k, t) { unsigned b = in##k[j + t]; uint32_t e = entry[((prev##k & context_mask) << 8) | b]; \
+                      acc##k |= (uint64_t)(e & 0xFFFF) << bits##k; bits##k += e >> 16; prev##k = b; }
+#define W_FLUSH(k) { store64(o##k, acc##k); o##k += bits##k >> 3; acc##k >>= bits##k & ~7; bits##k &= 7; }
+#define W_SAVE(k) { w[k].o = o##k; w[k].acc = acc##k; w[k].bits = bits##k; w[k].prev = prev##k; }
+#define W_PUT0(k, t) { uint32_t e = entry[in##k[j + t]]; acc##k |= (uint64_t)(e & 0xFFFF) << bits##k; bits##k += e >> 16; }
+#define W_LOOP(PUT)                                                                                \
+    {                                                                                              \
+        W_DECL(0) W_DECL(1) W_DECL(2) W_DECL(3)                                                    \
+        for (; j + 4 <= common; j += 4) {                                                          \
+            PUT(0, 0) PUT(1, 0) PUT(2, 0) PUT(3, 0) PUT(0, 1) PUT(1, 1) PUT(2, 1) PUT(3, 1)        \
+            PUT(0, 2) PUT(1, 2) PUT(2, 2) PUT(3, 2) PUT(0, 3) PUT(1, 3) PUT(2, 3) PUT(3, 3)        \
+            W_FLUSH(0) W_FLUSH(1) W_FLUSH(2) W_FLUSH(3)                                            \
+        }                                                                                          \
+        W_SAVE(0) W_SAVE(1) W_SAVE(2) W_SAVE(3)                                                    \
+    }
+    /* Order 0 needs no context: four fewer live registers in the loop. */
+    if (order) W_LOOP(W_PUT) else W_LOOP(W_PUT0)
+#undef W_PUT0
+#undef W_LOOP
+#undef W_DECL
+#undef W_PUT
+#undef W_FLUSH
+#undef W_SAVE
+    for (int k = 0; k < SEGMENTS; k++) {
+        for (Py_ssize_t i = start[k] + j; i < start[k + 1]; i++) {
+            put_code(&w[k], entry[((w[k].prev & context_mask) << 8) | in[i]]);
+            w[k].prev = in[i];
+            flush_bits(&w[k]);
+        }
+        if (w[k].bits) { *w[k].o++ = (uint8_t)w[k].acc; w[k].bits = 0; }
+    }
+    Py_END_ALLOW_THREADS
+    Py_ssize_t total = 1 + 32 + (Py_ssize_t)HEADER * contexts + 4 * SEGMENTS;
+    for (int k = 0; k < SEGMENTS; k++) total += w[k].o - (scratch + k * capacity);
+    PyObject *result = PyBytes_FromStringAndSize(NULL, total);
+    if (result) {
+        uint8_t *o = (uint8_t *)PyBytes_AS_STRING(result);
+        *o++ = (uint8_t)order;
+        memcpy(o, bitmap, 32); o += 32;
+        for (int c = 0; c < 256; c++) {
+            if (!(bitmap[c >> 3] >> (c & 7) & 1)) continue;
+            for (int k = 0; k < HEADER; k++) *o++ = (uint8_t)(lengths[256 * c + 2 * k] | (lengths[256 * c + 2 * k + 1] << 4));
+        }
+        for (int k = 0; k < SEGMENTS; k++) {
+            uint32_t size = (uint32_t)(w[k].o - (scratch + k * capacity));
+            memcpy(o, &size, 4); o += 4;
+        }
+        for (int k = 0; k < SEGMENTS; k++) {
+            Py_ssize_t size = w[k].o - (scratch + k * capacity);
+            memcpy(o, scratch + k * capacity, size); o += size;
+        }
+    }
+    free(counts); free(entry); free(lengths); free(scratch);
+    PyBuffer_Release(&src);
+    return result;
+}
+
+typedef struct { const uint8_t *p, *end; uint64_t acc; int bits; unsigned prev; } BitReader;
+
+static PyObject *py_huffman_decode(PyObject *self, PyObject *args) {
+    Py_buffer src, dst;
+    if (!PyArg_ParseTuple(args, "y*w*", &src, &dst)) return NULL;
+    const char *error = NULL;
+    const uint8_t *in = src.buf, *end = in + src.len, *p = in + 33;
+    uint8_t *out = dst.buf;
+    Py_ssize_t n = dst.len, start[SEGMENTS + 1];
+    segment_bounds(n, start);
+    int order = src.len >= 33 ? in[0] : -1, contexts = 0, slot_of[256];
+    uint16_t *tables = NULL;
+    BitReader r[SEGMENTS];
+    if (order != 0 && order != 1) error = "huffman stream has a bad header";
+    if (!error) {
+        for (int c = 0; c < 256; c++) {
+            /* Contexts without a code share table 0, all length 0: any code there is invalid. */
+            slot_of[c] = (in[1 + (c >> 3)] >> (c & 7) & 1) ? ++contexts : 0;
+        }
+        if (!contexts || end - p < (Py_ssize_t)HEADER * contexts + 4 * SEGMENTS) error = "huffman stream shorter than its header";
+        else if (!order && (contexts != 1 || slot_of[0] != 1)) error = "huffman stream has a bad header";
+        else if (!(tables = calloc((size_t)(contexts + 1) << MAX_BITS, sizeof(uint16_t)))) {
+            PyBuffer_Release(&src); PyBuffer_Release(&dst);
+            return PyErr_NoMemory();
+        }
+    }
+    if (!error) {
+        const uint8_t *segment = p + (Py_ssize_t)HEADER * contexts + 4 * SEGMENTS;
+        for (int k = 0; k < SEGMENTS; k++) {
+            uint32_t size;
+            memcpy(&size, p + (Py_ssize_t)HEADER * contexts + 4 * k, 4);
+            if (size > (uint64_t)(end - segment)) { error = "huffman stream shorter than its segments"; break; }
+            r[k].p = segment; r[k].end = segment + size; r[k].acc = 0; r[k].bits = 0; r[k].prev = 0;
+            segment += size;
+        }
+    }
+    if (!error) {
+        Py_BEGIN_ALLOW_THREADS
+        for (int c = 0; c < 256 && !error; c++) {
+            if (!slot_of[c]) continue;
+            uint8_t lengths[256];
+            uint16_t codes[256], *table = tables + ((size_t)slot_of[c] << MAX_BITS);
+            for (int k = 0; k < HEADER; k++) { lengths[2 * k] = p[k] & 15; lengths[2 * k + 1] = p[k] >> 4; }
+            p += HEADER;
+            if (canonical_codes(lengths, codes) < 0) { error = "huffman code lengths overfill the code space"; break; }
+            for (int s = 0; s < 256; s++) {
+                int len = lengths[s];
+                if (!len) continue;
+                for (uint32_t hi = 0; hi < (1u << (MAX_BITS - len)); hi++)
+                    table[codes[s] | (hi << len)] = (uint16_t)(s | (len << 8));
+            }
+        }
+        const unsigned context_mask = order ? 0xFFu : 0u;
+        const uint32_t mask = (1u << MAX_BITS) - 1;
+        int invalid = 0;
+        /* Fast path: each segment refills 8 bytes at once (>= 56 bits), then decodes five
+         * codes of <= 11 bits; the four segments' chains interleave. An invalid entry has
+         * length 0, checked once per batch. */
+        Py_ssize_t common = start[SEGMENTS] - start[SEGMENTS - 1], j = 0;
+#define R_DECL(k) const uint8_t *p##k = r[k].p, *end##k = r[k].end; uint64_t acc##k = 0; int bits##k = 0; \
+                  unsigned prev##k = 0; uint8_t *out##k = out + start[k];
+#define R_REFILL(k) { acc##k |= load64(p##k) << bits##k; p##k += (63 - bits##k) >> 3; bits##k |= 56; }
+#define R_GET(k, t) { uint16_t e = tables[((size_t)slot_of[prev##k & context_mask] << MAX_BITS) | (acc##k & mask)]; \
+                      int len = e >> 8; invalid |= !len; prev##k = out##k[j + t] = (uint8_t)e; \
+                      acc##k >>= len; bits##k -= len; }
+#define R_SAVE(k) { r[k].p = p##k; r[k].acc = acc##k; r[k].bits = bits##k; r[k].prev = prev##k; }
+        {
+            R_DECL(0) R_DECL(1) R_DECL(2) R_DECL(3)
+            while (j + 5 <= common && !invalid && end0 - p0 >= 8 && end1 - p1 >= 8 && end2 - p2 >= 8
+                   && end3 - p3 >= 8) {
+                R_REFILL(0) R_REFILL(1) R_REFILL(2) R_REFILL(3)
+                for (int t = 0; t < 5; t++) { R_GET(0, t) R_GET(1, t) R_GET(2, t) R_GET(3, t) }
+                j += 5;
+            }
+            R_SAVE(0) R_SAVE(1) R_SAVE(2) R_SAVE(3)
+        }
+#undef R_DECL
+#undef R_REFILL
+#undef R_GET
+#undef R_SAVE
+        if (invalid) error = "huffman stream holds an invalid code";
+        for (int k = 0; k < SEGMENTS && !error; k++) {
+            for (Py_ssize_t i = start[k] + j; i < start[k + 1] && !error; ) {
+                while (r[k].bits <= 56 && r[k].p < r[k].end) { r[k].acc |= (uint64_t)*r[k].p++ << r[k].bits; r[k].bits += 8; }
+                uint16_t e = tables[((size_t)slot_of[r[k].prev & context_mask] << MAX_BITS) | (r[k].acc & mask)];
+                int len = e >> 8;
+                if (!len) error = "huffman stream holds an invalid code";
+                else if (len > r[k].bits) error = "huffman stream ends early";
+                else { r[k].prev = out[i++] = (uint8_t)e; r[k].acc >>= len; r[k].bits -= len; }
+            }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    free(tables);
+    PyBuffer_Release(&src); PyBuffer_Release(&dst);
+    if (error) { PyErr_SetString(PyExc_ValueError, error); return NULL; }
+    Py_RETURN_NONE;
+}
+
+/* Byte planes of width-byte little-endian words: plane j holds byte j of every word, after
+ * the word is XORed with its base (when given) and rotated left by `rotate` bits. One loop
+ * per width and base/no-base, with restrict pointers and a branch-free rotate, so that the
+ * compiler vectorises it. */
+#define ROTL(T, v, r) ((T)(((v) << (r)) | ((v) >> ((8 * sizeof(T) - (r)) & (8 * sizeof(T) - 1)))))
+#define ROTR(T, v, r) ((T)(((v) >> (r)) | ((v) << ((8 * sizeof(T) - (r)) & (8 * sizeof(T) - 1)))))
+
+#define DEFINE_PLANES(T, W)                                                                       \
+    static void split_##W(const T *restrict in, const T *restrict base, uint8_t *restrict out,     \
+                          Py_ssize_t n, int r) {                                                  \
+        if (base) {                                                                               \
+            for (Py_ssize_t i = 0; i < n; i++) {                                                  \
+                T v = ROTL(T, (T)(in[i] ^ base[i]), r);                                           \
+                for (int j = 0; j < W; j++) out[j * n + i] = (uint8_t)(v >> (8 * j));            \
+            }                                                                                     \
+        } else {                                                                                  \
+            for (Py_ssize_t i = 0; i < n; i++) {                                                  \
+                T v = ROTL(T, in[i], r);                                                          \
+                for (int j = 0; j < W; j++) out[j * n + i] = (uint8_t)(v >> (8 * j));            \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    static void join_##W(const uint8_t *restrict in, const T *restrict base, T *restrict out,      \
+                         Py_ssize_t n, int r) {                                                   \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                      \
+            T v = 0;                                                                              \
+            for (int j = 0; j < W; j++) v |= (T)((T)in[j * n + i] << (8 * j));                    \
+            out[i] = (T)(ROTR(T, v, r) ^ (base ? base[i] : 0));                                   \
+        }                                                                                         \
+    }
+
+DEFINE_PLANES(uint8_t, 1)
+DEFINE_PLANES(uint16_t, 2)
+DEFINE_PLANES(uint32_t, 4)
+DEFINE_PLANES(uint64_t, 8)
+
+static int parse_planes(PyObject *args, Py_buffer *src, Py_buffer *dst, int *width, int *rotate,
+                        Py_buffer *base, int *has_base) {
+    PyObject *base_obj;
+    if (!PyArg_ParseTuple(args, "y*w*iiO", src, dst, width, rotate, &base_obj)) return -1;
+    *has_base = base_obj != Py_None;
+    const char *error = NULL;
+    if (*has_base && PyObject_GetBuffer(base_obj, base, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(src); PyBuffer_Release(dst);
+        return -1;
+    }
+    if (*width != 2 && *width != 4 && *width != 8 && *width != 1) error = "width must be 1, 2, 4 or 8";
+    else if (*rotate < 0 || *rotate >= 8 * *width) error = "rotate must be in [0, 8 * width)";
+    else if (src->len != dst->len || src->len % *width) error = "src and dst must hold the same whole words";
+    else if (*has_base && base->len != src->len) error = "base must be as long as src";
+    if (error) {
+        PyBuffer_Release(src); PyBuffer_Release(dst);
+        if (*has_base) PyBuffer_Release(base);
+        PyErr_SetString(PyExc_ValueError, error);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *planes_call(PyObject *args, int split) {
+    Py_buffer src, dst, base_buf;
+    int width, rotate, has_base;
+    if (parse_planes(args, &src, &dst, &width, &rotate, &base_buf, &has_base) < 0) return NULL;
+    const uint8_t *in = src.buf, *base = has_base ? base_buf.buf : NULL;
+    uint8_t *out = dst.buf;
+    Py_ssize_t n = src.len / width;
+    Py_BEGIN_ALLOW_THREADS
+    if (split) {
+        switch (width) {
+            case 1: split_1(src.buf, (const uint8_t *)base, out, n, rotate); break;
+            case 2: split_2(src.buf, (const uint16_t *)base, out, n, rotate); break;
+            case 4: split_4(src.buf, (const uint32_t *)base, out, n, rotate); break;
+            default: split_8(src.buf, (const uint64_t *)base, out, n, rotate); break;
+        }
+    } else {
+        switch (width) {
+            case 1: join_1(in, (const uint8_t *)base, dst.buf, n, rotate); break;
+            case 2: join_2(in, (const uint16_t *)base, dst.buf, n, rotate); break;
+            case 4: join_4(in, (const uint32_t *)base, dst.buf, n, rotate); break;
+            default: join_8(in, (const uint64_t *)base, dst.buf, n, rotate); break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src); PyBuffer_Release(&dst);
+    if (has_base) PyBuffer_Release(&base_buf);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_split_planes(PyObject *self, PyObject *args) { return planes_call(args, 1); }
+static PyObject *py_join_planes(PyObject *self, PyObject *args) { return planes_call(args, 0); }
+
+/* Prefix mapping of words (XORed with a base when given): the top `bits` bits of each
+ * word. prefix_histogram counts them; prefix_map replaces each with lookup[prefix] (1- or
+ * 2-byte indices), appends the prefixes that map to `escape` to `escapes` (2 bytes each),
+ * and writes the low bits as byte planes. Returns the number of escapes. */
+#define WORD_AT(i) (width == 2 ? (uint64_t)((const uint16_t *)in)[i] ^ (base ? ((const uint16_t *)base)[i] : 0)       \
+                  : width == 4 ? (uint64_t)((const uint32_t *)in)[i] ^ (base ? ((const uint32_t *)base)[i] : 0)       \
+                               : ((const uint64_t *)in)[i] ^ (base ? ((const uint64_t *)base)[i] : 0))
+
+static int parse_words(PyObject *base_obj, Py_buffer *src, Py_buffer *base, int width, int bits) {
+    if (base_obj != Py_None && PyObject_GetBuffer(base_obj, base, PyBUF_SIMPLE) < 0) return -1;
+    const char *error = NULL;
+    if (width != 2 && width != 4 && width != 8) error = "width must be 2, 4 or 8";
+    else if (bits < 1 || bits > 16 || bits >= 8 * width) error = "bits must be in 1..16 and below the word width";
+    else if (src->len % width) error = "words must be whole";
+    else if (base->buf && base->len != src->len) error = "base must be as long as the words";
+    if (error) {
+        if (base->buf) PyBuffer_Release(base);
+        PyErr_SetString(PyExc_ValueError, error);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_prefix_histogram(PyObject *self, PyObject *args) {
+    Py_buffer src, out, base_buf = {0};
+    PyObject *base_obj;
+    int width, bits;
+    if (!PyArg_ParseTuple(args, "y*iiOw*", &src, &width, &bits, &base_obj, &out)) return NULL;
+    if (parse_words(base_obj, &src, &base_buf, width, bits) < 0 || out.len != ((Py_ssize_t)8 << bits)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "out must hold 2**bits uint64");
+        if (base_buf.buf) PyBuffer_Release(&base_buf);
+        PyBuffer_Release(&src); PyBuffer_Release(&out);
+        return NULL;
+    }
+    const uint8_t *in = src.buf, *base = base_buf.buf;
+    uint64_t *counts = out.buf;
+    Py_ssize_t n = src.len / width;
+    const int shift = 8 * width - bits;
+    Py_BEGIN_ALLOW_THREADS
+    memset(counts, 0, (size_t)8 << bits);
+    for (Py_ssize_t i = 0; i < n; i++) counts[WORD_AT(i) >> shift]++;
+    Py_END_ALLOW_THREADS
+    if (base_buf.buf) PyBuffer_Release(&base_buf);
+    PyBuffer_Release(&src); PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
+/* One loop per word type and index type; the escape branch is rarely taken. */
+#define DEFINE_PREFIX_MAP(T, IT, NAME)                                                             \
+    static Py_ssize_t NAME(const T *restrict in, const T *restrict base, Py_ssize_t n, int shift,   \
+                           const IT *restrict lookup, unsigned escape, IT *restrict indices,        \
+                           uint8_t *restrict esc, uint8_t *restrict low, int low_planes) {          \
+        Py_ssize_t escaped = 0;                                                                     \
+        const T low_mask = (T)(((T)1 << shift) - 1);                                                \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                        \
+            T w = base ? (T)(in[i] ^ base[i]) : in[i];                                              \
+            unsigned prefix = (unsigned)(w >> shift);                                               \
+            IT index = lookup[prefix];                                                              \
+            indices[i] = index;                                                                     \
+            if (index == escape) {                                                                  \
+                esc[2 * escaped] = (uint8_t)prefix;                                                 \
+                esc[2 * escaped + 1] = (uint8_t)(prefix >> 8);                                      \
+                escaped++;                                                                          \
+            }                                                                                       \
+            T rest = w & low_mask;                                                                  \
+            low[i] = (uint8_t)rest;                                                                 \
+            if (low_planes > 1) low[n + i] = (uint8_t)(rest >> 8);                                  \
+            if (low_planes > 2) low[2 * n + i] = (uint8_t)(rest >> 16);                             \
+            for (int j = 3; j < low_planes; j++) low[j * n + i] = (uint8_t)(rest >> (8 * j));       \
+        }                                                                                           \
+        return escaped;                                                                             \
+    }
+
+DEFINE_PREFIX_MAP(uint16_t, uint8_t, prefix_map_2_1)
+DEFINE_PREFIX_MAP(uint16_t, uint16_t, prefix_map_2_2)
+DEFINE_PREFIX_MAP(uint32_t, uint8_t, prefix_map_4_1)
+DEFINE_PREFIX_MAP(uint32_t, uint16_t, prefix_map_4_2)
+DEFINE_PREFIX_MAP(uint64_t, uint8_t, prefix_map_8_1)
+DEFINE_PREFIX_MAP(uint64_t, uint16_t, prefix_map_8_2)
+
+static PyObject *py_prefix_map(PyObject *self, PyObject *args) {
+    Py_buffer src, lookup, indices, escapes, planes, base_buf = {0};
+    PyObject *base_obj;
+    int width, bits, escape;
+    if (!PyArg_ParseTuple(args, "y*iiOy*iw*w*w*", &src, &width, &bits, &base_obj, &lookup, &escape,
+                          &indices, &escapes, &planes))
+        return NULL;
+    Py_ssize_t n = src.len / (width ? width : 1);
+    int index_width = n ? (int)(indices.len / n) : 1, low_planes = (8 * width - bits + 7) / 8;
+    int bad = parse_words(base_obj, &src, &base_buf, width, bits) < 0;
+    if (!bad && (lookup.len != ((Py_ssize_t)index_width << bits) || (index_width != 1 && index_width != 2)
+                 || indices.len != n * index_width || escapes.len < 2 * n || planes.len != n * low_planes)) {
+        PyErr_SetString(PyExc_ValueError, "prefix_map: buffer sizes do not match");
+        if (base_buf.buf) PyBuffer_Release(&base_buf);
+        bad = 1;
+    }
+    if (bad) {
+        PyBuffer_Release(&src); PyBuffer_Release(&lookup); PyBuffer_Release(&indices);
+        PyBuffer_Release(&escapes); PyBuffer_Release(&planes);
+        return NULL;
+    }
+    Py_ssize_t escaped = 0;
+    const int shift = 8 * width - bits;
+    void *in = src.buf, *base = base_buf.buf, *map = lookup.buf, *out = indices.buf;
+    uint8_t *esc = escapes.buf, *low = planes.buf;
+    Py_BEGIN_ALLOW_THREADS
+#define CALL(NAME, T, IT) NAME((const T *)in, (const T *)base, n, shift, (const IT *)map, (unsigned)escape, (IT *)out, esc, low, low_planes)
+    switch (width * 10 + index_width) {
+        case 21: escaped = CALL(prefix_map_2_1, uint16_t, uint8_t); break;
+        case 22: escaped = CALL(prefix_map_2_2, uint16_t, uint16_t); break;
+        case 41: escaped = CALL(prefix_map_4_1, uint32_t, uint8_t); break;
+        case 42: escaped = CALL(prefix_map_4_2, uint32_t, uint16_t); break;
+        case 81: escaped = CALL(prefix_map_8_1, uint64_t, uint8_t); break;
+        default: escaped = CALL(prefix_map_8_2, uint64_t, uint16_t); break;
+    }
+#undef CALL
+    Py_END_ALLOW_THREADS
+    if (base_buf.buf) PyBuffer_Release(&base_buf);
+    PyBuffer_Release(&src); PyBuffer_Release(&lookup); PyBuffer_Release(&indices);
+    PyBuffer_Release(&escapes); PyBuffer_Release(&planes);
+    return PyLong_FromSsize_t(escaped);
+}
+
+static PyMethodDef methods[] = {
+    {"histogram", py_histogram, METH_VARARGS, "histogram(src, out): 256 uint64 byte counts into out."},
+    {"pair_histogram", py_pair_histogram, METH_VARARGS, "pair_histogram(src, out): 65536 uint64 order-1 counts."},
+    {"pair_entropy", py_pair_entropy, METH_VARARGS, "pair_entropy(pairs) -> (order-0 bits, order-1 bits, contexts)."},
+    {"huffman_encode", py_huffman_encode, METH_VARARGS, "huffman_encode(src, order) -> bytes; order 0 or 1."},
+    {"huffman_decode", py_huffman_decode, METH_VARARGS, "huffman_decode(stream, dst): fills dst; ValueError if invalid."},
+    {"prefix_histogram", py_prefix_histogram, METH_VARARGS,
+     "prefix_histogram(words, width, bits, base|None, out): counts of the top bits."},
+    {"prefix_map", py_prefix_map, METH_VARARGS,
+     "prefix_map(words, width, bits, base|None, lookup, escape, indices, escapes, low_planes) -> escapes."},
+    {"split_planes", py_split_planes, METH_VARARGS,
+     "split_planes(words, planes, width, rotate, base|None): XOR, rotate left, byte planes."},
+    {"join_planes", py_join_planes, METH_VARARGS, "join_planes(planes, words, width, rotate, base|None): inverse."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
