@@ -56,6 +56,8 @@ def run(
     summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Write the run summary here."),
     storage_path: Optional[str] = typer.Option(None, help="Ray Train storage for checkpoints "
                                                           "(default: $RAYZIP_STORAGE_PATH or ~/ray_results)."),
+    progress_file: Optional[Path] = typer.Option(None, "--progress-file",
+                                                 help="Keep the latest step's metrics here as JSON (for tools)."),
 ):
     """Train a job spec on Ray ($RAY_ADDRESS, or an embedded local Ray)."""
     spec = _load_or_exit(spec_path)
@@ -70,6 +72,10 @@ def run(
         task = bar.add_task(spec.name, total=total, status="starting Ray")
 
         def show(m: dict) -> None:
+            if progress_file is not None:
+                tmp = progress_file.with_suffix(".tmp")
+                tmp.write_text(json.dumps(m, default=str))
+                tmp.replace(progress_file)
             acc = f"acc {m['test_accuracy']:.3f}" if m.get("test_accuracy") is not None else "acc -"
             ratio = m["dense_bytes"] / m["bytes_sent"] if m.get("bytes_sent") else float("nan")
             bar.update(task, completed=m["step"] + 1,
@@ -113,6 +119,27 @@ def submit(
     raise typer.Exit(0 if status == "SUCCEEDED" else 1)
 
 
+@app.command("prometheus-config")
+def prometheus_config_command(
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write here (default: print)."),
+    scrape_interval: str = typer.Option("5s", help="Prometheus scrape and evaluation interval."),
+    service_discovery: str = typer.Option("/tmp/ray/prom_metrics_service_discovery.json",
+                                          help="Ray's service-discovery file (on the head node)."),
+):
+    """A prometheus.yml that scrapes every Ray node's metrics, rayzip's included."""
+    import yaml
+
+    from .metrics import prometheus_config
+
+    text = yaml.safe_dump(prometheus_config(scrape_interval, service_discovery), sort_keys=False)
+    if out is None:
+        print(text, end="")
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    console.print(f"wrote {out}; run: prometheus --config.file={out}", highlight=False)
+
+
 def _summary_table(summary: dict):
     from rich.table import Table
 
@@ -133,6 +160,10 @@ def _summary_table(summary: dict):
         ("wire compression", f"{ratio:.1f}x" if ratio else "-"),
         ("wall time", f"{summary['wall_s']:.1f} s"),
     ]
+    adaptive = summary.get("adaptive")
+    if adaptive:
+        sources = ", ".join(f"{k} {v}" for k, v in adaptive["sources"].items())
+        rows.append(("controller decisions", f"{sources}; final ratio {adaptive['final_ratio']:.1f}"))
     for key, value in rows:
         table.add_row(key, value)
     return table
@@ -180,20 +211,22 @@ def bench_cluster(
     budget_steps: Optional[int] = typer.Option(None, "--budget-steps", min=1,
                                                help="Train every method exactly this many steps instead of "
                                                     "stopping at the target, so final accuracies compare."),
+    drop_to: Optional[str] = typer.Option(None, "--drop-to", help="Drop the links to this rate mid-run "
+                                                                  "(e.g. 100mbit), at --drop-at-step."),
+    drop_at_step: int = typer.Option(100, "--drop-at-step", min=1, help="Step at which the links drop."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write accuracy-vs-time PNG here."),
 ):
     """Time-to-accuracy on a real Ray cluster in network namespaces with shaped links (root)."""
     from .bench import write_json
-    from .bench.cluster import DEFAULT_SPEC, METHODS, plot, render_table, run_cluster_bench
+    from .bench.cluster import DEFAULT_SPEC, method_compression, plot, render_table, run_cluster_bench
     from .bench.netns import ClusterError, preflight
 
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
-    unknown = [m for m in chosen if m not in METHODS]
     spec_path = spec or DEFAULT_SPEC
     try:
-        if unknown:
-            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+        for method in chosen:
+            method_compression(method, powersgd_start_iter)  # refuses unknown methods
         _load_or_exit(spec_path)
         preflight(latency)
     except (ValueError, ClusterError) as exc:
@@ -201,11 +234,16 @@ def bench_cluster(
         raise typer.Exit(2)
     try:
         report = run_cluster_bench(chosen, bandwidth, nodes, latency, spec_path, powersgd_start_iter,
-                                   log=lambda line: console.print(line, highlight=False), budget_steps=budget_steps)
+                                   log=lambda line: console.print(line, highlight=False), budget_steps=budget_steps,
+                                   drop_to=drop_to, drop_at_step=drop_at_step if drop_to else None)
     except (ClusterError, RuntimeError) as exc:
         console.print(f"[red]benchmark failed:[/red] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     console.print(render_table(report))
+    if drop_to:
+        from .bench.cluster import render_drop_table
+
+        console.print(render_drop_table(report))
     if json_path:
         write_json(report, json_path)
         console.print(f"wrote {json_path}")

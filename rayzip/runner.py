@@ -25,6 +25,7 @@ import ray
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
+from .adaptive import controller_name, start_controller
 from .spec import JobSpec
 from .train.loop import train_loop
 
@@ -74,7 +75,12 @@ def init_ray() -> None:
         return
     # RAY_ADDRESS (set by users, and by Ray Jobs for an entrypoint) joins that cluster;
     # otherwise start an embedded Ray, never silently joining some other local cluster.
-    ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+    else:
+        # Metrics reach Prometheus every 2 s instead of Ray's default 10 s, so that the
+        # adaptive controller's rate() windows hold several points.
+        ray.init(address="local", _system_config={"metrics_report_interval_ms": 2000})
 
 
 def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
@@ -126,10 +132,15 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     storage = storage_path or os.environ.get("RAYZIP_STORAGE_PATH") or os.path.expanduser("~/ray_results")
     progress_name = f"rayzip-progress-{run_id}"
     progress = ProgressActor.options(name=progress_name).remote()
+    controller = None
+    if spec.adaptive.enabled:
+        controller = start_controller(run_id, spec.name, spec.adaptive,
+                                      initial_ratio=1.0 / (spec.compression.ratio or 0.01))
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"spec": spec.model_dump(), "progress": progress_name, "t0": time.time(),
-                           "chain_dir": _chain_dir(storage, run_id)},
+                           "chain_dir": _chain_dir(storage, run_id), "run_id": run_id,
+                           "controller": controller_name(run_id) if controller is not None else None},
         scaling_config=_scaling(spec),
         run_config=RunConfig(
             name=run_id,
@@ -159,14 +170,30 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     history = ray.get(progress.get_history.remote())
     restarts = ray.get(progress.get_restarts.remote())
     ray.kill(progress)
+    adaptive = None
+    if controller is not None:
+        ray.get(controller.stop.remote())
+        adaptive = adaptive_summary(ray.get(controller.history.remote()))
+        ray.kill(controller)
     if "error" in outcome:
         raise outcome["error"]
     result = outcome["result"]
     summary = summarize(spec, result.metrics or {}, wall_s)
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
     summary["history"] = history
+    summary["run_id"] = run_id
+    summary["adaptive"] = adaptive
     summary.update(restarts)  # steps_run, restarts, steps_redone
     return summary
+
+
+def adaptive_summary(decisions: list[dict]) -> dict:
+    """The controller's decisions, and how many came from each source (held: kept the last)."""
+    sources: dict[str, int] = {}
+    for d in decisions:
+        sources[d["source"]] = sources.get(d["source"], 0) + 1
+    return {"decisions": decisions, "sources": sources, "held": sources.get("held", 0),
+            "final_ratio": decisions[-1]["ratio"] if decisions else None}
 
 
 def write_summary(summary: dict, path: Path) -> None:

@@ -198,7 +198,38 @@ class CheckpointSpec(_Strict):
 
 
 class MetricsSpec(_Strict):
-    enabled: bool = Field(False, description="Prometheus metrics (the adaptive-controller issue fills this in).")
+    enabled: bool = Field(True, description="Export per-step Prometheus metrics through Ray's metrics agent "
+                                            "(rayzip_* with run, job and rank labels).")
+
+
+class AdaptiveSpec(_Strict):
+    """The adaptive compression controller (see rayzip.adaptive). Ratios here are compression
+    ratios of the sparsifier, 1 / its kept fraction: 100 keeps 1% of the entries."""
+
+    enabled: bool = False
+    prometheus_url: Optional[str] = Field(
+        None, description="Prometheus server to query (http://host:9090). Unset: the workers' own reports only.")
+    interval: float = Field(2.0, gt=0, description="Seconds between decisions.")
+    window: float = Field(10.0, gt=0, description="Seconds of history each Prometheus rate() covers.")
+    min_ratio: float = Field(4.0, ge=1, description="Least compression while compressing.")
+    max_ratio: float = Field(200.0, ge=1, description="Most compression.")
+    importance_weight: float = Field(0.5, ge=0, description="Exponent on batch importance (loss over its "
+                                                            "running mean): important batches are compressed less.")
+    delay_weight: float = Field(1.0, ge=0, description="Exponent on network pressure (delay per byte over the "
+                                                       "best seen): more delay, more compression.")
+    off_below: float = Field(0.1, ge=0, lt=1, description="Send dense (compression off) while dense "
+                                                          "communication would take less than this share of a step.")
+    comm_budget: float = Field(0.25, gt=0, description="On the best link seen, compress until communication "
+                                                       "takes this share of compute time.")
+    query_timeout: float = Field(2.0, gt=0, description="Seconds before a Prometheus query counts as failed.")
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.max_ratio < self.min_ratio:
+            raise ValueError(f"max_ratio ({self.max_ratio}) is below min_ratio ({self.min_ratio})")
+        if self.prometheus_url is not None and not re.match(r"https?://", self.prometheus_url):
+            raise ValueError("prometheus_url must start with http:// or https://")
+        return self
 
 
 class JobSpec(_Strict):
@@ -210,6 +241,15 @@ class JobSpec(_Strict):
     compression: CompressionSpec = CompressionSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     metrics: MetricsSpec = MetricsSpec()
+    adaptive: AdaptiveSpec = AdaptiveSpec()
+
+    @model_validator(mode="after")
+    def _adaptive_has_a_knob(self):
+        c = self.compression
+        if self.adaptive.enabled and (c.codec not in ("topk", "randomk", "group_topk") or c.torch_hook is not None):
+            raise ValueError(f"adaptive.enabled tunes a sparsifier's ratio: it needs compression.codec topk, "
+                             f"randomk or group_topk on rayzip's hook (got {c.codec})")
+        return self
 
     @model_validator(mode="after")
     def _momentum_has_a_home(self):

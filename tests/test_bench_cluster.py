@@ -84,4 +84,17 @@ def test_unknown_method_exits_2():
     from rayzip.cli import app
 
     result = CliRunner().invoke(app, ["bench", "cluster", "--methods", "dense,zip"])
-    assert result.exit_code == 2 and "unknown method(s) zip" in result.output
+    assert result.exit_code == 2 and "unknown method 'zip'" in result.output
+    result = CliRunner().invoke(app, ["bench", "cluster", "--methods", "dense@0.1"])
+    assert result.exit_code == 2 and "unknown method 'dense@0.1'" in result.output
+
+
+def test_fixed_ratio_methods_and_the_adaptive_method_build_valid_specs():
+    from rayzip.bench.cluster import ADAPTIVE, method_compression
+    from rayzip.spec import JobSpec
+
+    training = {"optimizer": "sgd", "momentum": 0.9}
+    assert method_compression("group_topk@0.05", 10, training)["ratio"] == 0.05
+    spec = JobSpec.model_validate({"name": "a", "training": training, "adaptive": ADAPTIVE,
+                                   "compression": method_compression("adaptive", 10, training)})
+    assert spec.adaptive.enabled and spec.compression.momentum_correction

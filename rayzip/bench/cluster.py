@@ -13,6 +13,7 @@ interface during training.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 import time
@@ -37,15 +38,29 @@ METHODS: dict[str, dict[str, Any]] = {
     "dct_quant": {"codec": "dct_quant", "bits": 8, "collective": "allgather"},
     "topk": {"codec": "topk", "ratio": 0.01, "collective": "ring"},
     "qsgd": {"codec": "qsgd", "collective": "allgather"},
+    # The controller tunes group top-k's ratio from the workers' own reports (the Prometheus
+    # path is the same policy; tests/test_adaptive.py runs it against a real Prometheus).
+    "adaptive": {"codec": "group_topk", "ratio": 0.01, "collective": "ring"},
 }
+ADAPTIVE = {"enabled": True, "interval": 2.0, "window": 6.0, "min_ratio": 4, "max_ratio": 200}
+
+
+def _method_base(method: str) -> tuple[str, dict[str, Any]]:
+    """``group_topk@0.05`` is group_topk at a fixed ratio of 0.05 (any sparse method takes @)."""
+    name, _, ratio = method.partition("@")
+    if name not in METHODS or (ratio and "ratio" not in METHODS[name]):
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)} "
+                         "(sparse ones also as NAME@RATIO, e.g. group_topk@0.05)")
+    compression = dict(METHODS[name])
+    if ratio:
+        compression["ratio"] = float(ratio)
+    return name, compression
 
 
 def method_compression(method: str, powersgd_start_iter: int, training: dict | None = None) -> dict[str, Any]:
     """The spec's compression section for ``method``. Sparse methods move SGD momentum into
     the hook (momentum correction) when the job's optimizer has momentum to move."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    compression = dict(METHODS[method])
+    method, compression = _method_base(method)
     if method == "powersgd":
         compression["powersgd_start_iter"] = powersgd_start_iter
     training = TrainingSpec.model_validate(training or {})
@@ -56,32 +71,44 @@ def method_compression(method: str, powersgd_start_iter: int, training: dict | N
 
 def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: str | None, spec_path: Path,
                       powersgd_start_iter: int = 10, log: Callable[[str], None] = print,
-                      budget_steps: int | None = None) -> dict[str, Any]:
+                      budget_steps: int | None = None, drop_to: str | None = None,
+                      drop_at_step: int | None = None) -> dict[str, Any]:
     """Run every method on one namespace cluster. With ``budget_steps``, each method trains
     exactly that many steps (time to target is still taken where the target is first
-    reached), so final accuracies compare at the same budget."""
+    reached), so final accuracies compare at the same budget. With ``drop_to``, every run
+    starts at ``bandwidth`` and the links drop to ``drop_to`` once it reaches
+    ``drop_at_step``; rows then carry the step time before and after the drop."""
     base = yaml.safe_load(spec_path.read_text())
     base.setdefault("scaling", {}).update({"min_workers": nodes, "max_workers": nodes})
     if budget_steps is not None:
         training = base.setdefault("training", {})
         training.pop("epochs", None)
         training.update({"steps": budget_steps, "stop_at_target": False})
+    if drop_to is not None:
+        base.setdefault("training", {})["eval_every"] = DROP_EVAL_EVERY  # step-time resolution
     target = base.get("training", {}).get("target_accuracy")
     rows = []
     with NetnsCluster(nodes=nodes, bandwidth=bandwidth, latency=latency) as cluster:
         log(f"cluster up: {nodes} worker nodes at {bandwidth}" + (f", {latency} latency" if latency else ""))
         for method in methods:
-            spec = {**base, "name": f"bench-{method.replace('_', '-')}",
+            slug = re.sub(r"[^a-z0-9]+", "-", method.lower()).strip("-")
+            spec = {**base, "name": f"bench-{slug}",
                     "compression": method_compression(method, powersgd_start_iter, base.get("training"))}
-            spec_file = cluster.tmp / f"{method}.yaml"
+            if method == "adaptive":
+                spec["adaptive"] = dict(ADAPTIVE)
+            spec_file = cluster.tmp / f"{slug}.yaml"
             spec_file.write_text(yaml.safe_dump(spec))
-            out = cluster.tmp / f"{method}.json"
+            out, progress = cluster.tmp / f"{slug}.json", cluster.tmp / f"{slug}.progress.json"
+            if drop_to is not None:
+                cluster.set_bandwidth(bandwidth)
             tx_before = cluster.tx_bytes()
             started = time.time()
             log(f"running {method} ...")
             proc = cluster.run_in_head([cluster.python, "-m", "rayzip", "run", str(spec_file), "--summary-json", str(out),
-                                        "--storage-path", str(cluster.tmp / "results")],
-                                       capture_output=True, text=True, timeout=3600)
+                                        "--storage-path", str(cluster.tmp / "results"), "--progress-file", str(progress)],
+                                       capture_output=True, text=True, timeout=3600,
+                                       on_poll=_dropper(cluster, progress, drop_to, drop_at_step, log)
+                                       if drop_to is not None else None)
             tx_after = cluster.tx_bytes()
             if proc.returncode != 0 or not out.exists():
                 error = _last_error(proc.stdout + proc.stderr)
@@ -90,15 +117,69 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
                 continue
             summary = json.loads(out.read_text())
             rows.append(_row(method, summary, tx_before, tx_after, time.time() - started))
+            if drop_to is not None:
+                rows[-1].update(_drop_phases(summary, getattr(proc, "dropped_at", None)))
+                log(f"  {method}: step {rows[-1]['step_ms_before_drop']} ms before the drop, "
+                    f"{rows[-1]['step_ms_after_drop']} ms after")
             log(f"  {method}: {rows[-1]['time_to_target_s']} s to target, final acc {rows[-1]['final_accuracy']:.4f}")
     dense = next((r for r in rows if r["name"] == "dense" and "error" not in r), None)
     for row in rows:
         ok = dense and dense["time_to_target_s"] and row.get("time_to_target_s")
         row["speedup_vs_dense"] = dense["time_to_target_s"] / row["time_to_target_s"] if ok else None
+    if drop_to is not None:
+        for phase in ("before", "after"):
+            fixed = [r[f"step_ms_{phase}_drop"] for r in rows if "error" not in r and r["name"] != "adaptive"
+                     and r.get(f"step_ms_{phase}_drop") is not None]
+            for r in rows:
+                mine = r.get(f"step_ms_{phase}_drop")
+                r[f"{phase}_vs_best_fixed"] = mine / min(fixed) if fixed and mine else None
     return {"bandwidth": bandwidth, "latency": latency, "nodes": nodes, "target_accuracy": target,
-            "budget_steps": budget_steps,
+            "budget_steps": budget_steps, "drop_to": drop_to, "drop_at_step": drop_at_step,
             "spec": str(spec_path), "powersgd_start_iter": powersgd_start_iter,
             "python": sys.version.split()[0], "methods": rows}
+
+
+DROP_EVAL_EVERY = 10
+SETTLE_STEPS = 20  # after the drop, steps left out while queues drain and the controller reacts
+
+
+def _dropper(cluster, progress: Path, drop_to: str, drop_at_step: int, log: Callable[[str], None]):
+    """A poll callback for the running job: drops the links once it reaches the step."""
+    state: dict[str, Any] = {}
+
+    def poll(proc) -> None:
+        if "step" in state:
+            return
+        try:
+            step = json.loads(progress.read_text())["step"]
+        except (OSError, ValueError, KeyError):
+            return
+        if step + 1 >= drop_at_step:
+            cluster.set_bandwidth(drop_to)
+            state["step"] = step + 1
+            proc.dropped_at = step + 1
+            log(f"  links dropped to {drop_to} at step {step + 1}")
+    return poll
+
+
+def _drop_phases(summary: dict, dropped_at: int | None) -> dict[str, Any]:
+    """Mean training step time before the drop and after it (past SETTLE_STEPS), from the
+    training clock at each evaluation."""
+    points = [(h["step"] + 1, h["train_s"]) for h in summary.get("history", []) if h.get("train_s") is not None]
+
+    def mean_ms(first: int, last: int) -> float | None:
+        inside = [p for p in points if first <= p[0] <= last]
+        if len(inside) < 2:
+            return None
+        (s0, t0), (s1, t1) = inside[0], inside[-1]
+        return 1000 * (t1 - t0) / (s1 - s0)
+
+    if dropped_at is None:
+        return {"dropped_at_step": None, "step_ms_before_drop": None, "step_ms_after_drop": None}
+    return {"dropped_at_step": dropped_at,
+            "step_ms_before_drop": mean_ms(DROP_EVAL_EVERY, dropped_at - 1),
+            "step_ms_after_drop": mean_ms(dropped_at + SETTLE_STEPS, 10 ** 9),
+            "controller": summary.get("adaptive")}
 
 
 def _last_error(output: str) -> str:
@@ -158,6 +239,28 @@ def render_table(report: dict):
         table.add_row(r["name"], ttt, speed, f"{r['final_accuracy']:.4f}",
                       f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})", f"{r['wire_bytes_counted'] / 1e6:.2f}",
                       iface, f"{r['wire_compression']:.1f}x" if r["wire_compression"] else "-")
+    return table
+
+
+def render_drop_table(report: dict):
+    """Step time before and after the links drop, against the best fixed method."""
+    from rich.table import Table
+
+    table = Table(title=f"links {report['bandwidth']} -> {report['drop_to']} at step {report['drop_at_step']}")
+    for col in ("method", "step ms before", "vs best fixed", "step ms after", "vs best fixed ", "final acc"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+
+    def ms(value):
+        return f"{value:.0f}" if value is not None else "-"
+
+    def ratio(value):
+        return f"{value:.2f}x" if value is not None else "-"
+
+    for r in report["methods"]:
+        if "error" in r:
+            continue
+        table.add_row(r["name"], ms(r.get("step_ms_before_drop")), ratio(r.get("before_vs_best_fixed")),
+                      ms(r.get("step_ms_after_drop")), ratio(r.get("after_vs_best_fixed")), f"{r['final_accuracy']:.4f}")
     return table
 
 

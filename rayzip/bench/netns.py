@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -227,9 +228,38 @@ class NetnsCluster:
                 self._previous_sigterm = None
 
     # --- use ----------------------------------------------------------------------------
-    def run_in_head(self, cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    def run_in_head(self, cmd: list[str], on_poll=None, timeout: float | None = None,
+                    **kwargs) -> subprocess.CompletedProcess:
+        """Run ``cmd`` in the head's namespace; ``on_poll(proc)`` is called every 0.5 s while
+        it runs (to change the links mid-run), and may set attributes on the result."""
         kwargs.setdefault("env", self.env(RAY_ADDRESS=self.address))
-        return subprocess.run(["ip", "netns", "exec", self.head_ns, *cmd], **kwargs)
+        full = ["ip", "netns", "exec", self.head_ns, *cmd]
+        if on_poll is None:
+            return subprocess.run(full, timeout=timeout, **kwargs)
+        capture = kwargs.pop("capture_output", False)
+        if capture:
+            kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        result = subprocess.CompletedProcess(full, 0)
+        with subprocess.Popen(full, **kwargs) as proc:
+            deadline = None if timeout is None else time.time() + timeout
+            # Drain output on threads, so a chatty job cannot block on a full pipe.
+            chunks: dict[str, list] = {"stdout": [], "stderr": []}
+            readers = [threading.Thread(target=lambda s=stream, k=key: chunks[k].append(s.read()), daemon=True)
+                       for key, stream in (("stdout", proc.stdout), ("stderr", proc.stderr)) if stream is not None]
+            for reader in readers:
+                reader.start()
+            while proc.poll() is None:
+                if deadline is not None and time.time() > deadline:
+                    proc.kill()
+                    raise subprocess.TimeoutExpired(full, timeout)
+                on_poll(result)
+                time.sleep(0.5)
+            for reader in readers:
+                reader.join()
+        result.returncode = proc.returncode
+        result.stdout = "".join(chunks["stdout"]) if capture else None
+        result.stderr = "".join(chunks["stderr"]) if capture else None
+        return result
 
     def tx_bytes(self) -> list[int]:
         """Bytes sent so far on each worker's eth0 (the kernel's own count)."""

@@ -4,6 +4,12 @@ Counts are what this worker transmits: exact for point-to-point sends (the size 
 plus the payload), and the standard ring cost for collectives: 2(n-1)/n * size for
 all_reduce, (n-1) * size for all_gather (gloo and NCCL both run rings at these sizes).
 
+For testing controllers without root, ``RAYZIP_EMULATE_LINK_FILE`` names a file holding a
+link rate in bytes per second: every send then also waits ``bytes / rate`` inside the
+network time, as a link of that rate would add. The file is re-read when it changes, so a
+test can slow the link mid-run; empty or 0 means no limit. (The cluster benchmark emulates
+links for real, with tc in network namespaces.)
+
 Usage::
 
     transport = Transport()                        # the default process group
@@ -13,6 +19,7 @@ Usage::
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 
@@ -46,17 +53,19 @@ class Transport:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over all workers, in place."""
-        with self._on_network():
+        nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world)
+        with self._on_network(nbytes):
             dist.all_reduce(tensor, group=self.group)
-        self._count(ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world))
+        self._count(nbytes)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every worker's ``tensor`` (all the same size), in rank order."""
         out = [torch.empty_like(tensor) for _ in range(self.world)]
-        with self._on_network():
+        nbytes = (self.world - 1) * tensor.numel() * tensor.element_size()
+        with self._on_network(nbytes):
             dist.all_gather(out, tensor, group=self.group)
-        self._count((self.world - 1) * tensor.numel() * tensor.element_size())
+        self._count(nbytes)
         return out
 
     def shift(self, payload: torch.Tensor, entries: int) -> tuple[torch.Tensor, int]:
@@ -78,18 +87,44 @@ class Transport:
     def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
         ops = [dist.P2POp(dist.isend, send, dst, group=self.group),
                dist.P2POp(dist.irecv, recv, src, group=self.group)]
-        with self._on_network():
+        with self._on_network(send.numel() * send.element_size()):
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
     @contextmanager
-    def _on_network(self):
+    def _on_network(self, nbytes: int):
         start = time.perf_counter()
         try:
             yield
+            rate = _emulated_rate()
+            if rate:
+                time.sleep(nbytes / rate)
         finally:
             self.network_s += time.perf_counter() - start
 
     def _count(self, nbytes: int) -> None:
         self.bytes_sent += nbytes
         self.messages.append(nbytes)
+
+
+_RATE_CACHE: dict[str, tuple[float, float]] = {}
+
+
+def _emulated_rate() -> float:
+    """Bytes per second from RAYZIP_EMULATE_LINK_FILE (0: no limit)."""
+    path = os.environ.get("RAYZIP_EMULATE_LINK_FILE")
+    if not path:
+        return 0.0
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except OSError:
+        return 0.0
+    cached = _RATE_CACHE.get(path)
+    if cached is None or cached[0] != mtime:
+        try:
+            text = open(path).read().strip()
+            cached = (mtime, float(text) if text else 0.0)
+        except (OSError, ValueError):
+            cached = (mtime, 0.0)
+        _RATE_CACHE[path] = cached
+    return cached[1]

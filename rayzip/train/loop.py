@@ -17,9 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import ray
 import ray.train
 import ray.train.torch
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
@@ -27,6 +29,7 @@ from ..checkpoint import DeltaChain
 from ..checkpoint import load as load_checkpoint
 from ..checkpoint import save as save_checkpoint
 from ..comm import ring_allreduce_bytes
+from ..metrics import WorkerMetrics
 from ..spec import JobSpec, TrainingSpec
 from ..torch import compress, scaled_lr
 from ..torch.baselines import register_torch_hook
@@ -86,6 +89,35 @@ def _compute_time(model: DistributedDataParallel, x: torch.Tensor, y: torch.Tens
             best = min(best, time.perf_counter() - t0)
     model.zero_grad(set_to_none=True)
     return best
+
+
+class _Adoption:
+    """Rank 0 fetches the controller's latest decision without waiting and broadcasts it;
+    every rank hands it to the hook at the same step."""
+
+    def __init__(self, controller, rank: int, state):
+        self.controller, self.rank, self.state = controller, rank, state
+        self.pending = controller.decision.remote() if rank == 0 else None
+        self.latest = {"seq": -1, "ratio": 0.0}
+        self.applied_seq = -1
+
+    def before_step(self, step: int) -> None:
+        if self.rank == 0:
+            ready, _ = ray.wait([self.pending], timeout=0)
+            if ready:
+                self.latest = ray.get(self.pending)
+                self.pending = self.controller.decision.remote()
+        message = torch.tensor([float(self.latest["seq"]), float(self.latest["ratio"])], dtype=torch.float64)
+        dist.broadcast(message, src=0)
+        seq, ratio = int(message[0]), float(message[1])
+        if seq == self.applied_seq or ratio < 1.0:
+            return
+        self.applied_seq = seq
+        self.state.set_enabled(ratio > 1.0)
+        if ratio > 1.0:
+            self.state.set_ratio(1.0 / ratio)
+        if self.rank == 0:
+            self.controller.applied.remote(seq, step)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -174,10 +206,16 @@ def train_loop(config: dict) -> None:
     totals = {"bytes_sent": 0, "dense_bytes": 0, "train_s": 0.0, "step_s": 0.0, "comm_s": 0.0, "network_s": 0.0,
               "timed_steps": 0, **totals}
     every = spec.checkpoint.every_steps
+    run_id = config.get("run_id", spec.name)
+    metrics_out = WorkerMetrics(run_id, spec.name, rank) if spec.metrics.enabled else None
+    controller = ray.get_actor(config["controller"]) if config.get("controller") else None
+    adoption = _Adoption(controller, rank, state) if controller is not None and state is not None else None
     train_start = time.perf_counter() - totals["train_s"]
     tx_start = _interface_tx_bytes()
 
     for step in range(start, steps):
+        if adoption is not None:
+            adoption.before_step(step)
         t0 = time.perf_counter()
         lr = scaled_lr(training.lr, world, training.base_world_size, step, training.lr_warmup_steps)
         for group in optimizer.param_groups:
@@ -198,6 +236,13 @@ def train_loop(config: dict) -> None:
             bytes_sent = counter.take() if counter is not None else dense_bytes
             comm_s = max(0.0, step_s - compute_probe_s) if ddp else 0.0
             network_s = comm_s
+        loss_value = float(loss.detach())
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"rank {rank}: loss is {loss_value} at step {step}")
+        if metrics_out is not None:
+            metrics_out.record(step, step_s, comm_s, network_s, bytes_sent, dense_bytes, loss_value)
+        if controller is not None:
+            controller.report.remote(rank, step, loss_value, step_s, comm_s, network_s, bytes_sent, dense_bytes)
         totals["step_s"] += step_s
         totals["comm_s"] += comm_s
         totals["network_s"] += network_s
@@ -221,7 +266,7 @@ def train_loop(config: dict) -> None:
             totals["time_to_target_s"], totals["steps_to_target"] = totals["train_s"], step + 1
         done = last or (reached and training.stop_at_target)
         metrics = {
-            "step": step, "loss": float(loss.detach()), "lr": lr, "world_size": world,
+            "step": step, "loss": loss_value, "lr": lr, "world_size": world,
             "step_s": step_s, "comm_s": comm_s, "compute_probe_s": compute_probe_s,
             "mean_step_s": totals["step_s"] / totals["timed_steps"], "mean_comm_s": totals["comm_s"] / totals["timed_steps"],
             "mean_network_s": totals["network_s"] / totals["timed_steps"],

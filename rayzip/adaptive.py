@@ -1,0 +1,307 @@
+"""The adaptive compression controller: a named Ray actor that sets the sparsifier's ratio.
+
+Every ``interval`` seconds it gathers its inputs, decides, and publishes a decision; rank 0
+of the training run fetches the latest decision without waiting and broadcasts it, so every
+worker adopts it at the same step.
+
+**Inputs.** From Prometheus (``/api/v1/query``), over the last ``window`` seconds of the run's
+series (see :mod:`rayzip.metrics`):
+
+* per rank, the time spent inside the collective per byte sent,
+  ``rate(..._collective_delay_seconds_sum) / rate(..._bytes_sent_total)``; the slowest rank
+  counts, since a synchronous step waits for it;
+* per rank, the median collective delay,
+  ``histogram_quantile(0.5, sum by (le, rank) (rate(..._collective_delay_seconds_bucket)))``,
+  recorded with each decision;
+* the mean compute time per step, ``rate(..._compute_seconds_sum) / rate(..._count)``.
+
+From the workers directly (every step, fire and forget): batch losses, dense bytes per
+step, and their own timings, the source when no Prometheus is configured.
+
+**Policy.**
+
+* *Sample importance* ``i`` = mean loss of the batches since the last decision over the
+  running mean of all losses (an exponential average). Important batches (``i > 1``) are
+  compressed less.
+* *Network pressure* ``p`` = delay per byte over the lowest delay per byte seen in this run
+  (``p >= 1``). More delay, more compression.
+* *Compression off*: when a dense step's communication (dense bytes times the delay per
+  byte) would take less than ``off_below`` of the step, send dense: on a fast network rayzip
+  is then DDP.
+* Otherwise the *fitting ratio* ``f`` is the compression under which a step's communication
+  on the best link seen (dense bytes times the lowest delay per byte) takes ``comm_budget``
+  of its compute time, and ``ratio = clamp(f * p ** delay_weight / i ** importance_weight,
+  min_ratio, max_ratio)``: on the link the run started on, communication fits the budget;
+  when the link slows ``p``-fold, compression rises ``p``-fold.
+
+**Robustness.** A Prometheus that is unreachable, slow (``query_timeout``), or answers with
+NaN or nothing leaves the last decision in force: the attempt is recorded as ``held``, a
+warning is logged once, and each further attempt waits twice as long (up to 8 intervals).
+Training never waits for the controller. Decisions start once training has run for a window.
+
+Every decision (and every hold) is logged with its inputs and kept in :meth:`history`;
+``rayzip_controller_*`` series export them.
+
+Usage::
+
+    controller = start_controller(run_id, spec)      # in the driver, before fitting
+    ... workers: controller.report.remote(...); rank 0: controller.decision.remote() ...
+    history = ray.get(controller.history.remote())
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import ray
+
+from .spec import AdaptiveSpec
+
+__all__ = ["AdaptiveController", "Decision", "Policy", "PrometheusSource", "SourceError", "controller_name",
+           "start_controller"]
+
+log = logging.getLogger("rayzip.adaptive")
+MAX_BACKOFF_DOUBLINGS = 3  # retries slow to 8 intervals apart, no further
+
+
+@dataclass
+class Decision:
+    seq: int
+    ratio: float  # compression ratio of the sparsifier, 1 / kept fraction; 1.0: compression off
+    source: str  # prometheus, workers, held, or initial
+    at: float
+    inputs: dict = field(default_factory=dict)
+    applied_step: int | None = None
+
+    @property
+    def compressed(self) -> bool:
+        return self.ratio > 1.0
+
+
+class Policy:
+    """The decision rule, free of I/O (see the module docstring)."""
+
+    def __init__(self, spec: AdaptiveSpec):
+        self.spec = spec
+        self.best_delay_per_byte: float | None = None
+
+    def decide(self, delay_per_byte: float, compute_s: float, dense_bytes: float,
+               importance: float) -> tuple[float, dict]:
+        spec = self.spec
+        if self.best_delay_per_byte is None or delay_per_byte < self.best_delay_per_byte:
+            self.best_delay_per_byte = delay_per_byte
+        pressure = delay_per_byte / self.best_delay_per_byte
+        dense_comm_s = dense_bytes * delay_per_byte
+        share = dense_comm_s / (dense_comm_s + compute_s) if dense_comm_s + compute_s > 0 else 0.0
+        explain = {"pressure": pressure, "importance": importance, "dense_comm_share": share,
+                   "best_delay_per_byte": self.best_delay_per_byte}
+        if share < spec.off_below:
+            return 1.0, explain
+        # The compression that fits a step's communication, on the best link seen, into the
+        # budget share of its compute; then more with more delay, less for important batches.
+        fitting = dense_bytes * self.best_delay_per_byte / (spec.comm_budget * max(compute_s, 1e-6))
+        explain["fitting_ratio"] = fitting
+        ratio = fitting * pressure ** spec.delay_weight / importance ** spec.importance_weight
+        return min(spec.max_ratio, max(spec.min_ratio, ratio)), explain
+
+
+class SourceError(RuntimeError):
+    """Prometheus gave no usable answer."""
+
+
+class PrometheusSource:
+    """The controller's queries, through Prometheus' HTTP API."""
+
+    def __init__(self, url: str, run: str, window_s: float, timeout_s: float):
+        import requests
+
+        self.session = requests.Session()
+        self.url, self.run, self.timeout = url.rstrip("/"), run, timeout_s
+        self.window = f"{max(1, round(window_s))}s"
+
+    def query(self, promql: str) -> list[dict]:
+        try:
+            answer = self.session.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=self.timeout)
+            answer.raise_for_status()
+            body = answer.json()
+        except Exception as exc:  # unreachable, slow, or not Prometheus
+            raise SourceError(f"{type(exc).__name__}: {exc}") from None
+        if body.get("status") != "success":
+            raise SourceError(f"query failed: {body.get('error', body)}")
+        return body["data"]["result"]
+
+    def by_rank(self, promql: str) -> dict[str, float]:
+        values = {}
+        for row in self.query(promql):
+            value = float(row["value"][1])
+            if math.isfinite(value):
+                values[row["metric"].get("rank", "")] = value
+        if not values:
+            raise SourceError(f"no finite values for {promql}")
+        return values
+
+    def inputs(self) -> dict[str, Any]:
+        sel, w = f'run="{self.run}"', self.window
+        delay_per_byte = self.by_rank(f"sum by (rank) (rate(ray_rayzip_collective_delay_seconds_sum{{{sel}}}[{w}])) / "
+                                      f"sum by (rank) (rate(ray_rayzip_bytes_sent_total{{{sel}}}[{w}]))")
+        p50 = self.by_rank(f"histogram_quantile(0.5, sum by (le, rank) "
+                           f"(rate(ray_rayzip_collective_delay_seconds_bucket{{{sel}}}[{w}])))")
+        compute = self.by_rank(f"sum by (rank) (rate(ray_rayzip_compute_seconds_sum{{{sel}}}[{w}])) / "
+                               f"sum by (rank) (rate(ray_rayzip_compute_seconds_count{{{sel}}}[{w}]))")
+        return {"delay_per_byte": max(delay_per_byte.values()), "delay_per_byte_by_rank": delay_per_byte,
+                "collective_delay_p50_s_by_rank": p50, "compute_s": sum(compute.values()) / len(compute)}
+
+
+def controller_name(run_id: str) -> str:
+    return f"rayzip-controller-{run_id}"
+
+
+@ray.remote(num_cpus=0)
+class AdaptiveController:
+    """See the module docstring. ``initial_ratio`` is in force until the first decision."""
+
+    def __init__(self, run: str, job: str, spec: dict, initial_ratio: float):
+        from .metrics import ControllerMetrics
+
+        self.spec = AdaptiveSpec.model_validate(spec)
+        self.policy = Policy(self.spec)
+        self.metrics = ControllerMetrics(run, job)
+        self.source = (PrometheusSource(self.spec.prometheus_url, run, self.spec.window, self.spec.query_timeout)
+                       if self.spec.prometheus_url else None)
+        self.lock = threading.Lock()
+        self.reports: deque = deque(maxlen=4096)  # (time, rank, step, loss, step_s, comm_s, network_s, bytes, dense)
+        self.first_report: float | None = None
+        self.loss_mean: float | None = None
+        self.new_losses: list[float] = []
+        self.current = Decision(0, float(initial_ratio), "initial", time.time())
+        self.decisions: list[dict] = [asdict(self.current)]
+        self.failures = 0
+        self.warned = False
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="rayzip-controller", daemon=True)
+        self.thread.start()
+
+    # --- called by workers and the driver ------------------------------------------------
+    def report(self, rank: int, step: int, loss: float, step_s: float, comm_s: float, network_s: float,
+               bytes_sent: int, dense_bytes: int) -> None:
+        with self.lock:
+            now = time.time()
+            self.first_report = self.first_report or now
+            self.reports.append((now, rank, step, loss, step_s, comm_s, network_s, bytes_sent, dense_bytes))
+            if math.isfinite(loss):
+                self.new_losses.append(loss)
+
+    def decision(self) -> dict:
+        with self.lock:
+            return {"seq": self.current.seq, "ratio": self.current.ratio}
+
+    def applied(self, seq: int, step: int) -> None:
+        with self.lock:
+            for entry in reversed(self.decisions):
+                if entry["seq"] == seq and entry["source"] != "held":
+                    entry["applied_step"] = step
+                    break
+
+    def history(self) -> list[dict]:
+        with self.lock:
+            return [dict(d) for d in self.decisions]
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=10)
+
+    # --- the loop ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        wait = self.spec.interval
+        while not self.stopping.wait(wait):
+            try:
+                ok = self._decide_once()
+            except Exception as exc:  # a bug here must not stop the controller
+                log.exception("rayzip controller: decision failed: %s", exc)
+                ok = False
+            wait = self.spec.interval if ok else self.spec.interval * 2 ** min(self.failures, MAX_BACKOFF_DOUBLINGS)
+
+    def _importance(self) -> float:
+        with self.lock:
+            fresh, self.new_losses = self.new_losses, []
+        if not fresh:
+            return 1.0
+        recent = sum(fresh) / len(fresh)
+        previous = self.loss_mean
+        # The running mean moves slowly (a tenth per decision), so a spike stands out.
+        self.loss_mean = recent if previous is None else 0.9 * previous + 0.1 * recent
+        return recent / previous if previous and previous > 0 else 1.0
+
+    def _worker_inputs(self) -> dict[str, Any] | None:
+        horizon = time.time() - self.spec.window
+        with self.lock:
+            recent = [r for r in self.reports if r[0] >= horizon]
+        if not recent:
+            return None
+        per_rank: dict[int, list] = {}
+        for r in recent:
+            per_rank.setdefault(r[1], []).append(r)
+        delay = {rank: sum(r[6] for r in rows) / max(1, sum(r[7] for r in rows)) for rank, rows in per_rank.items()}
+        compute = [max(0.0, r[4] - r[5]) for r in recent]
+        return {"delay_per_byte": max(delay.values()), "delay_per_byte_by_rank": {str(k): v for k, v in delay.items()},
+                "compute_s": sum(compute) / len(compute)}
+
+    def _dense_bytes(self) -> float | None:
+        with self.lock:
+            return float(self.reports[-1][8]) if self.reports else None
+
+    def _decide_once(self) -> bool:
+        with self.lock:
+            started = self.first_report
+        # Until training has run for a window, the rates have too few points to mean anything.
+        if started is None or time.time() - started < self.spec.window:
+            return True
+        importance = self._importance()
+        dense = self._dense_bytes()
+        if self.source is not None:
+            try:
+                inputs, source = self.source.inputs(), "prometheus"
+            except SourceError as exc:
+                self._hold(str(exc))
+                return False
+        else:
+            inputs, source = self._worker_inputs(), "workers"
+            if inputs is None:
+                return True
+        if inputs["delay_per_byte"] <= 0:
+            self._hold("delay per byte is 0: no bytes crossed the network yet")
+            return False
+        ratio, explain = self.policy.decide(inputs["delay_per_byte"], inputs["compute_s"], dense, importance)
+        inputs = {**inputs, **explain, "dense_bytes": dense}
+        with self.lock:
+            self.failures = 0
+            seq = self.current.seq + (1 if ratio != self.current.ratio else 0)
+            self.current = Decision(seq, ratio, source, time.time(), inputs)
+            self.decisions.append(asdict(self.current))
+        self.metrics.record(ratio, explain["pressure"], importance, source)
+        log.info("rayzip controller: ratio %.1f from %s: %s", ratio, source,
+                 {k: v for k, v in inputs.items() if not isinstance(v, dict)})
+        return True
+
+    def _hold(self, reason: str) -> None:
+        with self.lock:
+            self.failures += 1
+            entry = asdict(Decision(self.current.seq, self.current.ratio, "held", time.time(), {"reason": reason}))
+            self.decisions.append(entry)
+        self.metrics.record(self.current.ratio, None, None, "held")
+        if not self.warned:
+            self.warned = True
+            log.warning("rayzip controller: Prometheus gave no usable answer (%s); holding ratio %.1f and "
+                        "retrying with backoff", reason, self.current.ratio)
+
+
+def start_controller(run_id: str, job: str, spec: AdaptiveSpec, initial_ratio: float):
+    """The run's named controller actor."""
+    return AdaptiveController.options(name=controller_name(run_id)).remote(run_id, job, spec.model_dump(),
+                                                                         initial_ratio)

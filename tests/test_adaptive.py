@@ -1,0 +1,196 @@
+"""The adaptive controller (issue 6): its policy, its robustness, and a real 2-worker run
+scraped by a real Prometheus (Debian package `prometheus`), with the link slowed mid-run
+and Prometheus killed later."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+import ray
+import requests
+import yaml
+
+from rayzip.adaptive import AdaptiveController, Policy, PrometheusSource, SourceError
+from rayzip.metrics import prometheus_config
+from rayzip.runner import run_job
+from rayzip.spec import AdaptiveSpec, JobSpec, SpecError, parse_spec
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+# --- the policy, a pure function --------------------------------------------------------------
+
+def test_policy_turns_compression_off_when_the_network_is_not_the_bottleneck():
+    policy = Policy(AdaptiveSpec(enabled=True, off_below=0.1))
+    # 1 MB dense at 1 ns/byte = 1 ms of communication against 50 ms of compute: 2% of a step.
+    ratio, explain = policy.decide(delay_per_byte=1e-9, compute_s=0.05, dense_bytes=1e6, importance=1.0)
+    assert ratio == 1.0 and explain["dense_comm_share"] < 0.1
+
+
+def test_policy_compresses_more_under_delay_and_less_for_important_batches():
+    spec = AdaptiveSpec(enabled=True, min_ratio=4, max_ratio=200, delay_weight=1.0, importance_weight=1.0,
+                        comm_budget=0.25)
+    policy = Policy(spec)
+    # 1 MB at 10 ns/byte: 10 ms of dense communication; fitting it into 25% of 5 ms of compute
+    # takes 8x compression.
+    base, explain = policy.decide(1e-8, 0.005, 1e6, 1.0)
+    assert explain["pressure"] == 1 and base == pytest.approx(8)
+    slower, explain = policy.decide(5e-8, 0.005, 1e6, 1.0)
+    assert explain["pressure"] == pytest.approx(5) and slower == pytest.approx(40)
+    important, _ = policy.decide(5e-8, 0.005, 1e6, 2.0)
+    assert important == pytest.approx(20)
+    assert policy.decide(1e-5, 0.005, 1e6, 1.0)[0] == 200  # clamped to max_ratio
+    assert policy.decide(1e-8, 0.005, 1e6, 100.0)[0] == 4  # and to min_ratio
+
+
+def test_spec_refuses_adaptive_without_a_ratio_to_tune():
+    with pytest.raises(SpecError, match="adaptive.enabled tunes a sparsifier"):
+        parse_spec({"name": "x", "compression": {"codec": "dct_quant"}, "adaptive": {"enabled": True}})
+    with pytest.raises(SpecError, match="adaptive.max_ratio|max_ratio"):
+        parse_spec({"name": "x", "compression": {"codec": "topk"},
+                    "adaptive": {"enabled": True, "min_ratio": 10, "max_ratio": 5}})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_prometheus_is_a_source_error():
+    source = PrometheusSource(f"http://127.0.0.1:{_free_port()}", "run", 5, 0.5)
+    with pytest.raises(SourceError):
+        source.inputs()
+
+
+# --- a real run -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_with_fast_metrics(tmp_path_factory):
+    link = tmp_path_factory.mktemp("link") / "rate"
+    link.write_text("0")
+    os.environ["RAYZIP_EMULATE_LINK_FILE"] = str(link)  # the workers inherit it from the raylet
+    ray.init(address="local", num_cpus=2, _system_config={"metrics_report_interval_ms": 1000})
+    yield link
+    ray.shutdown()
+    del os.environ["RAYZIP_EMULATE_LINK_FILE"]
+
+
+@pytest.fixture
+def prometheus(tmp_path):
+    if PROMETHEUS is None:
+        pytest.fail("the prometheus binary is missing: .ci/run installs the Debian package `prometheus`")
+    port = _free_port()
+    config = tmp_path / "prometheus.yml"
+    # Ray's head keeps this file up to date in its temp dir (/tmp/ray by default).
+    sd = os.path.join(ray._private.worker._global_node.get_temp_dir_path(), "prom_metrics_service_discovery.json")
+    config.write_text(yaml.safe_dump(prometheus_config("1s", sd)))
+    proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            if requests.get(f"{url}/-/ready", timeout=1).ok:
+                break
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail(f"prometheus did not start: {(tmp_path / 'prometheus.log').read_text()[-2000:]}")
+    yield url, proc
+    proc.kill()
+    proc.wait()
+
+
+def test_controller_holds_its_ratio_when_prometheus_is_unreachable(ray_with_fast_metrics):
+    spec = AdaptiveSpec(enabled=True, prometheus_url=f"http://127.0.0.1:{_free_port()}", interval=0.2,
+                        query_timeout=0.5)
+    spec.window = 0.1
+    controller = AdaptiveController.remote("hold-test", "hold", spec.model_dump(), 50.0)
+    for step in range(5):
+        controller.report.remote(0, step, 2.0, 0.1, 0.05, 0.04, 1000, 100_000)
+    deadline = time.time() + 20
+    while time.time() < deadline and not any(d["source"] == "held" for d in ray.get(controller.history.remote())):
+        time.sleep(0.1)
+    time.sleep(1.5)  # a few more attempts, spaced by the backoff
+    ray.get(controller.stop.remote())
+    history = ray.get(controller.history.remote())
+    held = [d for d in history if d["source"] == "held"]
+    assert held and all(d["ratio"] == 50.0 for d in history), history
+    assert "ConnectionError" in held[0]["inputs"]["reason"]
+    # Backoff: 0.2, 0.4, 0.8 s between attempts, not one every 0.2 s.
+    assert len(held) <= 5, [d["at"] for d in held]
+    ray.kill(controller)
+
+
+def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheus_outage(
+        ray_with_fast_metrics, prometheus, tmp_path):
+    link = ray_with_fast_metrics
+    url, prom = prometheus
+    spec = JobSpec.model_validate({
+        "name": "adaptive-integration",
+        "model": {"name": "mlp", "hidden": [256, 256]},
+        "dataset": {"name": "digits"},
+        "training": {"steps": 700, "batch_size": 32, "lr": 0.05, "momentum": 0.9, "eval_every": 100},
+        "scaling": {"min_workers": 2, "max_workers": 2},
+        "compression": {"codec": "group_topk", "ratio": 0.01, "collective": "ring", "momentum_correction": True},
+        "checkpoint": {"every_steps": 0},
+        "adaptive": {"enabled": True, "prometheus_url": url, "interval": 1.0, "window": 4.0,
+                     "min_ratio": 4, "max_ratio": 200, "importance_weight": 0.0, "query_timeout": 1.0,
+                     # loopback is fast but latency-bound: a large budget starts the run at min_ratio
+                     "comm_budget": 50.0},
+    })
+    events: dict = {}
+
+    def on_progress(m: dict) -> None:
+        if "decided" not in events and m.get("ratio") and m["ratio"] != 0.01:
+            events["decided"] = m["step"]  # the controller's first decision is in force
+        elif "decided" in events and "slowed" not in events and m["step"] >= events["decided"] + 40:
+            link.write_text("200000")  # 200 kB/s: a dense step would take 1.7 s on the wire
+            events["slowed"], events["fraction_before"] = m["step"], m.get("ratio")
+        elif ("slowed" in events and "killed" not in events and m.get("ratio")
+              and m["ratio"] < events["fraction_before"] / 2):  # the controller raised compression
+            prom.kill()
+            events["killed"] = m["step"]
+            link.write_text("0")  # the rest of the run at full speed, to keep the test short
+
+    summary = run_job(spec, storage_path=str(tmp_path), on_progress=on_progress)
+    decisions = summary["adaptive"]["decisions"]
+    print("EVENTS", events, summary["wall_s"], summary["train_s"])
+    for d in decisions:
+        print("DECISION", d["source"], round(d["ratio"], 1), d.get("applied_step"),
+              {k: (round(v, 9) if isinstance(v, float) else v) for k, v in d["inputs"].items()
+               if k in ("delay_per_byte", "compute_s", "pressure", "dense_comm_share")})
+    assert summary["steps"] == 700, "training finished despite the outage"
+    assert "slowed" in events and "killed" in events, (events, decisions)
+
+    # Decisions came from Prometheus' answers: each records what the queries returned.
+    from_prometheus = [d for d in decisions if d["source"] == "prometheus"]
+    assert from_prometheus, decisions
+    for d in from_prometheus:
+        assert set(d["inputs"]["delay_per_byte_by_rank"]) == {"0", "1"}, d
+        assert set(d["inputs"]["collective_delay_p50_s_by_rank"]) == {"0", "1"}, d
+        assert d["inputs"]["delay_per_byte"] == max(d["inputs"]["delay_per_byte_by_rank"].values())
+
+    # The ratio rose within 20 steps of the slowdown.
+    applied = [d for d in decisions if d.get("applied_step") is not None]
+    before = [d for d in applied if d["applied_step"] <= events["slowed"]]
+    after = [d for d in applied if d["applied_step"] > events["slowed"]]
+    assert before and after, applied
+    rise = next(d for d in after if d["ratio"] > before[-1]["ratio"])
+    assert rise["applied_step"] - events["slowed"] <= 20, (events, rise, before[-1])
+    assert rise["inputs"]["pressure"] > 1
+
+    # With Prometheus gone the controller held its ratio, and said so.
+    held = [d for d in decisions if d["source"] == "held"]
+    assert held and summary["adaptive"]["held"] == len(held)
+    last_decided = [d for d in decisions if d["source"] == "prometheus"][-1]
+    assert all(d["ratio"] == last_decided["ratio"] for d in held)
+    assert summary["adaptive"]["final_ratio"] == last_decided["ratio"]
