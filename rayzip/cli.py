@@ -17,6 +17,8 @@ bench_app = typer.Typer(help="Benchmarks: each prints a table, writes JSON with 
 app.add_typer(bench_app, name="bench")
 checkpoint_app = typer.Typer(help="Inspect, verify and decompress rayzip checkpoints.", no_args_is_help=True)
 app.add_typer(checkpoint_app, name="checkpoint")
+k8s_app = typer.Typer(help="KubeRay manifests for a job spec.", no_args_is_help=True)
+app.add_typer(k8s_app, name="k8s")
 # Tables are read in logs and CI output too: do not squeeze them to 80 columns there.
 console = Console(width=None if sys.stdout.isatty() else 120)
 
@@ -289,6 +291,42 @@ def bench_checkpoint(
     if json_path:
         write_json(report, json_path)
         console.print(f"wrote {json_path}")
+
+
+@k8s_app.command("render")
+def k8s_render(
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec (YAML)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write one file per manifest into this "
+                                                                 "directory (default: print them)."),
+    image: str = typer.Option("rayzip:0.1.0", help="Container image with rayzip installed (k8s/Dockerfile)."),
+    namespace: Optional[str] = typer.Option(None, help="Kubernetes namespace."),
+    gpus_per_worker: Optional[int] = typer.Option(None, min=0, help="GPUs per worker pod "
+                                                                    "(default: 1 if scaling.use_gpu, else 0)."),
+    worker_memory: str = typer.Option("16Gi", help="Memory per worker pod."),
+    storage_path: Optional[str] = typer.Option(None, help="Ray Train storage shared by all pods "
+                                                          "(s3://..., gs://... or a shared volume)."),
+    ttl: int = typer.Option(3600, min=0, help="Seconds the RayJob's cluster stays after the job ends."),
+):
+    """ConfigMap, RayJob and RayCluster for SPEC: name, workers and GPUs come from the spec."""
+    import yaml
+
+    from .k8s import render
+
+    spec = _load_or_exit(spec_path)
+    try:
+        manifests = render(spec, spec_path.read_text(), image=image, namespace=namespace,
+                           gpus_per_worker=gpus_per_worker, worker_memory=worker_memory,
+                           storage_path=storage_path, ttl_seconds=ttl)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2)
+    if out is None:
+        print(yaml.safe_dump_all(manifests.values(), sort_keys=False), end="")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    for name, manifest in manifests.items():
+        (out / name).write_text(yaml.safe_dump(manifest, sort_keys=False))
+        console.print(f"wrote {out / name}", highlight=False)
 
 
 def _checkpoint_or_exit(action):

@@ -19,6 +19,8 @@ Worker series (``ray_`` + name):
 ``rayzip_compression_ratio``        gauge      wire compression of the last step (1: dense)
 ``rayzip_batch_loss``               gauge      the last batch's loss
 ``rayzip_step``                     gauge      the last step
+``rayzip_checkpoint_bytes``         gauge      rank 0's last checkpoint, stored bytes
+``rayzip_checkpoint_ratio``         gauge      its raw bytes over stored bytes
 ==================================  =========  ==========================================
 
 Controller series: ``rayzip_controller_ratio`` (gauge, the decided compression ratio; 1 is
@@ -60,7 +62,9 @@ def _worker_series():
     gauges = {name: Gauge(f"rayzip_{name}", description=text, tag_keys=tags)
               for name, text in (("compression_ratio", "Wire compression of the last step (1: dense)."),
                                  ("batch_loss", "Loss of the last batch."),
-                                 ("step", "Last step."))}
+                                 ("step", "Last step."),
+                                 ("checkpoint_bytes", "Stored bytes of the last checkpoint (rank 0's part)."),
+                                 ("checkpoint_ratio", "Raw over stored bytes of the last checkpoint."))}
     return hist, counters, gauges
 
 
@@ -85,6 +89,10 @@ class WorkerMetrics:
         self.gauges["compression_ratio"].set(dense_bytes / bytes_sent if bytes_sent else 1.0, tags=tags)
         self.gauges["batch_loss"].set(loss, tags=tags)
         self.gauges["step"].set(step, tags=tags)
+
+    def record_checkpoint(self, stored_bytes: int, raw_bytes: int) -> None:
+        self.gauges["checkpoint_bytes"].set(stored_bytes, tags=self.tags)
+        self.gauges["checkpoint_ratio"].set(raw_bytes / stored_bytes if stored_bytes else 1.0, tags=self.tags)
 
 
 @lru_cache(maxsize=None)

@@ -4,11 +4,13 @@ and Prometheus killed later."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -69,6 +71,28 @@ def test_an_unreachable_prometheus_is_a_source_error():
 
 
 # --- a real run -------------------------------------------------------------------------------
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "dashboards" / "rayzip.json"
+
+
+def evaluate_dashboard(url: str, job: str) -> dict[str, list]:
+    """{panel title: [(expr, result rows)]} for every target of the Grafana dashboard, with its
+    variables as Grafana would fill them: the job's run, all ranks, a rate interval of 8 s
+    (four scrapes)."""
+    rows = requests.get(f"{url}/api/v1/query", params={"query": f'ray_rayzip_step{{job="{job}"}}'},
+                        timeout=5).json()["data"]["result"]
+    run = rows[0]["metric"]["run"] if rows else "none"
+    out = {}
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        results = []
+        for target in panel["targets"]:
+            expr = (target["expr"].replace("$__rate_interval", "8s").replace("$run", run)
+                    .replace("$rank", ".*"))
+            answer = requests.get(f"{url}/api/v1/query", params={"query": expr}, timeout=5).json()
+            results.append((expr, answer["data"]["result"] if answer.get("status") == "success" else []))
+        out[panel["title"]] = results
+    return out
+
 
 @pytest.fixture(scope="module")
 def ray_with_fast_metrics(tmp_path_factory):
@@ -141,7 +165,7 @@ def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheu
         "training": {"steps": 700, "batch_size": 32, "lr": 0.05, "momentum": 0.9, "eval_every": 100},
         "scaling": {"min_workers": 2, "max_workers": 2},
         "compression": {"codec": "group_topk", "ratio": 0.01, "collective": "ring", "momentum_correction": True},
-        "checkpoint": {"every_steps": 0},
+        "checkpoint": {"every_steps": 100},
         "adaptive": {"enabled": True, "prometheus_url": url, "interval": 1.0, "window": 4.0,
                      "min_ratio": 4, "max_ratio": 200, "importance_weight": 0.0, "query_timeout": 1.0,
                      # loopback is fast but latency-bound: a large budget starts the run at min_ratio
@@ -157,6 +181,7 @@ def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheu
             events["slowed"], events["fraction_before"] = m["step"], m.get("ratio")
         elif ("slowed" in events and "killed" not in events and m.get("ratio")
               and m["ratio"] < events["fraction_before"] / 2):  # the controller raised compression
+            events["panels"] = evaluate_dashboard(url, spec.name)  # issue 8: every panel has data
             prom.kill()
             events["killed"] = m["step"]
             link.write_text("0")  # the rest of the run at full speed, to keep the test short
@@ -170,6 +195,10 @@ def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheu
                if k in ("delay_per_byte", "compute_s", "pressure", "dense_comm_share")})
     assert summary["steps"] == 700, "training finished despite the outage"
     assert "slowed" in events and "killed" in events, (events, decisions)
+
+    # Every query of every panel of the shipped Grafana dashboard returned data.
+    empty = {title: expr for title, results in events["panels"].items() for expr, rows in results if not rows}
+    assert not empty, empty
 
     # Decisions came from Prometheus' answers: each records what the queries returned.
     from_prometheus = [d for d in decisions if d["source"] == "prometheus"]

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoint import DeltaChain
+from ..checkpoint import inspect as inspect_checkpoint
 from ..checkpoint import load as load_checkpoint
 from ..checkpoint import save as save_checkpoint
 from ..comm import ring_allreduce_bytes
@@ -288,6 +289,9 @@ def train_loop(config: dict) -> None:
         if (every and (step + 1) % every == 0) or done:
             tmp = Path(tempfile.mkdtemp(prefix="rayzip-ckpt-"))
             _save(tmp, rank, world, step, model, optimizer, state, totals, accuracy, chain)
+            if rank == 0 and metrics_out is not None:
+                sizes = inspect_checkpoint(tmp / "trainer")
+                metrics_out.record_checkpoint(sizes["stored_bytes"], sizes["raw_bytes"])
             checkpoint = ray.train.Checkpoint.from_directory(str(tmp))
         if progress is not None:
             progress.update.remote(metrics)  # fire and forget: per-step progress costs nothing
