@@ -79,10 +79,6 @@ class Decision:
     inputs: dict = field(default_factory=dict)
     applied_step: int | None = None
 
-    @property
-    def compressed(self) -> bool:
-        return self.ratio > 1.0
-
 
 class Policy:
     """The decision rule, free of I/O (see the module docstring)."""

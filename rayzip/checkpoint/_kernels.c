@@ -23,7 +23,6 @@
 #define HEADER 128
 
 static inline uint64_t load64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
-static inline void store32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
 static inline void store64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 
 static void byte_histogram(const uint8_t *src, Py_ssize_t n, uint64_t counts[256]) {
@@ -108,14 +107,20 @@ static int canonical_codes(const uint8_t lengths[256], uint16_t codes[256]) {
     return 0;
 }
 
+/* (src, out) where out must hold `cells` uint64 counts; -1 with an exception otherwise. */
+static int parse_counts(PyObject *args, Py_buffer *src, Py_buffer *out, Py_ssize_t cells, const char *what) {
+    if (!PyArg_ParseTuple(args, "y*w*", src, out)) return -1;
+    if (out->len != cells * 8) {
+        PyBuffer_Release(src); PyBuffer_Release(out);
+        PyErr_Format(PyExc_ValueError, "%s: out must hold %zd uint64", what, cells);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_histogram(PyObject *self, PyObject *args) {
     Py_buffer src, out;
-    if (!PyArg_ParseTuple(args, "y*w*", &src, &out)) return NULL;
-    if (out.len != 256 * 8) {
-        PyBuffer_Release(&src); PyBuffer_Release(&out);
-        PyErr_SetString(PyExc_ValueError, "histogram: out must hold 256 uint64");
-        return NULL;
-    }
+    if (parse_counts(args, &src, &out, 256, "histogram") < 0) return NULL;
     uint64_t counts[256];
     Py_BEGIN_ALLOW_THREADS
     byte_histogram(src.buf, src.len, counts);
@@ -125,23 +130,19 @@ static PyObject *py_histogram(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* Order-1 counts: counts[prev * 256 + byte], the first byte counted in context 0. */
-static void pair_histogram(const uint8_t *src, Py_ssize_t n, uint64_t *counts) {
-    memset(counts, 0, 65536 * sizeof(uint64_t));
-    unsigned prev = 0;
+/* Adds order-1 counts, counts[prev * 256 + byte], of src to counts, the first byte in
+ * context `prev`; returns the last byte. */
+static unsigned add_pairs(const uint8_t *src, Py_ssize_t n, unsigned prev, uint64_t *counts) {
     for (Py_ssize_t i = 0; i < n; i++) { counts[(prev << 8) | src[i]]++; prev = src[i]; }
+    return prev;
 }
 
 static PyObject *py_pair_histogram(PyObject *self, PyObject *args) {
     Py_buffer src, out;
-    if (!PyArg_ParseTuple(args, "y*w*", &src, &out)) return NULL;
-    if (out.len != 65536 * 8) {
-        PyBuffer_Release(&src); PyBuffer_Release(&out);
-        PyErr_SetString(PyExc_ValueError, "pair_histogram: out must hold 65536 uint64");
-        return NULL;
-    }
+    if (parse_counts(args, &src, &out, 65536, "pair_histogram") < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    pair_histogram(src.buf, src.len, out.buf);
+    memset(out.buf, 0, 65536 * sizeof(uint64_t));
+    add_pairs(src.buf, src.len, 0, out.buf);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src); PyBuffer_Release(&out);
     Py_RETURN_NONE;
@@ -225,8 +226,10 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
     uint64_t *counts = malloc(65536 * sizeof(uint64_t));
     uint32_t *entry = malloc(65536 * sizeof(uint32_t));  /* code | length << 16, per context */
     uint8_t *lengths = malloc(65536), *scratch = malloc(SEGMENTS * capacity);
-    if (!counts || !entry || !lengths || !scratch) {
-        free(counts); free(entry); free(lengths); free(scratch); PyBuffer_Release(&src);
+    /* Order 1 counts pairs in one table per segment (see below). */
+    uint32_t *tables = order ? calloc((size_t)SEGMENTS << 16, sizeof(uint32_t)) : NULL;
+    if (!counts || !entry || !lengths || !scratch || (order && !tables)) {
+        free(counts); free(entry); free(lengths); free(scratch); free(tables); PyBuffer_Release(&src);
         return PyErr_NoMemory();
     }
     int contexts = 0;
@@ -236,30 +239,20 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
     memset(counts, 0, 65536 * sizeof(uint64_t));
     if (order) {
         /* One table per segment, the segments interleaved: a run of one pair does not wait
-         * on its own counter's last increment. */
-        uint32_t *tables = calloc((size_t)SEGMENTS << 16, sizeof(uint32_t));
-        if (tables) {
-            Py_ssize_t common = start[SEGMENTS] - start[SEGMENTS - 1];
-            unsigned p0 = 0, p1 = 0, p2 = 0, p3 = 0;
-            const uint8_t *s0 = in + start[0], *s1 = in + start[1], *s2 = in + start[2], *s3 = in + start[3];
-            uint32_t *t0 = tables, *t1 = tables + 65536, *t2 = tables + 2 * 65536, *t3 = tables + 3 * 65536;
-            for (Py_ssize_t i = 0; i < common; i++) {
-                unsigned b0 = s0[i], b1 = s1[i], b2 = s2[i], b3 = s3[i];
-                t0[(p0 << 8) | b0]++; t1[(p1 << 8) | b1]++; t2[(p2 << 8) | b2]++; t3[(p3 << 8) | b3]++;
-                p0 = b0; p1 = b1; p2 = b2; p3 = b3;
-            }
-            unsigned last[SEGMENTS] = {p0, p1, p2, p3};
-            for (int k = 0; k < SEGMENTS; k++) {
-                unsigned prev = last[k];
-                for (Py_ssize_t i = start[k] + common; i < start[k + 1]; i++) { counts[(prev << 8) | in[i]]++; prev = in[i]; }
-                for (int c = 0; c < 65536; c++) counts[c] += tables[((size_t)k << 16) + c];
-            }
-            free(tables);
-        } else {
-            for (int k = 0; k < SEGMENTS; k++) {
-                unsigned prev = 0;
-                for (Py_ssize_t i = start[k]; i < start[k + 1]; i++) { counts[(prev << 8) | in[i]]++; prev = in[i]; }
-            }
+         * on its own counter's last increment. Each segment starts in context 0. */
+        Py_ssize_t common = start[SEGMENTS] - start[SEGMENTS - 1];
+        unsigned p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+        const uint8_t *s0 = in + start[0], *s1 = in + start[1], *s2 = in + start[2], *s3 = in + start[3];
+        uint32_t *t0 = tables, *t1 = tables + 65536, *t2 = tables + 2 * 65536, *t3 = tables + 3 * 65536;
+        for (Py_ssize_t i = 0; i < common; i++) {
+            unsigned b0 = s0[i], b1 = s1[i], b2 = s2[i], b3 = s3[i];
+            t0[(p0 << 8) | b0]++; t1[(p1 << 8) | b1]++; t2[(p2 << 8) | b2]++; t3[(p3 << 8) | b3]++;
+            p0 = b0; p1 = b1; p2 = b2; p3 = b3;
+        }
+        unsigned last[SEGMENTS] = {p0, p1, p2, p3};
+        for (int k = 0; k < SEGMENTS; k++) {
+            add_pairs(in + start[k] + common, start[k + 1] - start[k] - common, last[k], counts);
+            for (int c = 0; c < 65536; c++) counts[c] += tables[((size_t)k << 16) + c];
         }
     } else {
         byte_histogram(in, n, counts);
@@ -336,7 +329,7 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
             memcpy(o, scratch + k * capacity, size); o += size;
         }
     }
-    free(counts); free(entry); free(lengths); free(scratch);
+    free(counts); free(entry); free(lengths); free(scratch); free(tables);
     PyBuffer_Release(&src);
     return result;
 }

@@ -290,9 +290,7 @@ def default_prefix_bits(width: int) -> int:
 
 def _entropy_bits(counts: np.ndarray, total: int) -> float:
     """Bits per index under the empirical distribution (escapes counted as one symbol)."""
-    p = np.append(counts, total - counts.sum()).astype(np.float64) / max(total, 1)
-    p = p[p > 0]
-    return float(-(p * np.log2(p)).sum())
+    return _entropy(np.append(counts, total - counts.sum()))
 
 
 def _index_bits(counts: np.ndarray, total: int, bits: int) -> int:
