@@ -159,6 +159,16 @@ def _summary_table(summary: dict):
         ("codec", " ".join([summary["codec"], *(f"{k}={v}" for k, v in summary["codec_params"].items())])),
         ("sent per worker", f"{summary['bytes_sent_per_worker'] / 1e6:.3f} MB ({summary['bytes_source']})"),
         ("fp32 ring allreduce would send", f"{summary['dense_bytes_per_worker'] / 1e6:.3f} MB"),
+    ]
+    ps = summary.get("ps")
+    if ps:  # pushes compare with a dense fp32 push; pulls are reported beside them
+        rows[-2:] = [
+            ("pushed per worker", f"{summary['bytes_sent_per_worker'] / 1e6:.3f} MB (counted)"),
+            ("a dense fp32 push would send", f"{summary['dense_bytes_per_worker'] / 1e6:.3f} MB"),
+            ("pulled per worker", f"{summary['bytes_received_per_worker'] / 1e6:.3f} MB ({ps['pull']})"),
+            ("parameter shards", f"{ps['shards']} ({ps['mode']}), {ps['worker_groups']} worker group(s)"),
+        ]
+    rows += [
         ("wire compression", f"{ratio:.1f}x" if ratio else "-"),
         ("wall time", f"{summary['wall_s']:.1f} s"),
     ]
@@ -169,6 +179,44 @@ def _summary_table(summary: dict):
     for key, value in rows:
         table.add_row(key, value)
     return table
+
+
+def _write_report(report: dict, json_path: Optional[Path]) -> None:
+    if json_path:
+        from .bench import write_json
+
+        write_json(report, json_path)
+        console.print(f"wrote {json_path}")
+
+
+def _cluster_bench_inputs(methods: str, spec: Optional[Path], latency: Optional[str] = None):
+    """(methods, spec path) for a namespace-cluster benchmark; exit 2 on a bad method or spec,
+    or when this machine cannot build the cluster."""
+    from .bench.cluster import DEFAULT_SPEC, method_compression
+    from .bench.netns import ClusterError, preflight
+
+    chosen = [m.strip() for m in methods.split(",") if m.strip()]
+    spec_path = spec or DEFAULT_SPEC
+    try:
+        for method in chosen:
+            method_compression(method, 10)  # refuses unknown methods
+        _load_or_exit(spec_path)
+        preflight(latency)
+    except (ValueError, ClusterError) as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    return chosen, spec_path
+
+
+def _run_cluster(run):
+    """``run(log)``'s report; exit 1 when the cluster fails."""
+    from .bench.netns import ClusterError
+
+    try:
+        return run(lambda line: console.print(line, highlight=False))
+    except (ClusterError, RuntimeError) as exc:
+        console.print(f"[red]benchmark failed:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
 
 
 @bench_app.command("codecs")
@@ -182,7 +230,6 @@ def bench_codecs(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
     """Encode/decode GB/s, wire ratio and error of every codec, against memcpy."""
-    from .bench import write_json
     from .bench.codecs import DEFAULT_CODECS, parse_size, render_table, run_codec_bench
     from .codecs import CodecError
 
@@ -196,9 +243,7 @@ def bench_codecs(
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2)
     console.print(render_table(report))
-    if json_path:
-        write_json(report, json_path)
-        console.print(f"wrote {json_path}")
+    _write_report(report, json_path)
 
 
 @bench_app.command("cluster")
@@ -220,38 +265,43 @@ def bench_cluster(
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write accuracy-vs-time PNG here."),
 ):
     """Time-to-accuracy on a real Ray cluster in network namespaces with shaped links (root)."""
-    from .bench import write_json
-    from .bench.cluster import DEFAULT_SPEC, method_compression, plot, render_table, run_cluster_bench
-    from .bench.netns import ClusterError, preflight
+    from .bench.cluster import plot, render_table, run_cluster_bench
 
-    chosen = [m.strip() for m in methods.split(",") if m.strip()]
-    spec_path = spec or DEFAULT_SPEC
-    try:
-        for method in chosen:
-            method_compression(method, powersgd_start_iter)  # refuses unknown methods
-        _load_or_exit(spec_path)
-        preflight(latency)
-    except (ValueError, ClusterError) as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2)
-    try:
-        report = run_cluster_bench(chosen, bandwidth, nodes, latency, spec_path, powersgd_start_iter,
-                                   log=lambda line: console.print(line, highlight=False), budget_steps=budget_steps,
-                                   drop_to=drop_to, drop_at_step=drop_at_step if drop_to else None)
-    except (ClusterError, RuntimeError) as exc:
-        console.print(f"[red]benchmark failed:[/red] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1)
+    chosen, spec_path = _cluster_bench_inputs(methods, spec, latency)
+    report = _run_cluster(lambda log: run_cluster_bench(
+        chosen, bandwidth, nodes, latency, spec_path, powersgd_start_iter, log=log, budget_steps=budget_steps,
+        drop_to=drop_to, drop_at_step=drop_at_step if drop_to else None))
     console.print(render_table(report))
     if drop_to:
         from .bench.cluster import render_drop_table
 
         console.print(render_drop_table(report))
-    if json_path:
-        write_json(report, json_path)
-        console.print(f"wrote {json_path}")
+    _write_report(report, json_path)
     if plot_path:
         plot(report, plot_path)
         console.print(f"wrote {plot_path}")
+
+
+@bench_app.command("scaling")
+def bench_scaling(
+    methods: str = typer.Option("ps,dense", help="Comma-separated methods (as for bench cluster)."),
+    nodes: str = typer.Option("1,2,3", help="Worker counts, comma-separated; 1 must be among them."),
+    bandwidth: str = typer.Option("100mbit", help="Link rate of each worker node."),
+    steps: int = typer.Option(60, min=20, help="Steps per run."),
+    spec: Optional[Path] = typer.Option(None, help="Job spec (default: jobs/bench-synthetic.yaml)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+):
+    """Scaling efficiency E(N) = T_N / (N * T_1) of each method, T the examples per second (root)."""
+    from .bench.cluster import render_scaling_table, run_scaling_bench
+
+    counts = sorted({int(n) for n in nodes.split(",") if n.strip().isdigit()})
+    if 1 not in counts:
+        console.print(f"[red]error:[/red] --nodes must include 1 (E(N) is relative to one worker), got {nodes}")
+        raise typer.Exit(2)
+    chosen, spec_path = _cluster_bench_inputs(methods, spec)
+    report = _run_cluster(lambda log: run_scaling_bench(chosen, counts, bandwidth, spec_path, steps, log=log))
+    console.print(render_scaling_table(report))
+    _write_report(report, json_path)
 
 
 @bench_app.command("checkpoint")
@@ -265,7 +315,6 @@ def bench_checkpoint(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
     """Checkpoint ratio and speed: rayzip against zstd and ZipNN on a real training run's state."""
-    from .bench import write_json
     from .bench.checkpoint import render_table, run_checkpoint_bench
     from .bench.cluster import DEFAULT_SPEC
 
@@ -288,9 +337,7 @@ def bench_checkpoint(
     console.print(render_table(report))
     for key, value in report["comparisons"].items():
         console.print(f"{key}: {value:.3f}", highlight=False)
-    if json_path:
-        write_json(report, json_path)
-        console.print(f"wrote {json_path}")
+    _write_report(report, json_path)
 
 
 @k8s_app.command("render")

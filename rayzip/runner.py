@@ -26,6 +26,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from .adaptive import controller_name, start_controller
+from .ps import shard_names, shard_report, start_shards, stop_shards
 from .spec import JobSpec
 from .train.loop import train_loop
 
@@ -42,10 +43,12 @@ class ProgressActor:
         self.restarts = {"steps_run": 0, "restarts": 0, "steps_redone": 0, "resumes": []}
 
     def update(self, metrics: dict) -> None:
-        # A step at or before the last one seen means the workers restarted from a checkpoint.
-        if self.latest is not None and metrics["step"] <= self.latest["step"]:
+        # A new rank-0 process, or a step at or before the last one seen, means a new worker
+        # group: it resumed from a checkpoint (or, in parameter-server mode, where the shards are).
+        if self.latest is not None and (metrics["step"] <= self.latest["step"]
+                                        or metrics.get("pid", self.latest.get("pid")) != self.latest.get("pid")):
             self.restarts["restarts"] += 1
-            self.restarts["steps_redone"] += self.latest["step"] - metrics["step"] + 1
+            self.restarts["steps_redone"] += max(0, self.latest["step"] - metrics["step"] + 1)
             self.restarts["resumes"].append({"last_step": self.latest["step"], "resumed_at": metrics["step"]})
             self.history = [h for h in self.history if h["step"] < metrics["step"]]
         self.restarts["steps_run"] += 1
@@ -98,7 +101,8 @@ def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
         "codec": spec.compression.codec,
         "codec_params": spec.compression.codec_params(),
         "collective": spec.compression.collective,
-        "bytes_sent_per_worker": sent,
+        "bytes_sent_per_worker": sent,  # ps: pushed to the shards
+        "bytes_received_per_worker": metrics.get("total_bytes_received", 0),  # ps: pulled from the shards
         "dense_bytes_per_worker": dense,
         "bytes_source": metrics.get("bytes_source"),
         "wire_compression_ratio": (dense / sent) if sent else None,
@@ -136,11 +140,13 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     if spec.adaptive.enabled:
         controller = start_controller(run_id, spec.name, spec.adaptive,
                                       initial_ratio=1.0 / (spec.compression.ratio or 0.01))
+    shards = start_shards(run_id, spec) if spec.compression.collective == "ps" else None
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"spec": spec.model_dump(), "progress": progress_name, "t0": time.time(),
                            "chain_dir": _chain_dir(storage, run_id), "run_id": run_id,
-                           "controller": controller_name(run_id) if controller is not None else None},
+                           "controller": controller_name(run_id) if controller is not None else None,
+                           "ps_shards": shard_names(run_id, len(shards)) if shards else None},
         scaling_config=_scaling(spec),
         run_config=RunConfig(
             name=run_id,
@@ -170,6 +176,10 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     history = ray.get(progress.get_history.remote())
     restarts = ray.get(progress.get_restarts.remote())
     ray.kill(progress)
+    ps_report = None
+    if shards is not None:
+        ps_report = ps_summary(spec, shard_report(shards))
+        stop_shards(shards)
     adaptive = None
     if controller is not None:
         ray.get(controller.stop.remote())
@@ -183,6 +193,7 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     summary["history"] = history
     summary["run_id"] = run_id
     summary["adaptive"] = adaptive
+    summary["ps"] = ps_report
     summary.update(restarts)  # steps_run, restarts, steps_redone
     return summary
 
@@ -194,6 +205,16 @@ def adaptive_summary(decisions: list[dict]) -> dict:
         sources[d["source"]] = sources.get(d["source"], 0) + 1
     return {"decisions": decisions, "sources": sources, "held": sources.get("held", 0),
             "final_ratio": decisions[-1]["ratio"] if decisions else None}
+
+
+def ps_summary(spec: JobSpec, shards: list[dict]) -> dict:
+    """The parameter shards at the end of a run: counters summed, and each shard's own."""
+    keys = shards[0]["counters"] if shards else {}
+    return {"shards": len(shards), "mode": spec.ps.mode, "pull": spec.ps.pull,
+            "worker_groups": len(shards[0]["membership"]) if shards else 0,
+            "totals": {k: sum(s["counters"][k] for s in shards) for k in keys},
+            "per_shard": [{k: s[k] for k in ("index", "start", "stop", "step", "version", "pid", "counters",
+                                             "membership")} for s in shards]}
 
 
 def write_summary(summary: dict, path: Path) -> None:

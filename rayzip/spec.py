@@ -13,15 +13,16 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
-from .codecs import CODECS, CodecError, codec_parameters, get_codec
+from .codecs import CODECS, CodecError, ErrorFeedback, MomentumCorrection, NoMemory, codec_parameters, get_codec
 from .codecs.memory import check_error_feedback
 from .comm.collectives import choose_collective
 
 __all__ = [
     "CheckpointSpec", "CompressionSpec", "DatasetSpec", "JobSpec", "MetricsSpec", "ModelSpec",
-    "ScalingSpec", "SpecError", "TrainingSpec", "load_spec", "parse_spec",
+    "ParameterServerSpec", "ScalingSpec", "SpecError", "TrainingSpec", "load_spec", "parse_spec",
 ]
 
 BUILTIN_MODELS = ("mlp",)
@@ -141,7 +142,10 @@ class CompressionSpec(_Strict):
         False, description="Keep SGD momentum on each worker, before compression, and clear it where "
                            "entries are sent (DGC). Needs error_feedback and optimizer sgd with momentum; "
                            "the optimizer then runs with momentum 0.")
-    collective: Literal["auto", "ring", "allreduce", "allgather"] = "auto"
+    collective: Literal["auto", "ring", "allreduce", "allgather", "ps"] = Field(
+        "auto", description="How workers combine gradients: a collective among them (auto picks ring, "
+                            "allreduce or allgather to fit the codec), or ps: push to parameter-server "
+                            "shards and pull parameters (see the ps section).")
     warmup_steps: int = Field(0, ge=0, description="Send the first steps uncompressed.")
     verify: bool = Field(False, description="Self-check each step: compare the collective's average "
                                             "with the mean of all workers' decoded payloads (extra, uncounted traffic).")
@@ -159,6 +163,8 @@ class CompressionSpec(_Strict):
 
     @model_validator(mode="after")
     def _codec_fits(self):
+        if self.collective == "ps" and (self.verify or self.torch_hook is not None):
+            raise ValueError("verify and torch_hook work on collectives among the workers, not with collective ps")
         if self.torch_hook is not None and (self.codec != "none" or self.verify):
             raise ValueError(f"torch_hook {self.torch_hook} replaces rayzip's hook: use codec none, verify false")
         if self.momentum_correction and (not self.error_feedback or self.torch_hook is not None):
@@ -173,7 +179,8 @@ class CompressionSpec(_Strict):
             codec = self.build_codec()
             if self.error_feedback:
                 check_error_feedback(codec)
-            choose_collective(self.collective, codec)
+            if self.collective != "ps":  # a shard decodes every push: any codec fits
+                choose_collective(self.collective, codec)
         except CodecError as exc:
             raise ValueError(str(exc)) from None
         return self
@@ -188,6 +195,16 @@ class CompressionSpec(_Strict):
     def build_codec(self, rank: int = 0):
         return get_codec(self.codec, **self.codec_params(rank))
 
+    def build_memory(self, momentum: float | None = None):
+        """The Memory role this spec asks for: momentum correction (give the SGD ``momentum``),
+        error feedback, or none."""
+        if self.momentum_correction:
+            if not momentum:
+                raise ValueError("momentum_correction needs the SGD momentum factor, "
+                                 "with the optimizer built with momentum=0")
+            return MomentumCorrection(momentum)
+        return ErrorFeedback() if self.error_feedback else NoMemory()
+
 
 class CheckpointSpec(_Strict):
     every_steps: int = Field(50, ge=0, description="Report a checkpoint every N steps (0: only at the end).")
@@ -195,6 +212,23 @@ class CheckpointSpec(_Strict):
     full_every: int = Field(10, ge=1, description="Write a full base of the weights every K checkpoints; "
                                                   "the checkpoints store weights as XOR deltas against it "
                                                   "(1: every checkpoint self-contained).")
+
+
+class ParameterServerSpec(_Strict):
+    """Parameter-server mode (``compression.collective: ps``): shard actors on CPUs hold the
+    parameters and their optimizer state; workers push compressed gradients and pull parameters."""
+
+    shards: Optional[int] = Field(None, ge=1, description="Shard actors (default: one per node with CPUs).")
+    cpus_per_shard: float = Field(1.0, ge=0, description="CPUs each shard actor reserves.")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: a shard applies a step once every current worker pushed it. async: "
+                            "it applies each push on arrival, and a worker waits only when it runs more "
+                            "than `staleness` steps ahead of the slowest.")
+    staleness: int = Field(2, ge=0, description="async: steps a worker may run ahead of the slowest.")
+    pull: Literal["dense", "lossless", "codec"] = Field(
+        "dense", description="What a pull sends: dense fp32 parameters; lossless, the XOR delta against "
+                             "the worker's copy in compressed byte planes; or codec, the change since the "
+                             "worker's copy through the compression codec, whose error the next pull carries.")
 
 
 class MetricsSpec(_Strict):
@@ -242,6 +276,24 @@ class JobSpec(_Strict):
     checkpoint: CheckpointSpec = CheckpointSpec()
     metrics: MetricsSpec = MetricsSpec()
     adaptive: AdaptiveSpec = AdaptiveSpec()
+    ps: ParameterServerSpec = ParameterServerSpec()
+
+    @field_validator("ps")
+    @classmethod
+    def _ps_only_with_ps(cls, v: ParameterServerSpec, info: ValidationInfo) -> ParameterServerSpec:
+        compression = info.data.get("compression")
+        # Compared with the defaults, not with the fields written: a dumped spec sets them all.
+        if compression is not None and compression.collective != "ps" and v != ParameterServerSpec():
+            raise ValueError("the ps section applies only with compression.collective: ps")
+        return v
+
+    @field_validator("adaptive")
+    @classmethod
+    def _adaptive_not_with_ps(cls, v: AdaptiveSpec, info: ValidationInfo) -> AdaptiveSpec:
+        compression = info.data.get("compression")
+        if v.enabled and compression is not None and compression.collective == "ps":
+            raise ValueError("the adaptive controller tunes collectives among the workers, not collective ps")
+        return v
 
     @model_validator(mode="after")
     def _adaptive_has_a_knob(self):

@@ -98,3 +98,27 @@ def test_fixed_ratio_methods_and_the_adaptive_method_build_valid_specs():
     spec = JobSpec.model_validate({"name": "a", "training": training, "adaptive": ADAPTIVE,
                                    "compression": method_compression("adaptive", 10, training)})
     assert spec.adaptive.enabled and spec.compression.momentum_correction
+
+
+def test_every_method_builds_a_valid_spec_and_ps_methods_get_their_section():
+    import yaml
+
+    from rayzip.bench.cluster import DEFAULT_SPEC, METHODS, method_spec
+    from rayzip.spec import JobSpec
+
+    base = yaml.safe_load(DEFAULT_SPEC.read_text())
+    for method in METHODS:
+        JobSpec.model_validate(method_spec(method, base, method.replace("_", "-")))
+    ps = JobSpec.model_validate(method_spec("ps@0.05", base, "ps"))
+    assert ps.compression.collective == "ps" and ps.compression.ratio == 0.05
+    assert ps.ps.pull == "codec" and ps.ps.cpus_per_shard == 0 and ps.compression.momentum_correction
+    assert JobSpec.model_validate(method_spec("ps-dense", base, "ps-dense")).ps.pull == "dense"
+
+
+def test_scaling_needs_one_worker_among_the_counts():
+    from typer.testing import CliRunner
+
+    from rayzip.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "scaling", "--nodes", "2,3"])
+    assert result.exit_code == 2 and "--nodes must include 1" in result.output

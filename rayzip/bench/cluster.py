@@ -13,6 +13,7 @@ interface during training.
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import sys
@@ -26,7 +27,7 @@ from ..codecs import CODECS
 from ..spec import TrainingSpec
 from .netns import NetnsCluster
 
-__all__ = ["METHODS", "method_compression", "run_cluster_bench"]
+__all__ = ["METHODS", "method_compression", "method_spec", "run_cluster_bench", "run_scaling_bench"]
 
 DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "jobs" / "bench-synthetic.yaml"
 
@@ -41,7 +42,13 @@ METHODS: dict[str, dict[str, Any]] = {
     # The controller tunes group top-k's ratio from the workers' own reports (the Prometheus
     # path is the same policy; tests/test_adaptive.py runs it against a real Prometheus).
     "adaptive": {"codec": "group_topk", "ratio": 0.01, "collective": "ring"},
+    # Parameter-server mode: one shard per worker node, beside the worker (the nodes' one CPU
+    # goes to the worker). ps pushes group top-k and pulls through the same codec; ps-dense
+    # pushes and pulls fp32.
+    "ps": {"codec": "group_topk", "ratio": 0.01, "collective": "ps"},
+    "ps-dense": {"codec": "none", "collective": "ps"},
 }
+PS = {"ps": {"cpus_per_shard": 0, "pull": "codec"}, "ps-dense": {"cpus_per_shard": 0, "pull": "dense"}}
 ADAPTIVE = {"enabled": True, "interval": 2.0, "window": 6.0, "min_ratio": 4, "max_ratio": 200}
 
 
@@ -69,6 +76,19 @@ def method_compression(method: str, powersgd_start_iter: int, training: dict | N
     return compression
 
 
+def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 10) -> dict:
+    """The whole job spec for one method: ``base`` with the method's compression, and its
+    controller or parameter-server section."""
+    spec = {**base, "name": f"bench-{slug}",
+            "compression": method_compression(method, powersgd_start_iter, base.get("training"))}
+    name = method.partition("@")[0]
+    if name == "adaptive":
+        spec["adaptive"] = dict(ADAPTIVE)
+    if name in PS:
+        spec["ps"] = dict(PS[name])
+    return spec
+
+
 def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: str | None, spec_path: Path,
                       powersgd_start_iter: int = 10, log: Callable[[str], None] = print,
                       budget_steps: int | None = None, drop_to: str | None = None,
@@ -92,10 +112,7 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
         log(f"cluster up: {nodes} worker nodes at {bandwidth}" + (f", {latency} latency" if latency else ""))
         for method in methods:
             slug = re.sub(r"[^a-z0-9]+", "-", method.lower()).strip("-")
-            spec = {**base, "name": f"bench-{slug}",
-                    "compression": method_compression(method, powersgd_start_iter, base.get("training"))}
-            if method == "adaptive":
-                spec["adaptive"] = dict(ADAPTIVE)
+            spec = method_spec(method, base, slug, powersgd_start_iter)
             spec_file = cluster.tmp / f"{slug}.yaml"
             spec_file.write_text(yaml.safe_dump(spec))
             out, progress = cluster.tmp / f"{slug}.json", cluster.tmp / f"{slug}.progress.json"
@@ -207,7 +224,8 @@ def _row(method: str, s: dict, tx_before: list[int], tx_after: list[int], run_s:
         "network_s": s.get("mean_network_s"),
         "compute_s": max(0.0, mean_step - mean_comm),
         "comm_source": s.get("comm_source"),
-        "wire_bytes_counted": s["bytes_sent_per_worker"],
+        "wire_bytes_counted": s["bytes_sent_per_worker"],  # ps: pushed
+        "wire_bytes_pulled": s.get("bytes_received_per_worker") if s.get("ps") else None,
         "bytes_source": s["bytes_source"],
         "wire_bytes_interface": s.get("interface_tx_bytes"),  # rank 0's eth0 during training
         "interface_bytes_whole_run": statistics.mean(a - b for a, b in zip(tx_after, tx_before)),
@@ -218,6 +236,54 @@ def _row(method: str, s: dict, tx_before: list[int], tx_after: list[int], run_s:
     }
 
 
+def run_scaling_bench(methods: list[str], node_counts: list[int], bandwidth: str, spec_path: Path,
+                      steps: int, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Weak scaling: each method at each worker count, every worker with the same batch, on a
+    fresh namespace cluster per count. Throughput T_N = N * batch / step time, the step time
+    taken past the first ``SCALING_SKIP`` steps; efficiency E(N) = T_N / (N * T_1)."""
+    rows = []
+    batch = TrainingSpec.model_validate(yaml.safe_load(spec_path.read_text()).get("training", {})).batch_size
+    for nodes in node_counts:
+        report = run_cluster_bench(methods, bandwidth, nodes, None, spec_path, log=log, budget_steps=steps)
+        for r in report["methods"]:
+            row = {"name": r["name"], "workers": nodes, "error": r.get("error")}
+            if "error" not in r:
+                points = [(h["step"] + 1, h["train_s"]) for h in r.get("history", []) if h.get("train_s") is not None]
+                inside = [p for p in points if p[0] > SCALING_SKIP]
+                step_s = ((inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+                          if len(inside) >= 2 else r["step_s"])
+                row.update({"step_s": step_s, "compute_s": r["compute_s"], "comm_s": r["comm_s"],
+                            "throughput": nodes * batch / step_s, "wire_bytes_counted": r["wire_bytes_counted"],
+                            "wire_bytes_pulled": r.get("wire_bytes_pulled"), "final_accuracy": r["final_accuracy"]})
+            rows.append(row)
+    for row in rows:
+        one = next((r for r in rows if r["name"] == row["name"] and r["workers"] == 1 and not r.get("error")), None)
+        ok = one is not None and not row.get("error")
+        row["efficiency"] = row["throughput"] / (row["workers"] * one["throughput"]) if ok else None
+    return {"bandwidth": bandwidth, "steps": steps, "batch_per_worker": batch, "spec": str(spec_path),
+            "node_counts": node_counts, "cpu_cores": os.cpu_count(), "python": sys.version.split()[0], "rows": rows}
+
+
+SCALING_SKIP = 10
+
+
+def render_scaling_table(report: dict):
+    from rich.table import Table
+
+    table = Table(title=f"rayzip bench scaling: {report['bandwidth']} links, {report['steps']} steps, "
+                        f"batch {report['batch_per_worker']} per worker, {report['cpu_cores']} CPU cores in all")
+    for col in ("method", "workers", "step ms", "compute ms", "comm ms", "examples/s", "E(N)"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for r in report["rows"]:
+        if r.get("error"):
+            table.add_row(r["name"], str(r["workers"]), "failed", "-", "-", "-", "-")
+            continue
+        table.add_row(r["name"], str(r["workers"]), f"{r['step_s'] * 1e3:.0f}", f"{r['compute_s'] * 1e3:.0f}",
+                      f"{r['comm_s'] * 1e3:.0f}", f"{r['throughput']:.0f}",
+                      f"{r['efficiency']:.2f}" if r["efficiency"] is not None else "-")
+    return table
+
+
 def render_table(report: dict):
     from rich.table import Table
 
@@ -226,11 +292,11 @@ def render_table(report: dict):
                         f"target accuracy {report['target_accuracy']}"
                         + (f", {budget} steps each" if budget else ", stopping at the target"))
     for col in ("method", "to target", "vs DDP", "final acc", "step ms (comm)", "MB sent",
-                "MB on iface", "compression"):
+                "MB pulled", "MB on iface", "compression"):
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     for r in report["methods"]:
         if "error" in r:
-            table.add_row(r["name"], "failed", "-", "-", "-", "-", "-", "-")
+            table.add_row(r["name"], "failed", "-", "-", "-", "-", "-", "-", "-")
             continue
         ttt = (f"{r['time_to_target_s']:.1f} s ({r.get('steps_to_target')} steps)"
                if r["time_to_target_s"] else "missed")
@@ -238,6 +304,7 @@ def render_table(report: dict):
         iface = f"{r['wire_bytes_interface'] / 1e6:.2f}" if r["wire_bytes_interface"] is not None else "-"
         table.add_row(r["name"], ttt, speed, f"{r['final_accuracy']:.4f}",
                       f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})", f"{r['wire_bytes_counted'] / 1e6:.2f}",
+                      f"{r['wire_bytes_pulled'] / 1e6:.2f}" if r.get("wire_bytes_pulled") is not None else "-",
                       iface, f"{r['wire_compression']:.1f}x" if r["wire_compression"] else "-")
     return table
 

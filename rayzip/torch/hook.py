@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..codecs import ErrorFeedback, MomentumCorrection, NoMemory, NonFiniteError, get_codec
+from ..codecs import NonFiniteError, get_codec
 from ..comm import AllReduce, Transport, make_communicator, ring_allreduce_bytes
 from ..spec import CompressionSpec
 from ..xp import to_torch
@@ -36,7 +36,8 @@ class StepStats:
     step: int = 0
     compressed: bool = True
     ratio: float | None = None
-    bytes_sent: int = 0  # bytes this worker handed to torch.distributed to send
+    bytes_sent: int = 0  # bytes this worker handed to torch.distributed to send (ps: pushed)
+    bytes_received: int = 0  # ps: bytes pulled from the shards
     dense_bytes: int = 0  # an fp32 ring allreduce of the same buckets: 2(n-1)/n * 4 * numel
     comm_s: float = 0.0  # hook entry to averaged gradient, summed over buckets
     network_s: float = 0.0  # of comm_s, inside torch.distributed (wire and waiting for peers)
@@ -71,7 +72,7 @@ class CompressionState:
         self.world = dist.get_world_size(process_group)
         self.transport = Transport(process_group, device=device)
         self.codec = spec.build_codec(rank=self.rank)
-        self.memory = _memory(spec, momentum)
+        self.memory = spec.build_memory(momentum)
         self.communicator = make_communicator(spec.collective, self.codec, self.transport)
         self.dense_codec = get_codec("none")  # warm-up and compression-off steps
         self.dense = AllReduce(self.transport)
@@ -135,15 +136,6 @@ class CompressionState:
         self.memory.load_state_dict(state["memory"])
         self.codec.load_state_dict(state["codec"])
         self.totals.update(state.get("totals", {}))
-
-
-def _memory(spec: CompressionSpec, momentum: float | None):
-    if spec.momentum_correction:
-        if not momentum:
-            raise ValueError("momentum_correction needs the SGD momentum factor: compress(ddp, spec, momentum=0.9), "
-                             "with the optimizer built with momentum=0")
-        return MomentumCorrection(momentum)
-    return ErrorFeedback() if spec.error_feedback else NoMemory()
 
 
 def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -7,6 +7,10 @@ posts every step's metrics to the driver's progress actor; all ranks call
 elastic resize or a failure, Ray Train restarts the worker group and the loop resumes from
 ``ray.train.get_checkpoint()``: model, optimizer, step, byte totals, and (when the world
 size is unchanged) each rank's error-feedback residuals and codec state.
+
+In parameter-server mode (``compression.collective: ps``) the model is not wrapped in DDP:
+after backward, each worker pushes its gradient to the shard actors and pulls the updated
+parameters (:mod:`rayzip.ps`), and a new worker group resumes where the shards are.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import math
 import os
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import ray
@@ -31,9 +36,11 @@ from ..checkpoint import load as load_checkpoint
 from ..checkpoint import save as save_checkpoint
 from ..comm import ring_allreduce_bytes
 from ..metrics import WorkerMetrics
+from ..ps import ParameterServerClient
 from ..spec import JobSpec, TrainingSpec
 from ..torch import compress, scaled_lr
 from ..torch.baselines import register_torch_hook
+from ..torch.optim import build_optimizer
 from .data import load_dataset, shard
 from .models import build_model
 
@@ -44,14 +51,6 @@ def total_steps(training: TrainingSpec, shard_size: int) -> int:
     if training.steps is not None:
         return training.steps
     return training.epochs * max(1, math.ceil(shard_size / training.batch_size))
-
-
-def _optimizer(training: TrainingSpec, params, momentum_in_hook: bool = False) -> torch.optim.Optimizer:
-    if training.optimizer == "sgd":
-        momentum = 0.0 if momentum_in_hook else training.momentum
-        return torch.optim.SGD(params, lr=training.lr, momentum=momentum, weight_decay=training.weight_decay)
-    cls = torch.optim.Adam if training.optimizer == "adam" else torch.optim.AdamW
-    return cls(params, lr=training.lr, weight_decay=training.weight_decay)
 
 
 def _batch(seed: int, rank: int, step: int, shard_size: int, batch: int) -> torch.Tensor:
@@ -125,16 +124,17 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def _save(directory: Path, rank: int, world: int, step: int, model, optimizer, state, totals: dict,
+def _save(directory: Path, rank: int, world: int, step: int, model_state, optimizer_state, state, totals: dict,
           accuracy: float | None, chain: DeltaChain | None) -> None:
     """Each rank writes its part of the step's checkpoint as a compressed rayzip checkpoint:
     rank 0 the model, optimizer, step and RNG (``trainer/``; with a chain, weights as XOR
     deltas against its current base), every rank its hook state, error-feedback residuals
-    and momentum included (``rank{r}/``)."""
+    and momentum included (``rank{r}/``). ``model_state`` and ``optimizer_state`` are
+    called on rank 0 only (in parameter-server mode they fetch the shards' state)."""
     if rank == 0:
         index = totals.get("checkpoints", 0)
         totals["checkpoints"] = index + 1
-        trainer = {"model": _unwrap(model).state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+        trainer = {"model": model_state(), "optimizer": optimizer_state(), "step": step,
                    "world_size": world, "totals": totals, "test_accuracy": accuracy, "torch_rng": torch.get_rng_state()}
         if chain is None:
             save_checkpoint(directory / "trainer", trainer)
@@ -173,6 +173,63 @@ def _restore(checkpoint, rank: int, world: int, model, optimizer, state, chain: 
     return trainer["step"] + 1, trainer["totals"], trainer["test_accuracy"]
 
 
+def _server_states(model: torch.nn.Module, client: ParameterServerClient):
+    """(model state, optimizer state) callables for a checkpoint in parameter-server mode:
+    the shards hold the authoritative parameters and the optimizer state. The model's
+    fetches both; the optimizer's returns what that fetch brought."""
+    fetched: dict = {}
+
+    def model_state() -> dict:
+        fetched.clear()
+        fetched.update(client.server_state())
+        state = dict(model.state_dict())
+        flat, offset = fetched["params"], 0
+        for name, p in model.named_parameters():
+            state[name] = torch.from_numpy(flat[offset: offset + p.numel()].copy()).view_as(p)
+            offset += p.numel()
+        return state
+
+    return model_state, lambda: fetched["optimizer"]
+
+
+def _restore_ps(checkpoint, rank: int, model, client: ParameterServerClient, chain: DeltaChain | None):
+    """Start this worker group on the parameter shards: (next step, byte totals, last accuracy).
+
+    Live shards hold the truth, so the group resumes where they are, not at the checkpoint;
+    shards that hold nothing (a new run, or a shard restarted after its process died) are
+    loaded from the checkpoint, or from this model at step 0."""
+    trainer, saved = None, None
+    if checkpoint is not None:
+        with checkpoint.as_directory() as path:
+            trainer = load_checkpoint(Path(path) / "trainer")
+            mine = Path(path) / f"rank{rank}"
+            saved = load_checkpoint(mine) if mine.exists() else None
+        if chain is not None:
+            chain.history = list(trainer.get("chain", []))
+        _unwrap(model).load_state_dict(trainer["model"])
+        torch.set_rng_state(trainer["torch_rng"])
+    generation = [uuid.uuid4().hex if rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(generation, src=0)
+    numel = sum(p.numel() for p in model.parameters())
+    if rank == 0:
+        initial = {"params": torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu().numpy(),
+                   "optimizer": trainer["optimizer"] if trainer else None,
+                   "step": trainer["step"] + 1 if trainer else 0}
+        client.begin_group(generation[0], numel, initial)
+    if dist.is_initialized():
+        dist.barrier()
+    start = client.join(generation[0], model)
+    if saved is not None and saved["hook"]["step"] == start:
+        client.load_state_dict(saved["hook"])
+    elif saved is not None:
+        print(f"rayzip: rank {rank} resumes at step {start}, its checkpoint holds step {saved['hook']['step']}: "
+              "error-feedback residuals reset")
+    if trainer is None:
+        return start, {}, None
+    return start, trainer["totals"], trainer["test_accuracy"]
+
+
 def train_loop(config: dict) -> None:
     spec = JobSpec.model_validate(config["spec"])
     training = spec.training
@@ -184,16 +241,23 @@ def train_loop(config: dict) -> None:
     torch.manual_seed(training.seed)  # identical initial weights on every worker
     x_train, y_train, x_test, y_test = load_dataset(spec.dataset, training.seed)
     classes = int(max(y_train.max(), y_test.max())) + 1
-    model = ray.train.torch.prepare_model(build_model(spec.model, x_train.shape[1], classes))
+    comp = spec.compression
+    ps_mode = comp.collective == "ps"
+    # In parameter-server mode the shards combine gradients: no DDP allreduce underneath.
+    model = ray.train.torch.prepare_model(build_model(spec.model, x_train.shape[1], classes),
+                                          parallel_strategy=None if ps_mode else "ddp")
     device = ray.train.torch.get_device()
     ddp = isinstance(model, DistributedDataParallel)
-    comp = spec.compression
     hooked = ddp and comp.torch_hook is None and (comp.codec != "none" or comp.verify or comp.momentum_correction)
     state = compress(model, comp, momentum=training.momentum if comp.momentum_correction else None) if hooked else None
     counter = (register_torch_hook(model, comp.torch_hook, comp.powersgd_rank, comp.powersgd_start_iter)
                if ddp and comp.torch_hook else None)
     # At world size 1 there is no hook, so momentum stays in the optimizer.
-    optimizer = _optimizer(training, model.parameters(), momentum_in_hook=state is not None and comp.momentum_correction)
+    client = (ParameterServerClient(config["ps_shards"], spec, rank, world,
+                                    momentum=training.momentum if comp.momentum_correction else None)
+              if ps_mode else None)
+    optimizer = None if ps_mode else build_optimizer(
+        training, model.parameters(), momentum_elsewhere=state is not None and comp.momentum_correction)
     numel = sum(p.numel() for p in model.parameters())
 
     mine = shard(len(x_train), rank, world, training.seed)
@@ -203,8 +267,13 @@ def train_loop(config: dict) -> None:
     chain = None
     if rank == 0 and config.get("chain_dir") and spec.checkpoint.full_every > 1:
         chain = DeltaChain(config["chain_dir"], spec.checkpoint.full_every, spec.checkpoint.num_to_keep)
-    start, totals, accuracy = _restore(ray.train.get_checkpoint(), rank, world, model, optimizer, state, chain)
-    totals = {"bytes_sent": 0, "dense_bytes": 0, "train_s": 0.0, "step_s": 0.0, "comm_s": 0.0, "network_s": 0.0,
+    if client is not None:
+        start, totals, accuracy = _restore_ps(ray.train.get_checkpoint(), rank, model, client, chain)
+        model_state, optimizer_state = _server_states(model, client)
+    else:
+        start, totals, accuracy = _restore(ray.train.get_checkpoint(), rank, world, model, optimizer, state, chain)
+        model_state, optimizer_state = _unwrap(model).state_dict, optimizer.state_dict
+    totals = {"bytes_sent": 0, "bytes_received": 0, "dense_bytes": 0, "train_s": 0.0, "step_s": 0.0, "comm_s": 0.0, "network_s": 0.0,
               "timed_steps": 0, **totals}
     every = spec.checkpoint.every_steps
     run_id = config.get("run_id", spec.name)
@@ -219,18 +288,21 @@ def train_loop(config: dict) -> None:
             adoption.before_step(step)
         t0 = time.perf_counter()
         lr = scaled_lr(training.lr, world, training.base_world_size, step, training.lr_warmup_steps)
-        for group in optimizer.param_groups:
+        for group in optimizer.param_groups if optimizer is not None else ():
             group["lr"] = lr
         idx = mine[_batch(training.seed, rank, step, len(mine), training.batch_size)]
         x, y = x_train[idx].to(device), y_train[idx].to(device)
-        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), y)
         loss.backward()  # the comm hook compresses and exchanges here
-        optimizer.step()
+        if client is not None:
+            client.update(model, step, lr)  # push, the shards step, pull
+        else:
+            optimizer.step()
         step_s = time.perf_counter() - t0
 
-        stats = state.last_step if state is not None else None
-        dense_bytes = ring_allreduce_bytes(4 * numel, world)
+        stats = client.last_step if client is not None else state.last_step if state is not None else None
+        dense_bytes = stats.dense_bytes if client is not None else ring_allreduce_bytes(4 * numel, world)
         if stats is not None:
             bytes_sent, comm_s, network_s = stats.bytes_sent, stats.comm_s, stats.network_s
         else:  # plain DDP or a torch hook: comm time is what the step took beyond compute
@@ -249,6 +321,7 @@ def train_loop(config: dict) -> None:
         totals["network_s"] += network_s
         totals["timed_steps"] += 1
         totals["bytes_sent"] += bytes_sent
+        totals["bytes_received"] += stats.bytes_received if stats is not None else 0
         totals["dense_bytes"] += dense_bytes
         if stats is not None and stats.verify_max_abs_err is not None:
             totals["verify_max_abs_err"] = max(totals.get("verify_max_abs_err", 0.0), stats.verify_max_abs_err)
@@ -271,11 +344,12 @@ def train_loop(config: dict) -> None:
             "step_s": step_s, "comm_s": comm_s, "compute_probe_s": compute_probe_s,
             "mean_step_s": totals["step_s"] / totals["timed_steps"], "mean_comm_s": totals["comm_s"] / totals["timed_steps"],
             "mean_network_s": totals["network_s"] / totals["timed_steps"],
-            "comm_source": "hook" if stats is not None else "step minus compute",
+            "comm_source": ("ps" if client is not None else "hook") if stats is not None else "step minus compute",
             "train_s": totals["train_s"], "evaluated": evaluate,
             "interface_tx_bytes": (_interface_tx_bytes() - tx_start) if tx_start is not None else None,
             "bytes_sent": bytes_sent, "dense_bytes": dense_bytes,
             "total_bytes_sent": totals["bytes_sent"], "total_dense_bytes": totals["dense_bytes"],
+            "total_bytes_received": totals["bytes_received"], "collective": "ps" if client is not None else None,
             "bytes_source": "counted" if stats is not None or counter is not None else "formula",
             "compressed": bool(stats.compressed) if stats else False,
             "ratio": stats.ratio if stats else None,
@@ -288,7 +362,7 @@ def train_loop(config: dict) -> None:
         checkpoint = None
         if (every and (step + 1) % every == 0) or done:
             tmp = Path(tempfile.mkdtemp(prefix="rayzip-ckpt-"))
-            _save(tmp, rank, world, step, model, optimizer, state, totals, accuracy, chain)
+            _save(tmp, rank, world, step, model_state, optimizer_state, client or state, totals, accuracy, chain)
             if rank == 0 and metrics_out is not None:
                 sizes = inspect_checkpoint(tmp / "trainer")
                 metrics_out.record_checkpoint(sizes["stored_bytes"], sizes["raw_bytes"])

@@ -1,0 +1,270 @@
+"""Parameter-server mode (issue 7): shard actors on a real local Ray, and real Ray Train runs.
+
+The shard tests drive real shard actors from the test process, so they can order pushes and
+pulls exactly; the training tests run the whole service: TorchTrainer workers, named shard
+actors, checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from rayzip import checkpoint
+from rayzip.codecs import get_codec
+from rayzip.ps import (ParameterShard, StaleGeneration, decode_pull, encode_pull, merge_optimizer_states,
+                       message_nbytes, shard_bounds, slice_optimizer_state)
+from rayzip.runner import run_job
+from rayzip.spec import JobSpec, SpecError, parse_spec
+
+
+# --- pure functions -------------------------------------------------------------------------
+@pytest.mark.parametrize("numel,shards", [(10, 3), (1000, 7), (5, 5), (7, 1)])
+def test_shards_split_the_parameters_evenly_by_bytes(numel, shards):
+    bounds = shard_bounds(numel, shards)
+    assert bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    sizes = [b - a for a, b in bounds]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_optimizer_state_merges_and_slices_back_exactly():
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 7)]
+    states = []
+    for p in params:
+        opt = torch.optim.Adam([p], lr=0.1)
+        p.grad = torch.randn_like(p)
+        opt.step()
+        states.append(opt.state_dict())
+    merged = merge_optimizer_states(states, [5, 7])
+    assert merged["state"][0]["exp_avg"].shape == (12,)
+    for (a, b), state in zip([(0, 5), (5, 12)], states):
+        back = slice_optimizer_state(merged, a, b, 12)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(back["state"][0][key], state["state"][0][key])
+
+
+@pytest.mark.parametrize("mode", ["dense", "lossless", "codec"])
+def test_pull_messages_rebuild_the_workers_copy_bit_for_bit(mode):
+    rng = np.random.default_rng(1)
+    codec = get_codec("group_topk", ratio=0.05)
+    params = rng.standard_normal(5000).astype(np.float32)
+    message, shard_copy = encode_pull(mode, params, None, codec)
+    assert message["kind"] == "dense"  # no copy yet: dense, whatever the mode
+    worker_copy = decode_pull(message, None, params.size)
+    for _ in range(30):
+        params = params - 0.01 * rng.standard_normal(params.size).astype(np.float32)
+        message, shard_copy = encode_pull(mode, params, shard_copy, codec)
+        worker_copy = decode_pull(message, worker_copy, params.size)
+        # The shard's record of the worker's copy is exactly the worker's copy.
+        assert np.array_equal(worker_copy.view(np.uint32), shard_copy.view(np.uint32))
+    if mode == "codec":
+        # What the codec left out travels in later pulls: with the parameters still, the copy converges.
+        for _ in range(60):
+            message, shard_copy = encode_pull(mode, params, shard_copy, codec)
+            worker_copy = decode_pull(message, worker_copy, params.size)
+        assert np.abs(worker_copy - params).max() < 1e-6
+        assert message_nbytes(message) == codec.wire_nbytes(params.size)
+    else:
+        assert np.array_equal(worker_copy.view(np.uint32), params.view(np.uint32))
+    if mode == "lossless":  # small steps: the XOR delta's high bytes are mostly zero
+        assert message_nbytes(message) < 0.8 * params.nbytes
+
+
+def test_a_delta_pull_without_a_copy_is_refused():
+    message, _ = encode_pull("lossless", np.ones(10, np.float32), np.zeros(10, np.float32), None)
+    with pytest.raises(ValueError, match="holds none"):
+        decode_pull(message, None, 10)
+
+
+def _spec(**ps) -> JobSpec:
+    return JobSpec.model_validate({"name": "ps-unit", "training": {"optimizer": "sgd", "momentum": 0.0, "lr": 0.5},
+                                   "compression": {"codec": "none", "collective": "ps"}, "ps": ps})
+
+
+def test_spec_refuses_what_ps_mode_cannot_do():
+    with pytest.raises(SpecError, match="ps: the ps section applies only with compression.collective: ps"):
+        parse_spec({"name": "x", "ps": {"shards": 2}})
+    with pytest.raises(SpecError, match="compression: verify and torch_hook work on collectives among the workers"):
+        parse_spec({"name": "x", "compression": {"collective": "ps", "verify": True}})
+    with pytest.raises(SpecError, match="adaptive: the adaptive controller tunes collectives among the workers"):
+        parse_spec({"name": "x", "compression": {"codec": "topk", "collective": "ps"}, "adaptive": {"enabled": True}})
+    with pytest.raises(SpecError, match="ps.pull"):
+        parse_spec({"name": "x", "compression": {"collective": "ps"}, "ps": {"pull": "zip"}})
+    # Any codec fits: the shard decodes every push (dct_quant cannot ring or allreduce).
+    assert parse_spec({"name": "x", "compression": {"codec": "dct_quant", "collective": "ps"}})
+
+
+# --- shard actors on a real Ray ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+def _shard(spec: JobSpec, numel: int, params: np.ndarray):
+    shard = ray.remote(ParameterShard).options(num_cpus=0).remote(0, spec.model_dump())
+    ray.get(shard.load.remote(0, numel, params, None, 0))
+    return shard
+
+
+def _wire(x: np.ndarray) -> np.ndarray:
+    return get_codec("none").encode(x).to_array()
+
+
+def _pending(ref) -> bool:
+    ready, _ = ray.wait([ref], timeout=0.3)
+    return not ready
+
+
+@pytest.mark.ray
+def test_sync_shard_waits_for_every_worker_and_follows_membership(local_ray):
+    params = np.arange(6, dtype=np.float32)
+    shard = _shard(_spec(), 6, params)
+    ray.get(shard.begin.remote("g1", 2, 0))
+    g0, g1 = np.ones(6, np.float32), 3 * np.ones(6, np.float32)
+    pull = shard.pull.remote("g1", 0, 1)
+    ray.get(shard.push.remote("g1", 0, 0, 0.5, "none", {}, _wire(g0)))
+    assert _pending(pull)  # one of two workers pushed: no step yet
+    ray.get(shard.push.remote("g1", 1, 0, 0.5, "none", {}, _wire(g1)))
+    assert np.array_equal(ray.get(pull)["data"], params - 0.5 * (g0 + g1) / 2)
+    # Rank 1 pushes step 1, then the group is replaced by one of a single worker: the half
+    # step is dropped, and from then on one push makes a step. The shard is the same actor.
+    ray.get(shard.push.remote("g1", 1, 1, 0.5, "none", {}, _wire(g1)))
+    waiting = shard.pull.remote("g1", 1, 2)
+    info = ray.get(shard.begin.remote("g2", 1, 1))
+    assert info["counters"]["dropped_partial_steps"] == 1 and info["world"] == 1
+    with pytest.raises(StaleGeneration):
+        ray.get(waiting)  # the old group's pull is released, not left hanging
+    with pytest.raises(StaleGeneration):
+        ray.get(shard.push.remote("g1", 0, 1, 0.5, "none", {}, _wire(g0)))
+    ray.get(shard.push.remote("g2", 0, 1, 0.5, "none", {}, _wire(g0)))
+    after = ray.get(shard.pull.remote("g2", 0, 2))
+    assert after["step"] == 2 and np.array_equal(after["data"], params - 0.5 * (g0 + g1) / 2 - 0.5 * g0)
+    assert [m["world"] for m in ray.get(shard.info.remote())["membership"]] == [2, 1]
+
+
+@pytest.mark.ray
+def test_async_shard_applies_each_push_and_bounds_staleness(local_ray):
+    params = np.zeros(4, dtype=np.float32)
+    shard = _shard(_spec(mode="async", staleness=1), 4, params)
+    ray.get(shard.begin.remote("g", 2, 0))
+    g = np.ones(4, np.float32)
+    ray.get(shard.push.remote("g", 0, 0, 1.0, "none", {}, _wire(g)))
+    first = ray.get(shard.pull.remote("g", 0, 1))  # 1 step ahead of rank 1: allowed
+    assert np.array_equal(first["data"], -g / 2)  # applied on arrival, scaled by 1 / world
+    ray.get(shard.push.remote("g", 0, 1, 1.0, "none", {}, _wire(g)))
+    blocked = shard.pull.remote("g", 0, 2)  # would be 2 steps ahead of rank 1
+    assert _pending(blocked)
+    ray.get(shard.push.remote("g", 1, 0, 1.0, "none", {}, _wire(g)))
+    assert np.array_equal(ray.get(blocked)["data"], -1.5 * g)
+
+
+@pytest.mark.ray
+def test_shard_state_round_trips_through_load(local_ray):
+    spec = JobSpec.model_validate({"name": "ps-unit", "training": {"optimizer": "adam", "lr": 0.1},
+                                   "compression": {"collective": "ps"}})
+    shard = _shard(spec, 8, np.ones(8, np.float32))
+    ray.get(shard.begin.remote("g", 1, 0))
+    for step in range(3):
+        ray.get(shard.push.remote("g", 0, step, 0.1, "none", {}, _wire(np.full(8, step + 1.0, np.float32))))
+    state = ray.get(shard.state.remote())
+    other = ray.remote(ParameterShard).options(num_cpus=0).remote(0, spec.model_dump())
+    ray.get(other.load.remote(state["start"], state["stop"], state["params"], state["optimizer"], state["step"]))
+    for s in (shard, other):
+        ray.get(s.begin.remote("h", 1, 3))
+        ray.get(s.push.remote("h", 0, 3, 0.1, "none", {}, _wire(np.full(8, -2.0, np.float32))))
+    a, b = (ray.get(s.pull.remote("h", 0, 4))["data"] for s in (shard, other))
+    assert np.array_equal(a, b)  # Adam's moments and step count came across exactly
+
+
+# --- the whole service ------------------------------------------------------------------------
+def _job(name: str, compression: dict, ps: dict | None = None, hidden: int = 64, **training) -> JobSpec:
+    return JobSpec.model_validate({
+        "name": name,
+        "model": {"name": "mlp", "hidden": [hidden]},
+        "dataset": {"name": "digits"},
+        "training": {"steps": 30, "batch_size": 32, "lr": 0.05, "momentum": 0.9, "eval_every": 10, **training},
+        "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 0.5},
+        "compression": compression,
+        **({"ps": {"cpus_per_shard": 0.25, **ps}} if ps is not None else {}),
+        "checkpoint": {"every_steps": 0},
+    })
+
+
+def _final_weights(summary: dict) -> dict:
+    return checkpoint.load(Path(summary["checkpoint"]) / "trainer")["model"]
+
+
+@pytest.mark.ray
+def test_ps_training_equals_ddp_allreduce_training(local_ray, tmp_path):
+    """Synchronous SGD with momentum, no compression: the shards' parameters after 30 steps
+    equal those of DDP allreduce training, within float tolerance."""
+    ddp = run_job(_job("ps-equal-ddp", {"codec": "none"}), storage_path=str(tmp_path / "ddp"))
+    ps = run_job(_job("ps-equal-ps", {"codec": "none", "collective": "ps"}, {"shards": 2}),
+                 storage_path=str(tmp_path / "ps"))
+    assert ps["steps"] == ddp["steps"] == 30 and ps["world_size"] == 2
+    a, b = _final_weights(ddp), _final_weights(ps)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-6), (name, (a[name] - b[name]).abs().max())
+    assert ps["final_test_accuracy"] > 0.8  # training moved the weights
+    # Bytes: every step each worker pushes 4 * numel and pulls 4 * numel, counted from the
+    # payloads; the shards' own counters agree (plus each worker's first, whole-model pull).
+    numel = 64 * 64 + 64 + 64 * 10 + 10
+    assert ps["bytes_sent_per_worker"] == ps["bytes_received_per_worker"] == 30 * 4 * numel
+    totals = ps["ps"]["totals"]
+    assert totals["bytes_pushed"] == 2 * 30 * 4 * numel
+    assert totals["bytes_pulled"] == 2 * 31 * 4 * numel
+    assert totals["updates"] == 2 * 30 and ps["ps"]["shards"] == 2
+
+
+@pytest.mark.ray
+def test_group_topk_push_and_codec_pull_reach_the_digits_target(local_ray, tmp_path):
+    spec = _job("ps-topk", {"codec": "group_topk", "ratio": 0.01, "collective": "ps", "momentum_correction": True},
+                {"shards": 2, "pull": "codec"}, hidden=128, steps=400, target_accuracy=0.93, eval_every=25)
+    summary = run_job(spec, storage_path=str(tmp_path))
+    assert summary["reached_target"] and summary["final_test_accuracy"] >= 0.93, summary["history"]
+    # 1% of entries as (u16 offset, fp16 value) per group: ~90x fewer bytes than dense, both ways.
+    assert summary["wire_compression_ratio"] > 50
+    assert summary["bytes_received_per_worker"] < summary["dense_bytes_per_worker"] / 50
+
+
+@pytest.mark.ray
+def test_a_killed_worker_rejoins_the_same_shards_without_redoing_steps(local_ray, tmp_path):
+    """Elastic: a worker process is killed mid-run. Ray Train starts a new worker group; the
+    shards keep running (same processes), drop the half-pushed step, wait for the new group's
+    size, and the group resumes where the shards are, not at the last checkpoint."""
+    spec = _job("ps-elastic", {"codec": "group_topk", "ratio": 0.05, "collective": "ps", "momentum_correction": True},
+                {"shards": 2}, steps=200, eval_every=20, target_accuracy=0.9, stop_at_target=False)
+    spec = spec.model_copy(update={
+        "scaling": spec.scaling.model_copy(update={"min_workers": 1, "max_failures": 2}),
+        "checkpoint": spec.checkpoint.model_copy(update={"every_steps": 50})})
+    killed: dict = {}
+
+    def kill_once(metrics: dict) -> None:
+        if not killed and metrics["step"] >= 70:
+            killed["step"] = metrics["step"]
+            os.kill(metrics["pid"], signal.SIGKILL)
+
+    summary = run_job(spec, storage_path=str(tmp_path), on_progress=kill_once)
+    assert killed and summary["restarts"] >= 1, summary
+    assert summary["steps"] == 200
+    # The checkpoint before the kill was at step 49 or 99; the shards were past it.
+    assert summary["steps_redone"] <= 1, summary["resumes"]
+    shards = summary["ps"]["per_shard"]
+    assert all(len(s["membership"]) >= 2 for s in shards)  # a second worker group joined
+    # The new group started where the shards were: past the step rank 0 last reported,
+    # not back at the checkpoint of step 49.
+    resumed = shards[0]["membership"][1]["step"]
+    assert resumed >= killed["step"] + 1, (resumed, killed)
+    assert summary["final_test_accuracy"] >= 0.9, summary["history"]
+    kept = checkpoint.verify(os.path.join(summary["checkpoint"], "trainer"))
+    assert kept["tensors"] > 0
