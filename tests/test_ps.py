@@ -268,3 +268,19 @@ def test_a_killed_worker_rejoins_the_same_shards_without_redoing_steps(local_ray
     assert summary["final_test_accuracy"] >= 0.9, summary["history"]
     kept = checkpoint.verify(os.path.join(summary["checkpoint"], "trainer"))
     assert kept["tensors"] > 0
+
+
+@pytest.mark.ray
+def test_async_workers_with_lossless_pulls_stop_together_at_the_target(local_ray, tmp_path):
+    """Bounded-staleness asynchronous updates: each worker evaluates its own copy, so rank 0's
+    decision to stop at the target is broadcast; a rank stopping alone would leave the other
+    waiting on its clock (this run hung before that)."""
+    spec = _job("ps-async", {"codec": "group_topk", "ratio": 0.05, "collective": "ps", "momentum_correction": True},
+                {"shards": 2, "mode": "async", "staleness": 2, "pull": "lossless"}, hidden=128, steps=300,
+                target_accuracy=0.93, eval_every=25)
+    summary = run_job(spec, storage_path=str(tmp_path))
+    assert summary["reached_target"] and summary["steps"] < 300, summary["history"]
+    totals = summary["ps"]["totals"]
+    assert totals["updates"] == totals["pushes"] == 2 * 2 * summary["steps"]  # every push applied on arrival
+    # Lossless pulls: XOR deltas against each worker's copy, bit-exact and several times smaller.
+    assert summary["bytes_received_per_worker"] < summary["dense_bytes_per_worker"] / 3

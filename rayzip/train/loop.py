@@ -95,8 +95,8 @@ class _Adoption:
     """Rank 0 fetches the controller's latest decision without waiting and broadcasts it;
     every rank hands it to the hook at the same step."""
 
-    def __init__(self, controller, rank: int, state):
-        self.controller, self.rank, self.state = controller, rank, state
+    def __init__(self, controller, rank: int, state, device):
+        self.controller, self.rank, self.state, self.device = controller, rank, state, device
         self.pending = controller.decision.remote() if rank == 0 else None
         self.latest = {"seq": -1, "ratio": 0.0}
         self.applied_seq = -1
@@ -107,7 +107,8 @@ class _Adoption:
             if ready:
                 self.latest = ray.get(self.pending)
                 self.pending = self.controller.decision.remote()
-        message = torch.tensor([float(self.latest["seq"]), float(self.latest["ratio"])], dtype=torch.float64)
+        message = torch.tensor([float(self.latest["seq"]), float(self.latest["ratio"])], dtype=torch.float64,
+                               device=self.device)  # NCCL broadcasts device tensors only
         dist.broadcast(message, src=0)
         seq, ratio = int(message[0]), float(message[1])
         if seq == self.applied_seq or ratio < 1.0:
@@ -279,7 +280,7 @@ def train_loop(config: dict) -> None:
     run_id = config.get("run_id", spec.name)
     metrics_out = WorkerMetrics(run_id, spec.name, rank) if spec.metrics.enabled else None
     controller = ray.get_actor(config["controller"]) if config.get("controller") else None
-    adoption = _Adoption(controller, rank, state) if controller is not None and state is not None else None
+    adoption = _Adoption(controller, rank, state, device) if controller is not None and state is not None else None
     train_start = time.perf_counter() - totals["train_s"]
     tx_start = _interface_tx_bytes()
 
@@ -339,6 +340,12 @@ def train_loop(config: dict) -> None:
         if reached and totals.get("time_to_target_s") is None:
             totals["time_to_target_s"], totals["steps_to_target"] = totals["train_s"], step + 1
         done = last or (reached and training.stop_at_target)
+        if evaluate and not last and world > 1 and dist.is_initialized():
+            # Rank 0 decides: in asynchronous parameter-server mode each rank evaluates its own
+            # copy of the model, and a rank that stopped alone would leave the others waiting.
+            verdict = torch.tensor([float(done)], device=device)  # NCCL broadcasts device tensors only
+            dist.broadcast(verdict, src=0)
+            done = bool(verdict.item())
         metrics = {
             "step": step, "loss": loss_value, "lr": lr, "world_size": world,
             "step_s": step_s, "comm_s": comm_s, "compute_probe_s": compute_probe_s,
