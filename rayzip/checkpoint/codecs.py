@@ -58,15 +58,18 @@ def _entropy(counts: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def byte_entropy(data) -> float:
-    """Bits per byte of ``data`` under its own byte histogram (order-0 entropy)."""
+def byte_counts(data) -> np.ndarray:
     arr = _bytes(data)
     if kernels is not None:
         counts = np.empty(256, dtype=np.uint64)
         kernels.histogram(arr, counts)
-    else:
-        counts = np.bincount(arr, minlength=256)
-    return _entropy(counts)
+        return counts
+    return np.bincount(arr, minlength=256)
+
+
+def byte_entropy(data) -> float:
+    """Bits per byte of ``data`` under its own byte histogram (order-0 entropy)."""
+    return _entropy(byte_counts(data))
 
 
 def pair_counts(data) -> np.ndarray:
@@ -118,15 +121,20 @@ def _plan(arr: np.ndarray) -> tuple[str, int, float]:
         return "raw", 0, float(arr.size)
     sample = _sample(arr, PLAN_SAMPLE)
     scale = arr.size / sample.size
-    if byte_entropy(sample) >= RAW_ABOVE:  # 256 counts: cheaper than the 65536 pairs
+    counts = byte_counts(sample)  # 256 counts: cheaper than the 65536 pairs
+    order0 = _entropy(counts)
+    if order0 >= RAW_ABOVE:
         return "raw", 0, float(arr.size)
-    order0, order1, contexts = context_entropy(sample)
     if order0 < RUNS_BELOW or arr.size < HUFFMAN_FROM:
         return "zstd", ZSTD_LEVEL, _zstd_bytes(sample, ZSTD_LEVEL) * scale
     order0_bytes = arr.size * order0 / 8 + TABLE_BYTES
-    order1_bytes = arr.size * order1 / 8 + TABLE_BYTES * contexts
-    if contexts <= ORDER1_CONTEXTS and order1_bytes < 0.98 * order0_bytes:
-        return "huffman", 1, order1_bytes
+    # The contexts are the byte values that occur (and 0, the first byte's): with more than
+    # ORDER1_CONTEXTS of them, order 1 is out, and its 65536 pair counts are not needed.
+    if int(np.count_nonzero(counts)) <= ORDER1_CONTEXTS:
+        _, order1, contexts = context_entropy(sample)
+        order1_bytes = arr.size * order1 / 8 + TABLE_BYTES * contexts
+        if contexts <= ORDER1_CONTEXTS and order1_bytes < 0.98 * order0_bytes:
+            return "huffman", 1, order1_bytes
     if order0 >= MIXED_ABOVE:
         fast = _zstd_bytes(sample, ZSTD_FAST) * scale
         if fast < order0_bytes:
