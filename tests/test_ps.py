@@ -305,7 +305,8 @@ def test_a_killed_shard_is_reloaded_from_the_last_checkpoint(local_ray, tmp_path
 
     summary = run_job(spec, storage_path=str(tmp_path), on_progress=kill_shard)
     assert killed and summary["restarts"] >= 1 and summary["steps"] == 120, summary
-    assert 0 < summary["steps_redone"] <= 20, summary["resumes"]
+    # 0 when the shard died right after a checkpoint.
+    assert 0 <= summary["steps_redone"] <= 20, summary["resumes"]
     restarted, survivor = summary["ps"]["per_shard"]
     assert restarted["pid"] != killed["pid"]
     # The survivor kept running and saw both groups; the restarted shard only the new one,
