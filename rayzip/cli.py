@@ -157,16 +157,19 @@ def _summary_table(summary: dict):
         ("steps", str(summary["steps"])),
         ("workers", str(summary["world_size"])),
         ("codec", " ".join([summary["codec"], *(f"{k}={v}" for k, v in summary["codec_params"].items())])),
-        ("sent per worker", f"{summary['bytes_sent_per_worker'] / 1e6:.3f} MB ({summary['bytes_source']})"),
-        ("fp32 ring allreduce would send", f"{summary['dense_bytes_per_worker'] / 1e6:.3f} MB"),
     ]
     ps = summary.get("ps")
     if ps:  # pushes compare with a dense fp32 push; pulls are reported beside them
-        rows[-2:] = [
+        rows += [
             ("pushed per worker", f"{summary['bytes_sent_per_worker'] / 1e6:.3f} MB (counted)"),
             ("a dense fp32 push would send", f"{summary['dense_bytes_per_worker'] / 1e6:.3f} MB"),
             ("pulled per worker", f"{summary['bytes_received_per_worker'] / 1e6:.3f} MB ({ps['pull']})"),
             ("parameter shards", f"{ps['shards']} ({ps['mode']}), {ps['worker_groups']} worker group(s)"),
+        ]
+    else:
+        rows += [
+            ("sent per worker", f"{summary['bytes_sent_per_worker'] / 1e6:.3f} MB ({summary['bytes_source']})"),
+            ("fp32 ring allreduce would send", f"{summary['dense_bytes_per_worker'] / 1e6:.3f} MB"),
         ]
     rows += [
         ("wire compression", f"{ratio:.1f}x" if ratio else "-"),
@@ -294,10 +297,12 @@ def bench_scaling(
     """Scaling efficiency E(N) = T_N / (N * T_1) of each method, T the examples per second (root)."""
     from .bench.cluster import render_scaling_table, run_scaling_bench
 
-    counts = sorted({int(n) for n in nodes.split(",") if n.strip().isdigit()})
-    if 1 not in counts:
-        console.print(f"[red]error:[/red] --nodes must include 1 (E(N) is relative to one worker), got {nodes}")
+    parts = [n.strip() for n in nodes.split(",") if n.strip()]
+    if not all(n.isdigit() and int(n) >= 1 for n in parts) or "1" not in parts:
+        console.print(f"[red]error:[/red] --nodes must include 1 (E(N) is relative to one worker) "
+                      f"and hold only worker counts, got {nodes}")
         raise typer.Exit(2)
+    counts = sorted({int(n) for n in parts})
     chosen, spec_path = _cluster_bench_inputs(methods, spec)
     report = _run_cluster(lambda log: run_scaling_bench(chosen, counts, bandwidth, spec_path, steps, log=log))
     console.print(render_scaling_table(report))

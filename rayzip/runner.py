@@ -46,7 +46,7 @@ class ProgressActor:
         # A new rank-0 process, or a step at or before the last one seen, means a new worker
         # group: it resumed from a checkpoint (or, in parameter-server mode, where the shards are).
         if self.latest is not None and (metrics["step"] <= self.latest["step"]
-                                        or metrics.get("pid", self.latest.get("pid")) != self.latest.get("pid")):
+                                        or metrics.get("pid") != self.latest.get("pid")):
             self.restarts["restarts"] += 1
             self.restarts["steps_redone"] += max(0, self.latest["step"] - metrics["step"] + 1)
             self.restarts["resumes"].append({"last_step": self.latest["step"], "resumed_at": metrics["step"]})

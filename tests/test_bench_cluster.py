@@ -122,3 +122,22 @@ def test_scaling_needs_one_worker_among_the_counts():
 
     result = CliRunner().invoke(app, ["bench", "scaling", "--nodes", "2,3"])
     assert result.exit_code == 2 and "--nodes must include 1" in result.output
+
+
+def test_scaling_refuses_a_worker_count_that_is_not_one():
+    from typer.testing import CliRunner
+
+    from rayzip.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "scaling", "--nodes", "1,x,3"])
+    assert result.exit_code == 2 and "--nodes must include 1" in result.output and "1,x,3" in result.output
+
+
+def test_mean_step_time_comes_from_the_training_clock_between_evaluations():
+    from rayzip.bench.cluster import mean_step_s
+
+    history = [{"step": 9, "train_s": 1.0}, {"step": 19, "train_s": 3.0}, {"step": 29, "train_s": 4.0},
+               {"step": 39, "train_s": None}]
+    assert mean_step_s(history, 11, 10 ** 9) == (4.0 - 3.0) / 10
+    assert mean_step_s(history, 1, 30) == (4.0 - 1.0) / 20
+    assert mean_step_s(history, 25, 10 ** 9) is None  # one point only

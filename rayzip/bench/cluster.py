@@ -179,17 +179,24 @@ def _dropper(cluster, progress: Path, drop_to: str, drop_at_step: int, log: Call
     return poll
 
 
+def mean_step_s(history: list[dict], first: int, last: int) -> float | None:
+    """Mean training step time between the evaluations at steps ``first`` and ``last``
+    (counted from 1), from the training clock at each; None with fewer than two inside."""
+    inside = [(h["step"] + 1, h["train_s"]) for h in history
+              if h.get("train_s") is not None and first <= h["step"] + 1 <= last]
+    if len(inside) < 2:
+        return None
+    (s0, t0), (s1, t1) = inside[0], inside[-1]
+    return (t1 - t0) / (s1 - s0)
+
+
 def _drop_phases(summary: dict, dropped_at: int | None) -> dict[str, Any]:
-    """Mean training step time before the drop and after it (past SETTLE_STEPS), from the
-    training clock at each evaluation."""
-    points = [(h["step"] + 1, h["train_s"]) for h in summary.get("history", []) if h.get("train_s") is not None]
+    """Mean training step time before the drop and after it (past SETTLE_STEPS)."""
+    history = summary.get("history", [])
 
     def mean_ms(first: int, last: int) -> float | None:
-        inside = [p for p in points if first <= p[0] <= last]
-        if len(inside) < 2:
-            return None
-        (s0, t0), (s1, t1) = inside[0], inside[-1]
-        return 1000 * (t1 - t0) / (s1 - s0)
+        seconds = mean_step_s(history, first, last)
+        return 1000 * seconds if seconds is not None else None
 
     if dropped_at is None:
         return {"dropped_at_step": None, "step_ms_before_drop": None, "step_ms_after_drop": None}
@@ -248,10 +255,8 @@ def run_scaling_bench(methods: list[str], node_counts: list[int], bandwidth: str
         for r in report["methods"]:
             row = {"name": r["name"], "workers": nodes, "error": r.get("error")}
             if "error" not in r:
-                points = [(h["step"] + 1, h["train_s"]) for h in r.get("history", []) if h.get("train_s") is not None]
-                inside = [p for p in points if p[0] > SCALING_SKIP]
-                step_s = ((inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
-                          if len(inside) >= 2 else r["step_s"])
+                step_s = mean_step_s(r.get("history", []), SCALING_SKIP + 1, 10 ** 9)
+                step_s = step_s if step_s is not None else r["step_s"]
                 row.update({"step_s": step_s, "compute_s": r["compute_s"], "comm_s": r["comm_s"],
                             "throughput": nodes * batch / step_s, "wire_bytes_counted": r["wire_bytes_counted"],
                             "wire_bytes_pulled": r.get("wire_bytes_pulled"), "final_accuracy": r["final_accuracy"]})

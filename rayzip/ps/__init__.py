@@ -15,13 +15,13 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..spec import JobSpec
-from .client import ParameterServerClient, flat_gradient, set_flat_parameters, shard_bounds
+from .client import ParameterServerClient, flat_gradient, flat_to_parameters, set_flat_parameters, shard_bounds
 from .pull import PULL_MODES, decode_pull, encode_pull, message_nbytes
 from .shard import ParameterShard, StaleGeneration, merge_optimizer_states, slice_optimizer_state
 
 __all__ = [
     "PULL_MODES", "ParameterServerClient", "ParameterShard", "StaleGeneration", "decode_pull", "encode_pull",
-    "flat_gradient", "merge_optimizer_states", "message_nbytes", "set_flat_parameters", "shard_bounds",
+    "flat_gradient", "flat_to_parameters", "merge_optimizer_states", "message_nbytes", "set_flat_parameters", "shard_bounds",
     "shard_names", "shard_report", "slice_optimizer_state", "start_shards", "stop_shards",
 ]
 

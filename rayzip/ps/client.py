@@ -36,7 +36,7 @@ from ..xp import asnumpy
 from .pull import decode_pull, message_nbytes
 from .shard import merge_optimizer_states, slice_optimizer_state
 
-__all__ = ["ParameterServerClient", "flat_gradient", "set_flat_parameters", "shard_bounds"]
+__all__ = ["ParameterServerClient", "flat_gradient", "flat_to_parameters", "set_flat_parameters", "shard_bounds"]
 
 
 def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
@@ -54,13 +54,19 @@ def flat_gradient(model: torch.nn.Module) -> torch.Tensor:
                       for p in model.parameters()])
 
 
+def flat_to_parameters(model: torch.nn.Module, flat: np.ndarray) -> dict[str, torch.Tensor]:
+    """``flat`` cut into the model's parameters, by name, as CPU tensors sharing its memory."""
+    out, offset = {}, 0
+    for name, p in model.named_parameters():
+        out[name] = torch.from_numpy(flat[offset: offset + p.numel()]).view_as(p)
+        offset += p.numel()
+    return out
+
+
 @torch.no_grad()
 def set_flat_parameters(model: torch.nn.Module, flat: np.ndarray) -> None:
-    offset = 0
-    for p in model.parameters():
-        n = p.numel()
-        p.copy_(torch.from_numpy(flat[offset: offset + n]).view_as(p))
-        offset += n
+    for p, value in zip(model.parameters(), flat_to_parameters(model, flat).values()):
+        p.copy_(value)
 
 
 class ParameterServerClient:

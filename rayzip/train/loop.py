@@ -36,7 +36,7 @@ from ..checkpoint import load as load_checkpoint
 from ..checkpoint import save as save_checkpoint
 from ..comm import ring_allreduce_bytes
 from ..metrics import WorkerMetrics
-from ..ps import ParameterServerClient
+from ..ps import ParameterServerClient, flat_to_parameters
 from ..spec import JobSpec, TrainingSpec
 from ..torch import compress, scaled_lr
 from ..torch.baselines import register_torch_hook
@@ -125,17 +125,18 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def _save(directory: Path, rank: int, world: int, step: int, model_state, optimizer_state, state, totals: dict,
+def _save(directory: Path, rank: int, world: int, step: int, weights, state, totals: dict,
           accuracy: float | None, chain: DeltaChain | None) -> None:
     """Each rank writes its part of the step's checkpoint as a compressed rayzip checkpoint:
     rank 0 the model, optimizer, step and RNG (``trainer/``; with a chain, weights as XOR
     deltas against its current base), every rank its hook state, error-feedback residuals
-    and momentum included (``rank{r}/``). ``model_state`` and ``optimizer_state`` are
-    called on rank 0 only (in parameter-server mode they fetch the shards' state)."""
+    and momentum included (``rank{r}/``). ``weights()``, the (model, optimizer) state dicts,
+    is called on rank 0 only (in parameter-server mode it fetches the shards' state)."""
     if rank == 0:
         index = totals.get("checkpoints", 0)
         totals["checkpoints"] = index + 1
-        trainer = {"model": model_state(), "optimizer": optimizer_state(), "step": step,
+        model_state, optimizer_state = weights()
+        trainer = {"model": model_state, "optimizer": optimizer_state, "step": step,
                    "world_size": world, "totals": totals, "test_accuracy": accuracy, "torch_rng": torch.get_rng_state()}
         if chain is None:
             save_checkpoint(directory / "trainer", trainer)
@@ -174,23 +175,11 @@ def _restore(checkpoint, rank: int, world: int, model, optimizer, state, chain: 
     return trainer["step"] + 1, trainer["totals"], trainer["test_accuracy"]
 
 
-def _server_states(model: torch.nn.Module, client: ParameterServerClient):
-    """(model state, optimizer state) callables for a checkpoint in parameter-server mode:
-    the shards hold the authoritative parameters and the optimizer state. The model's
-    fetches both; the optimizer's returns what that fetch brought."""
-    fetched: dict = {}
-
-    def model_state() -> dict:
-        fetched.clear()
-        fetched.update(client.server_state())
-        state = dict(model.state_dict())
-        flat, offset = fetched["params"], 0
-        for name, p in model.named_parameters():
-            state[name] = torch.from_numpy(flat[offset: offset + p.numel()].copy()).view_as(p)
-            offset += p.numel()
-        return state
-
-    return model_state, lambda: fetched["optimizer"]
+def _server_weights(model: torch.nn.Module, client: ParameterServerClient) -> tuple[dict, dict]:
+    """(model state, optimizer state) for a checkpoint in parameter-server mode: the shards
+    hold the authoritative parameters and the optimizer state; buffers are the worker's."""
+    server = client.server_state()
+    return {**model.state_dict(), **flat_to_parameters(model, server["params"])}, server["optimizer"]
 
 
 def _restore_ps(checkpoint, rank: int, model, client: ParameterServerClient, chain: DeltaChain | None):
@@ -270,10 +259,10 @@ def train_loop(config: dict) -> None:
         chain = DeltaChain(config["chain_dir"], spec.checkpoint.full_every, spec.checkpoint.num_to_keep)
     if client is not None:
         start, totals, accuracy = _restore_ps(ray.train.get_checkpoint(), rank, model, client, chain)
-        model_state, optimizer_state = _server_states(model, client)
+        weights = lambda: _server_weights(model, client)  # noqa: E731
     else:
         start, totals, accuracy = _restore(ray.train.get_checkpoint(), rank, world, model, optimizer, state, chain)
-        model_state, optimizer_state = _unwrap(model).state_dict, optimizer.state_dict
+        weights = lambda: (_unwrap(model).state_dict(), optimizer.state_dict())  # noqa: E731
     totals = {"bytes_sent": 0, "bytes_received": 0, "dense_bytes": 0, "train_s": 0.0, "step_s": 0.0, "comm_s": 0.0, "network_s": 0.0,
               "timed_steps": 0, **totals}
     every = spec.checkpoint.every_steps
@@ -369,7 +358,7 @@ def train_loop(config: dict) -> None:
         checkpoint = None
         if (every and (step + 1) % every == 0) or done:
             tmp = Path(tempfile.mkdtemp(prefix="rayzip-ckpt-"))
-            _save(tmp, rank, world, step, model_state, optimizer_state, client or state, totals, accuracy, chain)
+            _save(tmp, rank, world, step, weights, client or state, totals, accuracy, chain)
             if rank == 0 and metrics_out is not None:
                 sizes = inspect_checkpoint(tmp / "trainer")
                 metrics_out.record_checkpoint(sizes["stored_bytes"], sizes["raw_bytes"])
