@@ -314,7 +314,8 @@ def bench_checkpoint(
     spec: Optional[Path] = typer.Option(None, help="Job spec whose model and data to train (default: "
                                                      "jobs/bench-synthetic.yaml)."),
     steps: int = typer.Option(200, min=1, help="Adam steps before the full checkpoint."),
-    repeat: int = typer.Option(3, min=1, help="Timed repetitions; the fastest counts."),
+    repeat: int = typer.Option(5, min=1, help="Timed rounds, every compressor once per round; the fastest "
+                                               "of each counts."),
     compressors: str = typer.Option("rayzip,rayzip-1t,zstd-3,zstd-19,zipnn",
                                     help="Comma-separated compressors (rayzip-1t: rayzip on one thread)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),

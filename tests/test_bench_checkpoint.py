@@ -18,7 +18,7 @@ def test_bench_checkpoint_compares_rayzip_zstd_and_zipnn_on_the_same_data(tmp_pa
     spec.write_text(yaml.safe_dump({"name": "tiny", "model": {"name": "mlp", "hidden": [256, 256]},
                                     "dataset": {"name": "digits"}}))
     out = tmp_path / "ckpt.json"
-    result = runner.invoke(app, ["bench", "checkpoint", "--spec", str(spec), "--steps", "3", "--repeat", "1",
+    result = runner.invoke(app, ["bench", "checkpoint", "--spec", str(spec), "--steps", "3", "--repeat", "2",
                                  "--compressors", "rayzip,rayzip-1t,zstd-3,zipnn", "--json", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())

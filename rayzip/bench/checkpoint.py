@@ -6,13 +6,15 @@ step; ``delta-k`` is the state k steps later, stored by rayzip as an XOR delta a
 ``full`` checkpoint. Every compressor runs on the same bytes in the same run:
 
 * ``rayzip``: :func:`rayzip.checkpoint.encode` / ``decode`` in memory, checksums and codec
-  choice included, streams coded on as many threads as there are usable cores (at most 8);
+  choice included, on as many threads as there are usable cores (at most 8);
   ``save_gbps`` / ``load_gbps`` add the writes and reads of a tmpfs directory;
 * ``rayzip-1t``: the same on one thread;
 * ``zstd-3``, ``zstd-19``: zstandard on the tensors' raw bytes;
 * ``zipnn``: ZipNN (PyPI ``zipnn``) on each tensor's raw bytes, as fp32, one thread.
 
-Ratios are raw bytes over stored bytes; speeds are raw GB per second.
+Ratios are raw bytes over stored bytes; speeds are raw GB per second. The compressors take
+turns: each round runs every one of them once, so that a slow spell on a shared machine
+falls on all of them; the fastest of ``repeat`` rounds (after a warm-up round) counts.
 """
 
 from __future__ import annotations
@@ -22,12 +24,10 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-import numpy as np
 import torch
 
-from .timing import best_time
 
 __all__ = ["collect_states", "run_checkpoint_bench"]
 
@@ -76,31 +76,73 @@ def _tensors(view: dict) -> list[torch.Tensor]:
     return [*view["model"].values(), *(v for s in view["optimizer"].values() for v in s.values())]
 
 
-def _rayzip(state: dict, base_state: dict | None, workdir: Path, repeat: int, threads: int | None) -> dict:
+class _Runner:
+    """One compressor on one data set. Each :meth:`round` times its operations once; the
+    fastest time of each operation over the rounds counts."""
+
+    rounds = None  # at most this many rounds (None: all)
+
+    def __init__(self):
+        self.best: dict[str, float] = {}
+        self.done = 0
+
+    def _time(self, op: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        result = fn()
+        self.best[op] = min(self.best.get(op, float("inf")), time.perf_counter() - start)
+        return result
+
+    def reset(self) -> None:
+        self.best.clear()
+        self.done = 0
+
+    def wants_round(self) -> bool:
+        return self.rounds is None or self.done < self.rounds
+
+    def round(self) -> None:
+        self._round()
+        self.done += 1
+
+
+class _Rayzip(_Runner):
     """Compression and decompression in memory (as the baselines run), then save and load
     through tmpfs files for the cost of the I/O on top."""
-    from .. import checkpoint
 
-    base = None
-    if base_state is not None:
-        base = workdir / "base"
-        checkpoint.save(base, base_state)
-    c_s, (manifest, blobs) = best_time(lambda: checkpoint.encode(state, base=base, threads=threads), repeat, np)
-    d_s, restored = best_time(lambda: checkpoint.decode(manifest, blobs), repeat, np)
-    for name, value in state["model"].items():  # the benchmark refuses to report a lossy result
-        if not torch.equal(value.view(torch.int32), restored["model"][name].view(torch.int32)):
-            raise AssertionError(f"rayzip restored {name} inexactly")
-    target = workdir / "ckpt"
+    def __init__(self, state: dict, base: Path | None, target: Path, threads: int | None):
+        super().__init__()
+        self.state, self.base, self.target, self.threads = state, base, target, threads
 
-    def save():
-        if target.exists():
-            shutil.rmtree(target)
-        return checkpoint.save(target, state, base=base, threads=threads)
+    def _round(self) -> None:
+        from .. import checkpoint
 
-    save_s, _ = best_time(save, repeat, np)
-    load_s, _ = best_time(lambda: checkpoint.load(target), repeat, np)
-    stored = manifest["data_bytes"] + len(json.dumps(manifest))
-    return {"stored": stored, "compress_s": c_s, "decompress_s": d_s, "save_s": save_s, "load_s": load_s}
+        manifest, blobs = self._time("compress", lambda: checkpoint.encode(self.state, base=self.base,
+                                                                           threads=self.threads))
+        restored = self._time("decompress", lambda: checkpoint.decode(manifest, blobs, threads=self.threads))
+        for name, value in self.state["model"].items():  # the benchmark refuses to report a lossy result
+            if not torch.equal(value.view(torch.int32), restored["model"][name].view(torch.int32)):
+                raise AssertionError(f"rayzip restored {name} inexactly")
+        if self.target.exists():
+            shutil.rmtree(self.target)
+        self._time("save", lambda: checkpoint.save(self.target, self.state, base=self.base, threads=self.threads))
+        self._time("load", lambda: checkpoint.load(self.target, threads=self.threads))
+        self.stored = manifest["data_bytes"] + len(json.dumps(manifest))
+
+
+class _Baseline(_Runner):
+    def __init__(self, make: Callable, raws: list[bytes], rounds: int | None = None):
+        super().__init__()
+        self.compress, self.decompress = make()
+        self.raws, self.rounds = raws, rounds
+
+    def _round(self) -> None:
+        # ZipNN 0.5 reorders its input's bytes in place, even a bytes object's: every call
+        # gets fresh copies, made outside the timed region.
+        inputs = [bytes(bytearray(r)) for r in self.raws]
+        blobs = self._time("compress", lambda: self.compress(inputs))
+        back = self._time("decompress", lambda: self.decompress(blobs))
+        if [bytes(b) for b in back] != self.raws:
+            raise AssertionError("a baseline compressor did not round-trip")
+        self.stored = sum(len(b) for b in blobs)
 
 
 def _zstd(level: int):
@@ -120,57 +162,61 @@ def _zipnn():
             lambda blobs: [codec.decompress(b) for b in blobs])
 
 
-def _baseline(make, raws: list[bytes], repeat: int) -> tuple[int, float, float]:
-    compress, decompress = make()
-    c_s = d_s = float("inf")
-    for _ in range(repeat):
-        # ZipNN 0.5 reorders its input's bytes in place, even a bytes object's: every call
-        # gets fresh copies, made outside the timed region.
-        inputs = [bytes(bytearray(r)) for r in raws]
-        start = time.perf_counter()
-        blobs = compress(inputs)
-        c_s = min(c_s, time.perf_counter() - start)
-        start = time.perf_counter()
-        back = decompress(blobs)
-        d_s = min(d_s, time.perf_counter() - start)
-        if [bytes(b) for b in back] != raws:
-            raise AssertionError("a baseline compressor did not round-trip")
-    return sum(len(b) for b in blobs), c_s, d_s
-
-
-def run_checkpoint_bench(spec_path: Path, steps: int = 200, repeat: int = 3,
+def run_checkpoint_bench(spec_path: Path, steps: int = 200, repeat: int = 5,
                          compressors: tuple[str, ...] = ("rayzip", "rayzip-1t", "zstd-3", "zstd-19", "zipnn"),
                          log: Callable[[str], None] = print) -> dict:
+    """Every compressor runs once per round, in turn, on the same bytes: one warm-up round,
+    then ``repeat`` timed rounds, the fastest time of each counting. Interleaving the
+    compressors lets a slow spell on a shared machine fall on all of them, not on one."""
     torch.set_num_threads(1)
     log(f"training {spec_path.name} with Adam for {steps + max(SPACINGS)} steps ...")
     states = collect_states(spec_path, steps)
     results = []
     tmp = Path(tempfile.mkdtemp(prefix="rayzip-bench-ckpt-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     try:
+        from .. import checkpoint
+
         views = {data: _bench_view(state) for data, state in states.items()}
         for data, view in views.items():
             raws = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in _tensors(view)]
             raw_bytes = sum(len(r) for r in raws)
+            base = None
+            if data != "full":
+                base = tmp / "base"
+                checkpoint.save(base, views["full"])
+            runners: dict[str, _Runner] = {}
             for name in compressors:
-                extra = {}
                 if name.startswith("rayzip"):
-                    threads = 1 if name == "rayzip-1t" else None
-                    timing = _rayzip(view, None if data == "full" else views["full"], tmp, repeat, threads)
-                    stored, c_s, d_s = timing["stored"], timing["compress_s"], timing["decompress_s"]
-                    extra = {"save_gbps": raw_bytes / timing["save_s"] / 1e9, "load_gbps": raw_bytes / timing["load_s"] / 1e9}
+                    runners[name] = _Rayzip(view, base, tmp / f"ckpt-{name}", 1 if name == "rayzip-1t" else None)
+                elif name == "zipnn":
+                    runners[name] = _Baseline(_zipnn, raws)
                 else:
-                    make = _zipnn if name == "zipnn" else (lambda level=int(name.split("-")[1]): _zstd(level))
-                    # zstd-19 is slow: one timed pass is enough to place it.
-                    stored, c_s, d_s = _baseline(make, raws, 1 if name == "zstd-19" else repeat)
-                results.append({"data": data, "compressor": name, "raw_bytes": raw_bytes, "stored_bytes": stored,
-                                "ratio": raw_bytes / stored, "compress_gbps": raw_bytes / c_s / 1e9,
-                                "decompress_gbps": raw_bytes / d_s / 1e9, **extra})
-                log(f"  {data:9s} {name:9s} ratio {raw_bytes / stored:6.3f}  "
-                    f"compress {raw_bytes / c_s / 1e9:6.3f} GB/s  decompress {raw_bytes / d_s / 1e9:6.3f} GB/s"
+                    # zstd-19 is slow: one pass, timed, is enough to place it.
+                    level = int(name.split("-")[1])
+                    runners[name] = _Baseline(lambda level=level: _zstd(level), raws, 1 if level >= 19 else None)
+            for runner in runners.values():  # a warm-up round, except for zstd-19's one pass
+                if runner.rounds is None:
+                    runner.round()
+                    runner.reset()
+            for _ in range(repeat):
+                for runner in runners.values():
+                    if runner.wants_round():
+                        runner.round()
+            for name, runner in runners.items():
+                times = runner.best
+                extra = ({"save_gbps": raw_bytes / times["save"] / 1e9, "load_gbps": raw_bytes / times["load"] / 1e9}
+                         if "save" in times else {})
+                results.append({"data": data, "compressor": name, "raw_bytes": raw_bytes, "stored_bytes": runner.stored,
+                                "ratio": raw_bytes / runner.stored, "compress_gbps": raw_bytes / times["compress"] / 1e9,
+                                "decompress_gbps": raw_bytes / times["decompress"] / 1e9, **extra})
+                row = results[-1]
+                log(f"  {data:9s} {name:9s} ratio {row['ratio']:6.3f}  compress {row['compress_gbps']:6.3f} GB/s  "
+                    f"decompress {row['decompress_gbps']:6.3f} GB/s"
                     + (f"  (save {extra['save_gbps']:.3f}, load {extra['load_gbps']:.3f} GB/s to tmpfs)" if extra else ""))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"steps": steps, "spacings": list(SPACINGS), "results": results, "comparisons": _comparisons(results)}
+    return {"steps": steps, "spacings": list(SPACINGS), "repeat": repeat, "interleaved": True,
+            "results": results, "comparisons": _comparisons(results)}
 
 
 def _comparisons(results: list[dict]) -> dict:

@@ -24,6 +24,7 @@
 
 static inline uint64_t load64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static inline void store64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+static inline unsigned load16le(const uint8_t *p) { return p[0] | (unsigned)p[1] << 8; }  /* one load on x86 */
 
 static void byte_histogram(const uint8_t *src, Py_ssize_t n, uint64_t counts[256]) {
     /* Four tables, so that runs of one byte value do not serialise on one counter. */
@@ -130,49 +131,60 @@ static PyObject *py_histogram(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* Adds order-1 counts, counts[prev * 256 + byte], of src to counts, the first byte in
- * context `prev`; returns the last byte. */
-static unsigned add_pairs(const uint8_t *src, Py_ssize_t n, unsigned prev, uint64_t *counts) {
-    for (Py_ssize_t i = 0; i < n; i++) { counts[(prev << 8) | src[i]]++; prev = src[i]; }
-    return prev;
+/* n * log2(n), summed over the nonzero cells. */
+static double sum_nlogn(const uint64_t *cells, int count) {
+    double sum = 0;
+    for (int i = 0; i < count; i++) if (cells[i]) sum += (double)cells[i] * log2((double)cells[i]);
+    return sum;
 }
 
-static PyObject *py_pair_histogram(PyObject *self, PyObject *args) {
-    Py_buffer src, out;
-    if (parse_counts(args, &src, &out, 65536, "pair_histogram") < 0) return NULL;
+/* stream_stats(src, max_contexts) -> (order-0 bits per byte, order-1 bits per byte or -1,
+ * contexts, distinct byte values). Everything that decides how a stream is coded, in one
+ * call: a histogram, and only where at most max_contexts contexts can occur (the byte
+ * values present, and 0 before the first byte) the order-1 counts, in one row per context
+ * instead of 65536 cells. */
+static PyObject *py_stream_stats(PyObject *self, PyObject *args) {
+    Py_buffer src;
+    int max_contexts;
+    if (!PyArg_ParseTuple(args, "y*i", &src, &max_contexts)) return NULL;
+    const uint8_t *in = src.buf;
+    Py_ssize_t n = src.len;
+    uint64_t counts[256];
+    double order0 = 0, order1 = -1;
+    int distinct = 0, contexts = 0;
+    uint64_t *rows = NULL;
     Py_BEGIN_ALLOW_THREADS
-    memset(out.buf, 0, 65536 * sizeof(uint64_t));
-    add_pairs(src.buf, src.len, 0, out.buf);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&src); PyBuffer_Release(&out);
-    Py_RETURN_NONE;
-}
-
-/* (order-0 bits per byte, order-1 bits per byte, contexts seen) of pair counts; numpy
- * needs a dozen passes over the 65536 cells for the same. */
-static PyObject *py_pair_entropy(PyObject *self, PyObject *args) {
-    Py_buffer pairs;
-    if (!PyArg_ParseTuple(args, "y*", &pairs)) return NULL;
-    if (pairs.len != 65536 * 8) {
-        PyBuffer_Release(&pairs);
-        PyErr_SetString(PyExc_ValueError, "pair_entropy: pairs must hold 65536 uint64");
-        return NULL;
-    }
-    const uint64_t *n = pairs.buf;
-    double columns[256] = {0}, total = 0, order1 = 0, order0 = 0;
-    int contexts = 0;
-    for (int c = 0; c < 256; c++) {
-        double row = 0, sum_nlogn = 0;
-        for (int b = 0; b < 256; b++) {
-            double x = (double)n[256 * c + b];
-            if (x > 0) { row += x; sum_nlogn += x * log2(x); columns[b] += x; }
+    byte_histogram(in, n, counts);
+    for (int s = 0; s < 256; s++) distinct += counts[s] != 0;
+    if (n) order0 = (n * log2((double)n) - sum_nlogn(counts, 256)) / n;
+    uint8_t slot[256];
+    contexts = distinct + (counts[0] == 0);  /* the first byte's context is 0 */
+    if (n && contexts <= max_contexts && (rows = calloc((size_t)contexts * 256, sizeof(uint64_t)))) {
+        int k = 0;
+        for (int s = 0; s < 256; s++) if (counts[s] || s == 0) slot[s] = (uint8_t)k++;
+        unsigned prev = 0;
+        for (Py_ssize_t i = 0; i < n; i++) { rows[((size_t)slot[prev] << 8) | in[i]]++; prev = in[i]; }
+        /* H(byte | previous) = sum over contexts of (row * log2(row) - sum of n log2 n) */
+        double bits = 0;
+        for (int c = 0; c < contexts; c++) {
+            uint64_t row = 0;
+            for (int b = 0; b < 256; b++) row += rows[(size_t)c * 256 + b];
+            if (row) bits += row * log2((double)row) - sum_nlogn(rows + (size_t)c * 256, 256);
         }
-        if (row > 0) { contexts++; order1 += row * log2(row) - sum_nlogn; total += row; }
+        order1 = bits / n;
+        contexts = 0;
+        for (int c = 0; c < k; c++) {
+            uint64_t row = 0;
+            for (int b = 0; b < 256; b++) row += rows[(size_t)c * 256 + b];
+            contexts += row != 0;
+        }
     }
-    for (int b = 0; b < 256; b++) if (columns[b] > 0) order0 -= columns[b] * log2(columns[b] / total);
-    PyBuffer_Release(&pairs);
-    if (total == 0) return Py_BuildValue("ddi", 0.0, 0.0, 0);
-    return Py_BuildValue("ddi", order0 / total, order1 / total, contexts);
+    Py_END_ALLOW_THREADS
+    int failed = n && order1 < 0 && contexts <= max_contexts;  /* calloc failed */
+    free(rows);
+    PyBuffer_Release(&src);
+    if (failed) return PyErr_NoMemory();
+    return Py_BuildValue("ddii", order0, order1, contexts, distinct);
 }
 
 /* Stream: order byte (0 or 1), a 32-byte bitmap of the contexts that have a code, 128 bytes
@@ -205,6 +217,39 @@ static void segment_bounds(Py_ssize_t n, Py_ssize_t start[SEGMENTS + 1]) {
     for (int k = 0; k <= SEGMENTS; k++) start[k] = k * part < n ? k * part : n;
 }
 
+/* Each segment's counts, cells[k * ncells + (context << 8 | byte)], the context being the
+ * byte before under order 1 (0 before a segment's first byte) and always 0 under order 0.
+ * The segments are counted interleaved, so that a run of one value is four independent
+ * chains of increments, not one. Counts are 32-bit: a segment is < 2**32 bytes. */
+static inline void count_segments(const uint8_t *in, const Py_ssize_t start[SEGMENTS + 1], int order, uint32_t *cells) {
+    const Py_ssize_t ncells = order ? 65536 : 256, common = start[SEGMENTS] - start[SEGMENTS - 1];
+    const unsigned context_mask = order ? 0xFFu : 0u;
+    const uint8_t *s0 = in + start[0], *s1 = in + start[1], *s2 = in + start[2], *s3 = in + start[3];
+    uint32_t *t0 = cells, *t1 = cells + ncells, *t2 = cells + 2 * ncells, *t3 = cells + 3 * ncells;
+    unsigned p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+    for (Py_ssize_t i = 0; i < common; i++) {
+        unsigned b0 = s0[i], b1 = s1[i], b2 = s2[i], b3 = s3[i];
+        t0[((p0 & context_mask) << 8) | b0]++; t1[((p1 & context_mask) << 8) | b1]++;
+        t2[((p2 & context_mask) << 8) | b2]++; t3[((p3 & context_mask) << 8) | b3]++;
+        p0 = b0; p1 = b1; p2 = b2; p3 = b3;
+    }
+    unsigned last[SEGMENTS] = {p0, p1, p2, p3};
+    for (int k = 0; k < SEGMENTS; k++) {
+        unsigned prev = last[k];
+        for (Py_ssize_t i = start[k] + common; i < start[k + 1]; i++) {
+            cells[k * ncells + (((prev & context_mask) << 8) | in[i])]++;
+            prev = in[i];
+        }
+    }
+}
+
+/* The segments are written straight into the result at offsets that their exact coded
+ * sizes (from their counts and the code lengths) give. Each is followed by PAD zero bytes:
+ * the writer stores 8 bytes at a time, and its last stores must not reach the next
+ * segment. The recorded segment sizes include the pad, which a decoder never reads into. */
+#define PAD 8
+#define PAIRS_FROM (1 << 18)
+
 static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
     Py_buffer src;
     int order;
@@ -222,44 +267,28 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
         return NULL;
     }
     segment_bounds(n, start);
-    Py_ssize_t capacity = ((start[1] - start[0]) * MAX_BITS + 7) / 8 + 16;
-    uint64_t *counts = malloc(65536 * sizeof(uint64_t));
-    uint32_t *entry = malloc(65536 * sizeof(uint32_t));  /* code | length << 16, per context */
-    uint8_t *lengths = malloc(65536), *scratch = malloc(SEGMENTS * capacity);
-    /* Order 1 counts pairs in one table per segment (see below). */
-    uint32_t *tables = order ? calloc((size_t)SEGMENTS << 16, sizeof(uint32_t)) : NULL;
-    if (!counts || !entry || !lengths || !scratch || (order && !tables)) {
-        free(counts); free(entry); free(lengths); free(scratch); free(tables); PyBuffer_Release(&src);
+    const Py_ssize_t ncells = order ? 65536 : 256;
+    uint32_t *cells = calloc((size_t)SEGMENTS * ncells, sizeof(uint32_t));
+    uint32_t *entry = malloc(ncells * sizeof(uint32_t));  /* code | length << 16, per context */
+    uint8_t *lengths = malloc(ncells);
+    /* Large order-0 streams are coded a pair of bytes at a time (without the table, one at a time). */
+    uint32_t *pairs = order == 0 && n >= PAIRS_FROM ? malloc(65536 * sizeof(uint32_t)) : NULL;
+    if (!cells || !entry || !lengths) {
+        free(cells); free(entry); free(lengths); free(pairs); PyBuffer_Release(&src);
         return PyErr_NoMemory();
     }
     int contexts = 0;
     uint8_t bitmap[32] = {0};
-    BitWriter w[SEGMENTS];
+    uint64_t segment_bits[SEGMENTS] = {0};
     Py_BEGIN_ALLOW_THREADS
-    memset(counts, 0, 65536 * sizeof(uint64_t));
-    if (order) {
-        /* One table per segment, the segments interleaved: a run of one pair does not wait
-         * on its own counter's last increment. Each segment starts in context 0. */
-        Py_ssize_t common = start[SEGMENTS] - start[SEGMENTS - 1];
-        unsigned p0 = 0, p1 = 0, p2 = 0, p3 = 0;
-        const uint8_t *s0 = in + start[0], *s1 = in + start[1], *s2 = in + start[2], *s3 = in + start[3];
-        uint32_t *t0 = tables, *t1 = tables + 65536, *t2 = tables + 2 * 65536, *t3 = tables + 3 * 65536;
-        for (Py_ssize_t i = 0; i < common; i++) {
-            unsigned b0 = s0[i], b1 = s1[i], b2 = s2[i], b3 = s3[i];
-            t0[(p0 << 8) | b0]++; t1[(p1 << 8) | b1]++; t2[(p2 << 8) | b2]++; t3[(p3 << 8) | b3]++;
-            p0 = b0; p1 = b1; p2 = b2; p3 = b3;
+    if (order) count_segments(in, start, 1, cells); else count_segments(in, start, 0, cells);  /* constant order */
+    for (Py_ssize_t c = 0; c < ncells / 256; c++) {
+        uint64_t row[256], total = 0;
+        for (int s = 0; s < 256; s++) {
+            row[s] = 0;
+            for (int k = 0; k < SEGMENTS; k++) row[s] += cells[k * ncells + 256 * c + s];
+            total += row[s];
         }
-        unsigned last[SEGMENTS] = {p0, p1, p2, p3};
-        for (int k = 0; k < SEGMENTS; k++) {
-            add_pairs(in + start[k] + common, start[k + 1] - start[k] - common, last[k], counts);
-            for (int c = 0; c < 65536; c++) counts[c] += tables[((size_t)k << 16) + c];
-        }
-    } else {
-        byte_histogram(in, n, counts);
-    }
-    for (int c = 0; c < 256; c++) {
-        uint64_t *row = counts + 256 * c, total = 0;
-        for (int s = 0; s < 256; s++) total += row[s];
         uint16_t codes[256] = {0};
         memset(lengths + 256 * c, 0, 256);
         if (total) {
@@ -270,8 +299,35 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
         }
         for (int s = 0; s < 256; s++) entry[256 * c + s] = codes[s] | ((uint32_t)lengths[256 * c + s] << 16);
     }
+    for (int k = 0; k < SEGMENTS; k++)
+        for (Py_ssize_t c = 0; c < ncells; c++) segment_bits[k] += (uint64_t)cells[k * ncells + c] * lengths[c];
+    Py_END_ALLOW_THREADS
+    free(cells);
+    Py_ssize_t header = 1 + 32 + (Py_ssize_t)HEADER * contexts + 4 * SEGMENTS, total = header, offset[SEGMENTS];
+    uint32_t stored[SEGMENTS];
+    for (int k = 0; k < SEGMENTS; k++) {
+        stored[k] = (uint32_t)((segment_bits[k] + 7) / 8 + PAD);
+        offset[k] = total;
+        total += stored[k];
+    }
+    PyObject *result = PyBytes_FromStringAndSize(NULL, total);
+    if (!result) {
+        free(entry); free(lengths); free(pairs); PyBuffer_Release(&src);
+        return NULL;
+    }
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result), *o = out;
+    *o++ = (uint8_t)order;
+    memcpy(o, bitmap, 32); o += 32;
+    for (int c = 0; c < 256; c++) {
+        if (!(bitmap[c >> 3] >> (c & 7) & 1)) continue;
+        for (int k = 0; k < HEADER; k++) *o++ = (uint8_t)(lengths[256 * c + 2 * k] | (lengths[256 * c + 2 * k + 1] << 4));
+    }
+    for (int k = 0; k < SEGMENTS; k++) { memcpy(o, &stored[k], 4); o += 4; }
+    BitWriter w[SEGMENTS];
+    int mismatch = 0;
+    Py_BEGIN_ALLOW_THREADS
     const unsigned context_mask = order ? 0xFFu : 0u;
-    for (int k = 0; k < SEGMENTS; k++) { w[k].o = scratch + k * capacity; w[k].acc = 0; w[k].bits = 0; w[k].prev = 0; }
+    for (int k = 0; k < SEGMENTS; k++) { w[k].o = out + offset[k]; w[k].acc = 0; w[k].bits = 0; w[k].prev = 0; }
     /* All four segments have at least `common` bytes; four codes (<= 44 bits) per flush.
      * The writers' state lives in locals: the byte stores could alias a struct's fields. */
     Py_ssize_t common = start[SEGMENTS] - start[SEGMENTS - 1], j = 0;
@@ -292,8 +348,29 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
         }                                                                                          \
         W_SAVE(0) W_SAVE(1) W_SAVE(2) W_SAVE(3)                                                    \
     }
-    /* Order 0 needs no context: four fewer live registers in the loop. */
-    if (order) W_LOOP(W_PUT) else W_LOOP(W_PUT0)
+#define W_PUT2(k, t) { uint32_t e = pairs[load16le(in##k + j + t)]; acc##k |= (uint64_t)(e & 0x3FFFFF) << bits##k; \
+                       bits##k += e >> 22; }
+#define W_LOOP2                                                                                    \
+    {                                                                                              \
+        W_DECL(0) W_DECL(1) W_DECL(2) W_DECL(3)                                                    \
+        for (; j + 4 <= common; j += 4) {                                                          \
+            W_PUT2(0, 0) W_PUT2(1, 0) W_PUT2(2, 0) W_PUT2(3, 0)                                    \
+            W_PUT2(0, 2) W_PUT2(1, 2) W_PUT2(2, 2) W_PUT2(3, 2)                                    \
+            W_FLUSH(0) W_FLUSH(1) W_FLUSH(2) W_FLUSH(3)                                            \
+        }                                                                                          \
+        W_SAVE(0) W_SAVE(1) W_SAVE(2) W_SAVE(3)                                                    \
+    }
+    if (pairs) {
+        /* Two order-0 codes per lookup: the entry for the little-endian pair (a, b) is a's code
+         * then b's (<= 22 bits), in a 256 KB table that costs ~65536 steps to fill. */
+        for (unsigned v = 0; v < 65536; v++) {
+            uint32_t a = entry[v & 0xFF], b = entry[v >> 8], la = a >> 16;
+            pairs[v] = (((a & 0xFFFF) | ((b & 0xFFFF) << la)) & 0x3FFFFF) | ((la + (b >> 16)) << 22);
+        }
+        W_LOOP2
+    } else if (order) W_LOOP(W_PUT) else W_LOOP(W_PUT0)  /* order 0: four fewer live registers */
+#undef W_PUT2
+#undef W_LOOP2
 #undef W_PUT0
 #undef W_LOOP
 #undef W_DECL
@@ -307,30 +384,17 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
             flush_bits(&w[k]);
         }
         if (w[k].bits) { *w[k].o++ = (uint8_t)w[k].acc; w[k].bits = 0; }
+        mismatch |= w[k].o != out + offset[k] + stored[k] - PAD;
+        memset(out + offset[k] + stored[k] - PAD, 0, PAD);
     }
     Py_END_ALLOW_THREADS
-    Py_ssize_t total = 1 + 32 + (Py_ssize_t)HEADER * contexts + 4 * SEGMENTS;
-    for (int k = 0; k < SEGMENTS; k++) total += w[k].o - (scratch + k * capacity);
-    PyObject *result = PyBytes_FromStringAndSize(NULL, total);
-    if (result) {
-        uint8_t *o = (uint8_t *)PyBytes_AS_STRING(result);
-        *o++ = (uint8_t)order;
-        memcpy(o, bitmap, 32); o += 32;
-        for (int c = 0; c < 256; c++) {
-            if (!(bitmap[c >> 3] >> (c & 7) & 1)) continue;
-            for (int k = 0; k < HEADER; k++) *o++ = (uint8_t)(lengths[256 * c + 2 * k] | (lengths[256 * c + 2 * k + 1] << 4));
-        }
-        for (int k = 0; k < SEGMENTS; k++) {
-            uint32_t size = (uint32_t)(w[k].o - (scratch + k * capacity));
-            memcpy(o, &size, 4); o += 4;
-        }
-        for (int k = 0; k < SEGMENTS; k++) {
-            Py_ssize_t size = w[k].o - (scratch + k * capacity);
-            memcpy(o, scratch + k * capacity, size); o += size;
-        }
-    }
-    free(counts); free(entry); free(lengths); free(scratch); free(tables);
+    free(entry); free(lengths); free(pairs);
     PyBuffer_Release(&src);
+    if (mismatch) {  /* the sizes computed from the counts are what the writers wrote */
+        Py_DECREF(result);
+        PyErr_SetString(PyExc_SystemError, "huffman_encode: a segment's size differs from its counts");
+        return NULL;
+    }
     return result;
 }
 
@@ -455,11 +519,13 @@ static PyObject *py_huffman_decode(PyObject *self, PyObject *args) {
             }                                                                                     \
         }                                                                                         \
     }                                                                                             \
-    static void join_##W(const uint8_t *restrict in, const T *restrict base, T *restrict out,      \
+    static void join_##W(const uint8_t *const *rows, const T *restrict base, T *restrict out,      \
                          Py_ssize_t n, int r) {                                                   \
+        const uint8_t *row[W];                                                                    \
+        for (int j = 0; j < W; j++) row[j] = rows[j];                                             \
         for (Py_ssize_t i = 0; i < n; i++) {                                                      \
             T v = 0;                                                                              \
-            for (int j = 0; j < W; j++) v |= (T)((T)in[j * n + i] << (8 * j));                    \
+            for (int j = 0; j < W; j++) v |= (T)((T)row[j][i] << (8 * j));                        \
             out[i] = (T)(ROTR(T, v, r) ^ (base ? base[i] : 0));                                   \
         }                                                                                         \
     }
@@ -492,28 +558,19 @@ static int parse_planes(PyObject *args, Py_buffer *src, Py_buffer *dst, int *wid
     return 0;
 }
 
-static PyObject *planes_call(PyObject *args, int split) {
+static PyObject *py_split_planes(PyObject *self, PyObject *args) {
     Py_buffer src, dst, base_buf;
     int width, rotate, has_base;
     if (parse_planes(args, &src, &dst, &width, &rotate, &base_buf, &has_base) < 0) return NULL;
-    const uint8_t *in = src.buf, *base = has_base ? base_buf.buf : NULL;
+    const uint8_t *base = has_base ? base_buf.buf : NULL;
     uint8_t *out = dst.buf;
     Py_ssize_t n = src.len / width;
     Py_BEGIN_ALLOW_THREADS
-    if (split) {
-        switch (width) {
-            case 1: split_1(src.buf, (const uint8_t *)base, out, n, rotate); break;
-            case 2: split_2(src.buf, (const uint16_t *)base, out, n, rotate); break;
-            case 4: split_4(src.buf, (const uint32_t *)base, out, n, rotate); break;
-            default: split_8(src.buf, (const uint64_t *)base, out, n, rotate); break;
-        }
-    } else {
-        switch (width) {
-            case 1: join_1(in, (const uint8_t *)base, dst.buf, n, rotate); break;
-            case 2: join_2(in, (const uint16_t *)base, dst.buf, n, rotate); break;
-            case 4: join_4(in, (const uint32_t *)base, dst.buf, n, rotate); break;
-            default: join_8(in, (const uint64_t *)base, dst.buf, n, rotate); break;
-        }
+    switch (width) {
+        case 1: split_1(src.buf, (const uint8_t *)base, out, n, rotate); break;
+        case 2: split_2(src.buf, (const uint16_t *)base, out, n, rotate); break;
+        case 4: split_4(src.buf, (const uint32_t *)base, out, n, rotate); break;
+        default: split_8(src.buf, (const uint64_t *)base, out, n, rotate); break;
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src); PyBuffer_Release(&dst);
@@ -521,8 +578,53 @@ static PyObject *planes_call(PyObject *args, int split) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_split_planes(PyObject *self, PyObject *args) { return planes_call(args, 1); }
-static PyObject *py_join_planes(PyObject *self, PyObject *args) { return planes_call(args, 0); }
+/* join_planes(planes, words, width, rotate, base|None): planes is a sequence of `width`
+ * buffers of one byte per word each (a decoder's separate streams, not copied together). */
+static PyObject *py_join_planes(PyObject *self, PyObject *args) {
+    PyObject *planes_obj, *base_obj;
+    Py_buffer dst, base_buf = {0}, rows[8];
+    int width, rotate, held = 0;
+    if (!PyArg_ParseTuple(args, "Ow*iiO", &planes_obj, &dst, &width, &rotate, &base_obj)) return NULL;
+    const char *error = NULL;
+    PyObject *seq = PySequence_Fast(planes_obj, "planes must be a sequence of buffers");
+    if (!seq) { PyBuffer_Release(&dst); return NULL; }
+    Py_ssize_t n = width > 0 ? dst.len / width : 0;
+    if (width != 1 && width != 2 && width != 4 && width != 8) error = "width must be 1, 2, 4 or 8";
+    else if (rotate < 0 || rotate >= 8 * width) error = "rotate must be in [0, 8 * width)";
+    else if (dst.len % width) error = "words must be whole";
+    else if (PySequence_Fast_GET_SIZE(seq) != width) error = "planes must hold `width` buffers";
+    int failed = 0;
+    for (int j = 0; j < width && !error; j++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, j), &rows[j], PyBUF_SIMPLE) < 0) { failed = 1; break; }
+        held = j + 1;
+        if (rows[j].len != n) error = "every plane must hold one byte per word";
+    }
+    failed = failed || error;
+    if (!failed && base_obj != Py_None) {
+        if (PyObject_GetBuffer(base_obj, &base_buf, PyBUF_SIMPLE) < 0) failed = 1;
+        else if (base_buf.len != dst.len) { error = "base must be as long as the words"; failed = 1; }
+    }
+    if (!failed) {
+        const uint8_t *row[8];
+        for (int j = 0; j < width; j++) row[j] = rows[j].buf;
+        const void *base = base_buf.buf;
+        Py_BEGIN_ALLOW_THREADS
+        switch (width) {
+            case 1: join_1(row, base, dst.buf, n, rotate); break;
+            case 2: join_2(row, base, dst.buf, n, rotate); break;
+            case 4: join_4(row, base, dst.buf, n, rotate); break;
+            default: join_8(row, base, dst.buf, n, rotate); break;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    for (int j = 0; j < held; j++) PyBuffer_Release(&rows[j]);
+    if (base_buf.buf) PyBuffer_Release(&base_buf);
+    PyBuffer_Release(&dst);
+    Py_DECREF(seq);
+    if (error) PyErr_SetString(PyExc_ValueError, error);
+    if (failed) return NULL;
+    Py_RETURN_NONE;
+}
 
 /* Prefix mapping of words (XORed with a base when given): the top `bits` bits of each
  * word. prefix_histogram counts them; prefix_map replaces each with lookup[prefix] (1- or
@@ -649,8 +751,8 @@ static PyObject *py_prefix_map(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"histogram", py_histogram, METH_VARARGS, "histogram(src, out): 256 uint64 byte counts into out."},
-    {"pair_histogram", py_pair_histogram, METH_VARARGS, "pair_histogram(src, out): 65536 uint64 order-1 counts."},
-    {"pair_entropy", py_pair_entropy, METH_VARARGS, "pair_entropy(pairs) -> (order-0 bits, order-1 bits, contexts)."},
+    {"stream_stats", py_stream_stats, METH_VARARGS,
+     "stream_stats(src, max_contexts) -> (order-0 bits, order-1 bits or -1, contexts, distinct values)."},
     {"huffman_encode", py_huffman_encode, METH_VARARGS, "huffman_encode(src, order) -> bytes; order 0 or 1."},
     {"huffman_decode", py_huffman_decode, METH_VARARGS, "huffman_decode(stream, dst): fills dst; ValueError if invalid."},
     {"prefix_histogram", py_prefix_histogram, METH_VARARGS,
@@ -659,7 +761,8 @@ static PyMethodDef methods[] = {
      "prefix_map(words, width, bits, base|None, lookup, escape, indices, escapes, low_planes) -> escapes."},
     {"split_planes", py_split_planes, METH_VARARGS,
      "split_planes(words, planes, width, rotate, base|None): XOR, rotate left, byte planes."},
-    {"join_planes", py_join_planes, METH_VARARGS, "join_planes(planes, words, width, rotate, base|None): inverse."},
+    {"join_planes", py_join_planes, METH_VARARGS,
+     "join_planes(planes, words, width, rotate, base|None): inverse; planes is a sequence of width rows."},
     {NULL, NULL, 0, NULL},
 };
 

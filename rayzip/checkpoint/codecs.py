@@ -28,7 +28,7 @@ from ..codecs.bitpack import pack_bits, unpack_bits
 from ..xp import asnumpy
 from .transforms import byte_planes, from_byte_planes, kernels, prefix_join, prefix_split
 
-__all__ = ["CODECS", "StreamCodec", "byte_entropy", "choose", "context_entropy", "pack_stream", "unpack_stream"]
+__all__ = ["CODECS", "StreamCodec", "choose", "pack_stream", "stream_stats", "unpack_stream"]
 
 ZSTD_LEVEL = 1  # higher levels gain < 2% on float planes at several times the time
 SAMPLE = 1 << 14  # elements tried per candidate when choosing
@@ -44,7 +44,7 @@ ORDER1_CONTEXTS = 64  # order-1 codes pay where few byte values precede (exponen
 # many, their tables and decoding cost more than they save
 MIXED_ABOVE = 5.0  # bits per byte from which zstd's fastest level is tried
 ZSTD_FAST = -1
-PLAN_SAMPLE = 1 << 18  # bytes of a stream whose statistics decide its coding
+PLAN_SAMPLE = 1 << 16  # bytes of a stream whose statistics decide its coding
 
 
 def _bytes(data) -> np.ndarray:
@@ -58,41 +58,26 @@ def _entropy(counts: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def byte_counts(data) -> np.ndarray:
+def stream_stats(data) -> tuple[float, float | None, int, int]:
+    """``(order-0 bits per byte, order-1 bits per byte given the byte before, contexts,
+    distinct byte values)`` of a stream. Order 1 is ``None`` where more than
+    ``ORDER1_CONTEXTS`` contexts (the values present, and 0 before the first byte) could
+    occur: it is not chosen there, so its counts are not made."""
     arr = _bytes(data)
     if kernels is not None:
-        counts = np.empty(256, dtype=np.uint64)
-        kernels.histogram(arr, counts)
-        return counts
-    return np.bincount(arr, minlength=256)
-
-
-def byte_entropy(data) -> float:
-    """Bits per byte of ``data`` under its own byte histogram (order-0 entropy)."""
-    return _entropy(byte_counts(data))
-
-
-def pair_counts(data) -> np.ndarray:
-    """Order-1 byte counts, ``[previous * 256 + byte]`` (the first byte after a 0)."""
-    arr = _bytes(data)
-    if kernels is not None:
-        pairs = np.empty(1 << 16, dtype=np.uint64)
-        kernels.pair_histogram(arr, pairs)
-        return pairs
-    return np.bincount(np.concatenate([[0], arr[:-1]]).astype(np.int64) << 8 | arr, minlength=1 << 16)
-
-
-def context_entropy(data, pairs: np.ndarray | None = None) -> tuple[float, float, int]:
-    """(order-0 bits per byte, order-1 bits per byte given the byte before, contexts seen)."""
-    pairs = pair_counts(data) if pairs is None else pairs
-    if kernels is not None:
-        return kernels.pair_entropy(np.ascontiguousarray(pairs, dtype=np.uint64))
-    pairs = pairs.reshape(256, 256).astype(np.float64)
+        order0, order1, contexts, distinct = kernels.stream_stats(arr, ORDER1_CONTEXTS)
+        return order0, (order1 if order1 >= 0 else None), contexts, distinct
+    counts = np.bincount(arr, minlength=256)
+    distinct = int(np.count_nonzero(counts))
+    if not arr.size or distinct + (counts[0] == 0) > ORDER1_CONTEXTS:
+        return _entropy(counts), None, distinct + int(counts[0] == 0), distinct
+    previous = np.concatenate([[0], arr[:-1]]).astype(np.int64)
+    pairs = np.bincount(previous << 8 | arr, minlength=1 << 16).reshape(256, 256).astype(np.float64)
     rows = np.broadcast_to(pairs.sum(axis=1, keepdims=True), pairs.shape)
     seen = pairs > 0
     # H(byte | previous) = sum over pairs of n(a, b) * log2(n(a) / n(a, b)), per byte
-    conditional = float((pairs[seen] * np.log2(rows[seen] / pairs[seen])).sum()) / max(pairs.sum(), 1.0)
-    return _entropy(pairs.sum(axis=0)), conditional, int(seen.any(axis=1).sum())
+    order1 = float((pairs[seen] * np.log2(rows[seen] / pairs[seen])).sum()) / arr.size
+    return _entropy(counts), order1, int(seen.any(axis=1).sum()), distinct
 
 
 def _sample(arr: np.ndarray, size: int) -> np.ndarray:
@@ -121,19 +106,15 @@ def _plan(arr: np.ndarray) -> tuple[str, int, float]:
         return "raw", 0, float(arr.size)
     sample = _sample(arr, PLAN_SAMPLE)
     scale = arr.size / sample.size
-    counts = byte_counts(sample)  # 256 counts: cheaper than the 65536 pairs
-    order0 = _entropy(counts)
+    order0, order1, contexts, _ = stream_stats(sample)
     if order0 >= RAW_ABOVE:
         return "raw", 0, float(arr.size)
     if order0 < RUNS_BELOW or arr.size < HUFFMAN_FROM:
         return "zstd", ZSTD_LEVEL, _zstd_bytes(sample, ZSTD_LEVEL) * scale
     order0_bytes = arr.size * order0 / 8 + TABLE_BYTES
-    # The contexts are the byte values that occur (and 0, the first byte's): with more than
-    # ORDER1_CONTEXTS of them, order 1 is out, and its 65536 pair counts are not needed.
-    if int(np.count_nonzero(counts)) <= ORDER1_CONTEXTS:
-        _, order1, contexts = context_entropy(sample)
+    if order1 is not None:
         order1_bytes = arr.size * order1 / 8 + TABLE_BYTES * contexts
-        if contexts <= ORDER1_CONTEXTS and order1_bytes < 0.98 * order0_bytes:
+        if order1_bytes < 0.98 * order0_bytes:
             return "huffman", 1, order1_bytes
     if order0 >= MIXED_ABOVE:
         fast = _zstd_bytes(sample, ZSTD_FAST) * scale

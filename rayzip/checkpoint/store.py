@@ -141,49 +141,58 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
         base_ref = {"path": str(where) if relative_to is None else os.path.relpath(where, relative_to),
                     "checksum": checksum}
     entries = {}
-    hashes: list[str] = []
     offset = 0
 
     def put(blob, nbytes: int, coding: str, digest: str) -> dict:
         nonlocal offset
         write(blob)
-        hashes.append(digest)
         stream = {"offset": offset, "stored": len(blob), "nbytes": nbytes, "coding": coding, "xxh3": digest}
         offset += len(blob)
         return stream
 
-    # Streams are coded on a thread pool (the kernels, zstd and xxhash release the GIL) while
-    # this thread prepares the next tensor's streams; they are written in order. A window
-    # bounds how many coded tensors wait in memory.
+    # Each tensor's codec choice and transform, and then each of its streams, are tasks on a
+    # thread pool (the kernels, zstd and xxhash release the GIL); this thread only writes the
+    # results, in order. With as many busy threads as cores, a transform does not preempt
+    # the coding of the streams before it. A window bounds how many tensors are in flight.
+    def prepare(name: str, tensor: Any, pool: _pool) -> tuple[dict, list[Future], Future]:
+        words, xp = tensor_words(tensor)
+        dtype = _dtype_name(tensor)
+        base_words = base_tensors.get(name)
+        is_delta = (base_words is not None and base_words[1] == dtype
+                    and tuple(base_words[2]) == tuple(tensor.shape) and wants_delta(name))
+        prior = xp.asarray(base_words[0]) if is_delta else None
+        codec = choose(words, prior, dtype, xp, is_optimizer(name))
+        streams, params = codec.encode(words, prior, xp)
+        entry = {"dtype": dtype, "shape": list(tensor.shape), "codec": codec.name, "params": params,
+                 "delta": is_delta}
+        return entry, [pool.submit(_pack, stream) for stream in streams], pool.submit(_hash, asnumpy(words))
+
     pending: deque = deque()
 
     def drain(keep: int) -> None:
         while len(pending) > keep:
-            name, entry, futures, words_hash = pending.popleft()
+            name, prepared = pending.popleft()
+            entry, futures, words_hash = prepared.result()
             entry["streams"] = [put(*future.result()) for future in futures]
             entry["xxh3"] = words_hash.result()
             entries[name] = entry
 
+    # The largest tensors go first, so that the threads end on small ones together.
     with _pool(threads) as pool:
-        for name, tensor in tensors.items():
-            words, xp = tensor_words(tensor)
-            dtype = _dtype_name(tensor)
-            base_words = base_tensors.get(name)
-            is_delta = (base_words is not None and base_words[1] == dtype
-                        and tuple(base_words[2]) == tuple(tensor.shape) and wants_delta(name))
-            prior = xp.asarray(base_words[0]) if is_delta else None
-            codec = choose(words, prior, dtype, xp, is_optimizer(name))
-            streams, params = codec.encode(words, prior, xp)
-            entry = {"dtype": dtype, "shape": list(tensor.shape), "codec": codec.name, "params": params,
-                     "delta": is_delta}
-            pending.append((name, entry, [pool.submit(_pack, stream) for stream in streams],
-                            pool.submit(_hash, asnumpy(words))))
+        for name in sorted(tensors, key=lambda name: -_nbytes(tensors[name])):
+            pending.append((name, pool.submit(prepare, name, tensors[name], pool)))
             drain(keep=2 * pool.workers)
         drain(keep=0)
+    entries = {name: entries[name] for name in tensors}  # the manifest lists them as the state does
     for name, blob in objects.items():
         entries[name] = {"pickle": True, "streams": [put(blob, len(blob), "raw", _hash(blob))]}
     return {"format": FORMAT, "version": VERSION, "base": base_ref, "data": DATA, "data_bytes": offset,
-            "checksum": _whole(hashes), "tree": tree, "tensors": entries}
+            "checksum": _whole([s["xxh3"] for entry in entries.values() for s in entry["streams"]]),
+            "tree": tree, "tensors": entries}
+
+
+def _nbytes(tensor: Any) -> int:
+    return tensor.numel() * tensor.element_size() if is_torch(tensor) else int(tensor.nbytes)
 
 
 def _pack(stream) -> tuple[Any, int, str, str]:
@@ -264,7 +273,8 @@ def _base_dir(directory: Path, manifest: dict) -> Path | None:
     return base
 
 
-def _load_tensors(directory: Path, words_only: bool = False, names: set[str] | None = None):
+def _load_tensors(directory: Path, words_only: bool = False, names: set[str] | None = None,
+                  threads: int | None = None):
     """{name: (words, dtype, shape)} when words_only, else the manifest and restored leaves."""
     manifest = _read_manifest(directory)
     data_path = directory / manifest["data"]
@@ -272,28 +282,45 @@ def _load_tensors(directory: Path, words_only: bool = False, names: set[str] | N
         data = data_path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{data_path}: missing") from None
-    return _decode(manifest, data, data_path, _base_dir(directory, manifest), words_only, names)
+    return _decode(manifest, data, data_path, _base_dir(directory, manifest), words_only, names, threads)
 
 
-def decode(manifest: dict, blobs: list) -> Any:
-    """Inverse of :func:`encode`."""
-    manifest, tensors, objects = _decode(manifest, b"".join(blobs), Path(DATA), _base_dir(Path("/"), manifest))
+def decode(manifest: dict, blobs: list, threads: int | None = None) -> Any:
+    """Inverse of :func:`encode`; ``threads`` as for :func:`load`."""
+    manifest, tensors, objects = _decode(manifest, _Pieces(blobs), Path(DATA), _base_dir(Path("/"), manifest),
+                                         threads=threads)
     return _unflatten(manifest["tree"], tensors, objects)
 
 
-def _decode(manifest: dict, data: bytes, data_path: Path, base_dir: Path | None,
-            words_only: bool = False, names: set[str] | None = None):
+class _Pieces:
+    """``b"".join(blobs)`` without the copy: a slice within one blob is a view of it."""
+
+    def __init__(self, blobs: list):
+        self.blobs = [memoryview(b).cast("B") for b in blobs]
+        self.starts = np.cumsum([0] + [b.nbytes for b in self.blobs])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, piece: slice):
+        i = int(np.searchsorted(self.starts, piece.start, side="right")) - 1
+        if i < len(self.blobs) and piece.stop <= self.starts[i + 1]:
+            return self.blobs[i][piece.start - self.starts[i]: piece.stop - self.starts[i]]
+        return memoryview(b"".join(self.blobs))[piece]
+
+
+def _decode(manifest: dict, data: bytes | _Pieces, data_path: Path, base_dir: Path | None,
+            words_only: bool = False, names: set[str] | None = None, threads: int | None = None):
     if len(data) != manifest["data_bytes"]:
         raise CheckpointError(f"{data_path}: {len(data)} bytes, the manifest records {manifest['data_bytes']} "
                               f"(truncated or appended); first tensor affected: "
                               f"{_first_beyond(manifest, len(data))}")
     needs_base = any(e.get("delta") for e in manifest["tensors"].values())
-    base = _load_tensors(base_dir, words_only=True) if base_dir is not None and needs_base else {}
-    view = memoryview(data)
-    tensors, objects = {}, {}
-    for name, entry in manifest["tensors"].items():
-        if names is not None and name not in names:
-            continue
+    base = _load_tensors(base_dir, words_only=True, threads=threads) if base_dir is not None and needs_base else {}
+    view = data if isinstance(data, _Pieces) else memoryview(data)
+
+    def restore(name: str, entry: dict) -> Any:
+        """The tensor's words, or a pickled object's bytes."""
         streams = []
         for s in entry["streams"]:
             blob = view[s["offset"]: s["offset"] + s["stored"]]
@@ -304,8 +331,7 @@ def _decode(manifest: dict, data: bytes, data_path: Path, base_dir: Path | None,
             except Exception as exc:
                 raise CheckpointError(f"{data_path}: tensor {name!r}: cannot decompress ({exc})") from None
         if entry.get("pickle"):
-            objects[name] = streams[0].tobytes()
-            continue
+            return streams[0].tobytes()
         dtype, shape = entry["dtype"], tuple(entry["shape"])
         count = int(np.prod(shape, dtype=np.int64))
         prior = None
@@ -317,7 +343,22 @@ def _decode(manifest: dict, data: bytes, data_path: Path, base_dir: Path | None,
         words = codec.decode(streams, entry["params"], count, WORD_DTYPES[_itemsize(dtype)], prior, np)
         if words.size != count or _hash(words) != entry["xxh3"]:
             raise CheckpointError(f"{data_path}: tensor {name!r}: restored words fail their checksum")
-        tensors[name] = (words, dtype, shape) if words_only else words_to_tensor(words, dtype, shape)
+        return words
+
+    # Tensors are restored on a thread pool (hashing, Huffman decoding and the transforms
+    # release the GIL); the results are taken in manifest order, so the first bad tensor in
+    # that order is the one an error names.
+    tensors, objects = {}, {}
+    wanted = [(name, entry) for name, entry in manifest["tensors"].items() if names is None or name in names]
+    with _pool(threads) as pool:
+        futures = [(name, entry, pool.submit(restore, name, entry)) for name, entry in wanted]
+        for name, entry, future in futures:
+            restored = future.result()
+            if entry.get("pickle"):
+                objects[name] = restored
+            else:
+                dtype, shape = entry["dtype"], tuple(entry["shape"])
+                tensors[name] = (restored, dtype, shape) if words_only else words_to_tensor(restored, dtype, shape)
     if names is None and _whole([s["xxh3"] for e in manifest["tensors"].values() for s in e["streams"]]) != manifest["checksum"]:
         raise CheckpointError(f"{data_path.parent / MANIFEST}: the stream checksums do not add up to its whole "
                               f"checksum {manifest['checksum']} (the manifest was edited)")
@@ -333,7 +374,7 @@ def _hash(data) -> str:
 
 
 def _whole(hashes: list[str]) -> str:
-    """The checksum of the whole: an XXH3-64 of the streams' checksums, in file order. With
+    """The checksum of the whole: an XXH3-64 of the streams' checksums, in manifest order. With
     the data size and every stream's own checksum checked, it covers every stored byte."""
     return f"xxh3:{xxhash.xxh3_64_hexdigest(','.join(hashes).encode())}"
 
@@ -351,9 +392,10 @@ def _itemsize(dtype: str) -> int:
     return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
-def load(directory: str | os.PathLike) -> Any:
-    """The state saved in ``directory``, with torch tensors on the CPU."""
-    manifest, tensors, objects = _load_tensors(Path(directory))
+def load(directory: str | os.PathLike, threads: int | None = None) -> Any:
+    """The state saved in ``directory``, with torch tensors on the CPU. Tensors are restored
+    on ``threads`` threads (default: the usable cores, at most 8)."""
+    manifest, tensors, objects = _load_tensors(Path(directory), threads=threads)
     return _unflatten(manifest["tree"], tensors, objects)
 
 

@@ -96,9 +96,8 @@ def from_byte_planes(planes, dtype, xp, base=None, rotate: int = 0):
     dtype = np.dtype(dtype)
     width, count = len(planes), len(planes[0])
     if kernels is not None and xp is np:
-        stacked = planes if isinstance(planes, np.ndarray) else np.concatenate(planes)
         words = np.empty(count, dtype=dtype)
-        kernels.join_planes(np.ascontiguousarray(stacked), words, width, rotate,
+        kernels.join_planes([np.ascontiguousarray(row) for row in planes], words, width, rotate,
                             None if base is None else np.ascontiguousarray(base))
         return words
     out = xp.empty((count, width), dtype=xp.uint8)
