@@ -80,11 +80,10 @@ class _Runner:
     """One compressor on one data set. Each :meth:`round` times its operations once; the
     fastest time of each operation over the rounds counts."""
 
-    rounds = None  # at most this many rounds (None: all)
+    rounds = None  # timed rounds at most, without a warm-up (None: every round, after one)
 
     def __init__(self):
         self.best: dict[str, float] = {}
-        self.done = 0
 
     def _time(self, op: str, fn: Callable[[], Any]) -> Any:
         start = time.perf_counter()
@@ -92,16 +91,8 @@ class _Runner:
         self.best[op] = min(self.best.get(op, float("inf")), time.perf_counter() - start)
         return result
 
-    def reset(self) -> None:
-        self.best.clear()
-        self.done = 0
-
-    def wants_round(self) -> bool:
-        return self.rounds is None or self.done < self.rounds
-
     def round(self) -> None:
-        self._round()
-        self.done += 1
+        raise NotImplementedError
 
 
 class _Rayzip(_Runner):
@@ -112,7 +103,7 @@ class _Rayzip(_Runner):
         super().__init__()
         self.state, self.base, self.target, self.threads = state, base, target, threads
 
-    def _round(self) -> None:
+    def round(self) -> None:
         from .. import checkpoint
 
         manifest, blobs = self._time("compress", lambda: checkpoint.encode(self.state, base=self.base,
@@ -134,7 +125,7 @@ class _Baseline(_Runner):
         self.compress, self.decompress = make()
         self.raws, self.rounds = raws, rounds
 
-    def _round(self) -> None:
+    def round(self) -> None:
         # ZipNN 0.5 reorders its input's bytes in place, even a bytes object's: every call
         # gets fresh copies, made outside the timed region.
         inputs = [bytes(bytearray(r)) for r in self.raws]
@@ -197,10 +188,10 @@ def run_checkpoint_bench(spec_path: Path, steps: int = 200, repeat: int = 5,
             for runner in runners.values():  # a warm-up round, except for zstd-19's one pass
                 if runner.rounds is None:
                     runner.round()
-                    runner.reset()
-            for _ in range(repeat):
+                    runner.best.clear()
+            for timed in range(repeat):
                 for runner in runners.values():
-                    if runner.wants_round():
+                    if runner.rounds is None or timed < runner.rounds:
                         runner.round()
             for name, runner in runners.items():
                 times = runner.best

@@ -50,6 +50,7 @@ METHODS: dict[str, dict[str, Any]] = {
 }
 PS = {"ps": {"cpus_per_shard": 0, "pull": "codec"}, "ps-dense": {"cpus_per_shard": 0, "pull": "dense"}}
 ADAPTIVE = {"enabled": True, "interval": 2.0, "window": 6.0, "min_ratio": 4, "max_ratio": 200}
+SCALING_SKIP = 10  # bench scaling: steps left out of the step time (start-up)
 
 
 def _method_base(method: str) -> tuple[str, dict[str, Any]]:
@@ -268,8 +269,6 @@ def run_scaling_bench(methods: list[str], node_counts: list[int], bandwidth: str
     return {"bandwidth": bandwidth, "steps": steps, "batch_per_worker": batch, "spec": str(spec_path),
             "node_counts": node_counts, "cpu_cores": os.cpu_count(), "python": sys.version.split()[0], "rows": rows}
 
-
-SCALING_SKIP = 10
 
 
 def render_scaling_table(report: dict):

@@ -108,29 +108,6 @@ static int canonical_codes(const uint8_t lengths[256], uint16_t codes[256]) {
     return 0;
 }
 
-/* (src, out) where out must hold `cells` uint64 counts; -1 with an exception otherwise. */
-static int parse_counts(PyObject *args, Py_buffer *src, Py_buffer *out, Py_ssize_t cells, const char *what) {
-    if (!PyArg_ParseTuple(args, "y*w*", src, out)) return -1;
-    if (out->len != cells * 8) {
-        PyBuffer_Release(src); PyBuffer_Release(out);
-        PyErr_Format(PyExc_ValueError, "%s: out must hold %zd uint64", what, cells);
-        return -1;
-    }
-    return 0;
-}
-
-static PyObject *py_histogram(PyObject *self, PyObject *args) {
-    Py_buffer src, out;
-    if (parse_counts(args, &src, &out, 256, "histogram") < 0) return NULL;
-    uint64_t counts[256];
-    Py_BEGIN_ALLOW_THREADS
-    byte_histogram(src.buf, src.len, counts);
-    Py_END_ALLOW_THREADS
-    memcpy(out.buf, counts, sizeof counts);
-    PyBuffer_Release(&src); PyBuffer_Release(&out);
-    Py_RETURN_NONE;
-}
-
 /* n * log2(n), summed over the nonzero cells. */
 static double sum_nlogn(const uint64_t *cells, int count) {
     double sum = 0;
@@ -151,39 +128,39 @@ static PyObject *py_stream_stats(PyObject *self, PyObject *args) {
     Py_ssize_t n = src.len;
     uint64_t counts[256];
     double order0 = 0, order1 = -1;
-    int distinct = 0, contexts = 0;
-    uint64_t *rows = NULL;
+    int distinct = 0, contexts = 0, no_memory = 0;
     Py_BEGIN_ALLOW_THREADS
     byte_histogram(in, n, counts);
     for (int s = 0; s < 256; s++) distinct += counts[s] != 0;
     if (n) order0 = (n * log2((double)n) - sum_nlogn(counts, 256)) / n;
-    uint8_t slot[256];
     contexts = distinct + (counts[0] == 0);  /* the first byte's context is 0 */
-    if (n && contexts <= max_contexts && (rows = calloc((size_t)contexts * 256, sizeof(uint64_t)))) {
-        int k = 0;
-        for (int s = 0; s < 256; s++) if (counts[s] || s == 0) slot[s] = (uint8_t)k++;
-        unsigned prev = 0;
-        for (Py_ssize_t i = 0; i < n; i++) { rows[((size_t)slot[prev] << 8) | in[i]]++; prev = in[i]; }
-        /* H(byte | previous) = sum over contexts of (row * log2(row) - sum of n log2 n) */
-        double bits = 0;
-        for (int c = 0; c < contexts; c++) {
-            uint64_t row = 0;
-            for (int b = 0; b < 256; b++) row += rows[(size_t)c * 256 + b];
-            if (row) bits += row * log2((double)row) - sum_nlogn(rows + (size_t)c * 256, 256);
-        }
-        order1 = bits / n;
-        contexts = 0;
-        for (int c = 0; c < k; c++) {
-            uint64_t row = 0;
-            for (int b = 0; b < 256; b++) row += rows[(size_t)c * 256 + b];
-            contexts += row != 0;
+    if (n && contexts <= max_contexts) {
+        uint64_t *rows = calloc((size_t)contexts * 256, sizeof(uint64_t));
+        if (!rows) no_memory = 1;
+        else {
+            uint8_t slot[256];
+            int k = 0;
+            for (int s = 0; s < 256; s++) if (counts[s] || s == 0) slot[s] = (uint8_t)k++;
+            unsigned prev = 0;
+            for (Py_ssize_t i = 0; i < n; i++) { rows[((size_t)slot[prev] << 8) | in[i]]++; prev = in[i]; }
+            /* H(byte | previous) = sum over contexts of (row * log2(row) - sum of n log2 n);
+             * a context counts where a byte follows it (the last byte's value may not). */
+            double bits = 0;
+            contexts = 0;
+            for (int c = 0; c < k; c++) {
+                uint64_t row = 0;
+                for (int b = 0; b < 256; b++) row += rows[(size_t)c * 256 + b];
+                if (!row) continue;
+                bits += row * log2((double)row) - sum_nlogn(rows + (size_t)c * 256, 256);
+                contexts++;
+            }
+            order1 = bits / n;
+            free(rows);
         }
     }
     Py_END_ALLOW_THREADS
-    int failed = n && order1 < 0 && contexts <= max_contexts;  /* calloc failed */
-    free(rows);
     PyBuffer_Release(&src);
-    if (failed) return PyErr_NoMemory();
+    if (no_memory) return PyErr_NoMemory();
     return Py_BuildValue("ddii", order0, order1, contexts, distinct);
 }
 
@@ -338,24 +315,17 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
 #define W_FLUSH(k) { store64(o##k, acc##k); o##k += bits##k >> 3; acc##k >>= bits##k & ~7; bits##k &= 7; }
 #define W_SAVE(k) { w[k].o = o##k; w[k].acc = acc##k; w[k].bits = bits##k; w[k].prev = prev##k; }
 #define W_PUT0(k, t) { uint32_t e = entry[in##k[j + t]]; acc##k |= (uint64_t)(e & 0xFFFF) << bits##k; bits##k += e >> 16; }
-#define W_LOOP(PUT)                                                                                \
-    {                                                                                              \
-        W_DECL(0) W_DECL(1) W_DECL(2) W_DECL(3)                                                    \
-        for (; j + 4 <= common; j += 4) {                                                          \
-            PUT(0, 0) PUT(1, 0) PUT(2, 0) PUT(3, 0) PUT(0, 1) PUT(1, 1) PUT(2, 1) PUT(3, 1)        \
-            PUT(0, 2) PUT(1, 2) PUT(2, 2) PUT(3, 2) PUT(0, 3) PUT(1, 3) PUT(2, 3) PUT(3, 3)        \
-            W_FLUSH(0) W_FLUSH(1) W_FLUSH(2) W_FLUSH(3)                                            \
-        }                                                                                          \
-        W_SAVE(0) W_SAVE(1) W_SAVE(2) W_SAVE(3)                                                    \
-    }
 #define W_PUT2(k, t) { uint32_t e = pairs[load16le(in##k + j + t)]; acc##k |= (uint64_t)(e & 0x3FFFFF) << bits##k; \
                        bits##k += e >> 22; }
-#define W_LOOP2                                                                                    \
+/* Four codes per segment per flush, or two pairs of them. */
+#define W_CODES(PUT) PUT(0, 0) PUT(1, 0) PUT(2, 0) PUT(3, 0) PUT(0, 1) PUT(1, 1) PUT(2, 1) PUT(3, 1) \
+                     PUT(0, 2) PUT(1, 2) PUT(2, 2) PUT(3, 2) PUT(0, 3) PUT(1, 3) PUT(2, 3) PUT(3, 3)
+#define W_PAIRS W_PUT2(0, 0) W_PUT2(1, 0) W_PUT2(2, 0) W_PUT2(3, 0) W_PUT2(0, 2) W_PUT2(1, 2) W_PUT2(2, 2) W_PUT2(3, 2)
+#define W_LOOP(CODES)                                                                              \
     {                                                                                              \
         W_DECL(0) W_DECL(1) W_DECL(2) W_DECL(3)                                                    \
         for (; j + 4 <= common; j += 4) {                                                          \
-            W_PUT2(0, 0) W_PUT2(1, 0) W_PUT2(2, 0) W_PUT2(3, 0)                                    \
-            W_PUT2(0, 2) W_PUT2(1, 2) W_PUT2(2, 2) W_PUT2(3, 2)                                    \
+            CODES                                                                                  \
             W_FLUSH(0) W_FLUSH(1) W_FLUSH(2) W_FLUSH(3)                                            \
         }                                                                                          \
         W_SAVE(0) W_SAVE(1) W_SAVE(2) W_SAVE(3)                                                    \
@@ -367,10 +337,11 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
             uint32_t a = entry[v & 0xFF], b = entry[v >> 8], la = a >> 16;
             pairs[v] = (((a & 0xFFFF) | ((b & 0xFFFF) << la)) & 0x3FFFFF) | ((la + (b >> 16)) << 22);
         }
-        W_LOOP2
-    } else if (order) W_LOOP(W_PUT) else W_LOOP(W_PUT0)  /* order 0: four fewer live registers */
+        W_LOOP(W_PAIRS)
+    } else if (order) W_LOOP(W_CODES(W_PUT)) else W_LOOP(W_CODES(W_PUT0))  /* order 0: four fewer live registers */
 #undef W_PUT2
-#undef W_LOOP2
+#undef W_CODES
+#undef W_PAIRS
 #undef W_PUT0
 #undef W_LOOP
 #undef W_DECL
@@ -535,20 +506,24 @@ DEFINE_PLANES(uint16_t, 2)
 DEFINE_PLANES(uint32_t, 4)
 DEFINE_PLANES(uint64_t, 8)
 
+static const char *width_rotate_error(int width, int rotate) {
+    if (width != 1 && width != 2 && width != 4 && width != 8) return "width must be 1, 2, 4 or 8";
+    if (rotate < 0 || rotate >= 8 * width) return "rotate must be in [0, 8 * width)";
+    return NULL;
+}
+
 static int parse_planes(PyObject *args, Py_buffer *src, Py_buffer *dst, int *width, int *rotate,
                         Py_buffer *base, int *has_base) {
     PyObject *base_obj;
     if (!PyArg_ParseTuple(args, "y*w*iiO", src, dst, width, rotate, &base_obj)) return -1;
     *has_base = base_obj != Py_None;
-    const char *error = NULL;
     if (*has_base && PyObject_GetBuffer(base_obj, base, PyBUF_SIMPLE) < 0) {
         PyBuffer_Release(src); PyBuffer_Release(dst);
         return -1;
     }
-    if (*width != 2 && *width != 4 && *width != 8 && *width != 1) error = "width must be 1, 2, 4 or 8";
-    else if (*rotate < 0 || *rotate >= 8 * *width) error = "rotate must be in [0, 8 * width)";
-    else if (src->len != dst->len || src->len % *width) error = "src and dst must hold the same whole words";
-    else if (*has_base && base->len != src->len) error = "base must be as long as src";
+    const char *error = width_rotate_error(*width, *rotate);
+    if (!error && (src->len != dst->len || src->len % *width)) error = "src and dst must hold the same whole words";
+    if (!error && *has_base && base->len != src->len) error = "base must be as long as src";
     if (error) {
         PyBuffer_Release(src); PyBuffer_Release(dst);
         if (*has_base) PyBuffer_Release(base);
@@ -585,14 +560,12 @@ static PyObject *py_join_planes(PyObject *self, PyObject *args) {
     Py_buffer dst, base_buf = {0}, rows[8];
     int width, rotate, held = 0;
     if (!PyArg_ParseTuple(args, "Ow*iiO", &planes_obj, &dst, &width, &rotate, &base_obj)) return NULL;
-    const char *error = NULL;
     PyObject *seq = PySequence_Fast(planes_obj, "planes must be a sequence of buffers");
     if (!seq) { PyBuffer_Release(&dst); return NULL; }
     Py_ssize_t n = width > 0 ? dst.len / width : 0;
-    if (width != 1 && width != 2 && width != 4 && width != 8) error = "width must be 1, 2, 4 or 8";
-    else if (rotate < 0 || rotate >= 8 * width) error = "rotate must be in [0, 8 * width)";
-    else if (dst.len % width) error = "words must be whole";
-    else if (PySequence_Fast_GET_SIZE(seq) != width) error = "planes must hold `width` buffers";
+    const char *error = width_rotate_error(width, rotate);
+    if (!error && dst.len % width) error = "words must be whole";
+    if (!error && PySequence_Fast_GET_SIZE(seq) != width) error = "planes must hold `width` buffers";
     int failed = 0;
     for (int j = 0; j < width && !error; j++) {
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, j), &rows[j], PyBUF_SIMPLE) < 0) { failed = 1; break; }
@@ -750,7 +723,6 @@ static PyObject *py_prefix_map(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"histogram", py_histogram, METH_VARARGS, "histogram(src, out): 256 uint64 byte counts into out."},
     {"stream_stats", py_stream_stats, METH_VARARGS,
      "stream_stats(src, max_contexts) -> (order-0 bits, order-1 bits or -1, contexts, distinct values)."},
     {"huffman_encode", py_huffman_encode, METH_VARARGS, "huffman_encode(src, order) -> bytes; order 0 or 1."},

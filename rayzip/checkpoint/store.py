@@ -179,7 +179,7 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
 
     # The largest tensors go first, so that the threads end on small ones together.
     with _pool(threads) as pool:
-        for name in sorted(tensors, key=lambda name: -_nbytes(tensors[name])):
+        for name in sorted(tensors, key=lambda name: -tensors[name].nbytes):
             pending.append((name, pool.submit(prepare, name, tensors[name], pool)))
             drain(keep=2 * pool.workers)
         drain(keep=0)
@@ -189,10 +189,6 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
     return {"format": FORMAT, "version": VERSION, "base": base_ref, "data": DATA, "data_bytes": offset,
             "checksum": _whole([s["xxh3"] for entry in entries.values() for s in entry["streams"]]),
             "tree": tree, "tensors": entries}
-
-
-def _nbytes(tensor: Any) -> int:
-    return tensor.numel() * tensor.element_size() if is_torch(tensor) else int(tensor.nbytes)
 
 
 def _pack(stream) -> tuple[Any, int, str, str]:
@@ -282,7 +278,7 @@ def _load_tensors(directory: Path, words_only: bool = False, names: set[str] | N
         data = data_path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{data_path}: missing") from None
-    return _decode(manifest, data, data_path, _base_dir(directory, manifest), words_only, names, threads)
+    return _decode(manifest, memoryview(data), data_path, _base_dir(directory, manifest), words_only, names, threads)
 
 
 def decode(manifest: dict, blobs: list, threads: int | None = None) -> Any:
@@ -309,7 +305,7 @@ class _Pieces:
         return memoryview(b"".join(self.blobs))[piece]
 
 
-def _decode(manifest: dict, data: bytes | _Pieces, data_path: Path, base_dir: Path | None,
+def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_dir: Path | None,
             words_only: bool = False, names: set[str] | None = None, threads: int | None = None):
     if len(data) != manifest["data_bytes"]:
         raise CheckpointError(f"{data_path}: {len(data)} bytes, the manifest records {manifest['data_bytes']} "
@@ -317,13 +313,12 @@ def _decode(manifest: dict, data: bytes | _Pieces, data_path: Path, base_dir: Pa
                               f"{_first_beyond(manifest, len(data))}")
     needs_base = any(e.get("delta") for e in manifest["tensors"].values())
     base = _load_tensors(base_dir, words_only=True, threads=threads) if base_dir is not None and needs_base else {}
-    view = data if isinstance(data, _Pieces) else memoryview(data)
 
     def restore(name: str, entry: dict) -> Any:
         """The tensor's words, or a pickled object's bytes."""
         streams = []
         for s in entry["streams"]:
-            blob = view[s["offset"]: s["offset"] + s["stored"]]
+            blob = data[s["offset"]: s["offset"] + s["stored"]]
             if _hash(blob) != s["xxh3"]:
                 raise CheckpointError(f"{data_path}: tensor {name!r}: stored bytes fail their checksum (corrupt)")
             try:

@@ -146,16 +146,24 @@ def _save(directory: Path, rank: int, world: int, step: int, weights, state, tot
         save_checkpoint(directory / f"rank{rank}", {"world_size": world, "hook": state.state_dict()})
 
 
+def _load_trainer(path: Path, model, chain: DeltaChain | None) -> dict:
+    """Rank 0's part of a checkpoint (``trainer/``), applied to the model, the RNG and the
+    delta chain's history; a corrupt file raises, naming file and tensor."""
+    trainer = load_checkpoint(path / "trainer")
+    if chain is not None:
+        chain.history = list(trainer.get("chain", []))
+    _unwrap(model).load_state_dict(trainer["model"])
+    torch.set_rng_state(trainer["torch_rng"])
+    return trainer
+
+
 def _restore(checkpoint, rank: int, world: int, model, optimizer, state, chain: DeltaChain | None):
     """(next step, byte totals, last accuracy) from a checkpoint, or a fresh start."""
     if checkpoint is None:
         return 0, {}, None
     with checkpoint.as_directory() as path:
         path = Path(path)
-        trainer = load_checkpoint(path / "trainer")  # a corrupt file raises, naming file and tensor
-        if chain is not None:
-            chain.history = list(trainer.get("chain", []))
-        _unwrap(model).load_state_dict(trainer["model"])
+        trainer = _load_trainer(path, model, chain)
         # The saved param groups carry their momentum, which lives in the hook or in the
         # optimizer depending on the world size that saved them: keep this run's own.
         momentum = [group.get("momentum") for group in optimizer.param_groups]
@@ -163,7 +171,6 @@ def _restore(checkpoint, rank: int, world: int, model, optimizer, state, chain: 
         for group, value in zip(optimizer.param_groups, momentum):
             if value is not None:
                 group["momentum"] = value
-        torch.set_rng_state(trainer["torch_rng"])
         mine = path / f"rank{rank}"
         if state is not None and mine.exists():
             saved = load_checkpoint(mine)
@@ -191,13 +198,9 @@ def _restore_ps(checkpoint, rank: int, model, client: ParameterServerClient, cha
     trainer, saved = None, None
     if checkpoint is not None:
         with checkpoint.as_directory() as path:
-            trainer = load_checkpoint(Path(path) / "trainer")
+            trainer = _load_trainer(Path(path), model, chain)
             mine = Path(path) / f"rank{rank}"
             saved = load_checkpoint(mine) if mine.exists() else None
-        if chain is not None:
-            chain.history = list(trainer.get("chain", []))
-        _unwrap(model).load_state_dict(trainer["model"])
-        torch.set_rng_state(trainer["torch_rng"])
     generation = [uuid.uuid4().hex if rank == 0 else None]
     if dist.is_initialized():
         dist.broadcast_object_list(generation, src=0)
