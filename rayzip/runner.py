@@ -30,7 +30,12 @@ from .ps import shard_names, shard_report, start_shards, stop_shards
 from .spec import JobSpec
 from .train.loop import train_loop
 
-__all__ = ["ProgressActor", "run_job", "summarize"]
+__all__ = ["ProgressActor", "TrainingFailed", "run_job", "summarize"]
+
+
+class TrainingFailed(RuntimeError):
+    """Every rank stopped together on an error that a retry would only repeat (a non-finite
+    gradient under ``training.on_nonfinite: raise``, or ranks that disagree)."""
 
 
 @ray.remote(num_cpus=0)
@@ -117,6 +122,7 @@ def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
         "comm_source": metrics.get("comm_source"),
         "torch_hook": spec.compression.torch_hook,
         "interface_tx_bytes": metrics.get("interface_tx_bytes"),
+        "skipped_steps": metrics.get("skipped_steps", 0),
     }
 
 
@@ -188,6 +194,8 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     if "error" in outcome:
         raise outcome["error"]
     result = outcome["result"]
+    if (result.metrics or {}).get("failure"):  # every rank stopped together (rayzip.train.loop)
+        raise TrainingFailed(f"training stopped at step {result.metrics['step']}: {result.metrics['failure']}")
     summary = summarize(spec, result.metrics or {}, wall_s)
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
     summary["history"] = history

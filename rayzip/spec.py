@@ -99,6 +99,10 @@ class TrainingSpec(_Strict):
     eval_every: int = Field(50, ge=1, description="Steps between test-set evaluations.")
     base_world_size: int = Field(1, ge=1, description="lr = lr * world_size / base_world_size.")
     lr_warmup_steps: int = Field(0, ge=0, description="Ramp the scaled lr up linearly over these steps.")
+    on_nonfinite: Literal["raise", "skip"] = Field(
+        "raise", description="A NaN/Inf gradient on any rank: every rank stops the run with an error naming "
+                             "the rank and parameter (raise), or every rank drops that step (skip).")
+    max_skipped_steps: int = Field(10, ge=1, description="skip: raise after this many skipped steps in a row.")
 
     @model_validator(mode="after")
     def _steps_or_epochs(self):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import tempfile
@@ -11,9 +12,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world: int, init_file: str, out_dir: str, fn, args) -> None:
+def _entry(rank: int, world: int, init_file: str, out_dir: str, fn, args, timeout_s: float | None = None) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs)
     try:
         result = ("ok", fn(rank, world, *args))
     except BaseException as exc:  # ship the failure to the parent, which re-raises it
@@ -24,11 +26,12 @@ def _entry(rank: int, world: int, init_file: str, out_dir: str, fn, args) -> Non
         pickle.dump(result, fh)
 
 
-def run_world(fn, world: int, *args):
-    """``[fn(rank, world, *args) for each rank]``, run in ``world`` gloo processes."""
+def run_world(fn, world: int, *args, timeout_s: float | None = None):
+    """``[fn(rank, world, *args) for each rank]``, run in ``world`` gloo processes. With
+    ``timeout_s``, a collective that waits longer fails (gloo's default is 30 minutes)."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.spawn(_entry, args=(world, init_file, tmp, fn, args), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, init_file, tmp, fn, args, timeout_s), nprocs=world, join=True)
         results = []
         for rank in range(world):
             with open(os.path.join(tmp, f"{rank}.pkl"), "rb") as fh:

@@ -91,11 +91,13 @@ def _collective_rank(rank, world):
         codec = get_codec(name, **params)
         transport = Transport()
         x = np.random.default_rng(rank).standard_normal(10_001).astype(np.float32)
-        payload = codec.encode(x)
-        mine = codec.decode(payload)
+        communicator = communicator_cls(transport)
+        alone = get_codec(name, **params)  # a seeded codec's second call would draw other indices
+        mine = alone.decode(alone.encode(x))
+        payload = codec.encode(x * communicator.input_scale)  # allreduce: grad / n, summed
         # allreduce moves only the values: a randomk seed is derived, never sent
         wire = payload.arrays["values"].nbytes if communicator_cls is AllReduce else payload.nbytes
-        average = communicator_cls(transport).average(codec, payload)
+        average = communicator.average(codec, payload)
         out[name] = (mine, average, transport.bytes_sent, wire)
     return out
 

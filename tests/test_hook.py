@@ -10,6 +10,7 @@ try:
     from gloo_world import run_world
 except ImportError:
     from tests.gloo_world import run_world
+from rayzip.comm.control import control_nbytes
 from rayzip.torch import CompressionSpec, compress, scaled_lr
 
 
@@ -74,7 +75,9 @@ def test_none_codec_hook_matches_plain_ddp_and_sends_dense_bytes():
     results = run_world(_train_rank, 2, {"codec": "none"}, 2)
     for grads, plain, stats in results[0]:
         np.testing.assert_allclose(grads, plain, rtol=1e-6, atol=1e-7)
-        assert stats["bytes_sent"] == stats["dense_bytes"]
+        # The fp32 allreduce plus the control word's all-reduce (6 int64 fields, min and max).
+        assert stats["control_bytes"] == control_nbytes(2) == 2 * 1 * 96 // 2
+        assert stats["bytes_sent"] == stats["dense_bytes"] + stats["control_bytes"]
 
 
 def test_warmup_steps_go_dense_then_compress_and_ratio_switches_at_a_step():
@@ -83,7 +86,7 @@ def test_warmup_steps_go_dense_then_compress_and_ratio_switches_at_a_step():
     for rank_steps in results:
         stats = [s for _, _, s in rank_steps]
         assert [s["compressed"] for s in stats] == [False, False, True, True, True]
-        assert stats[0]["bytes_sent"] == stats[0]["dense_bytes"]
+        assert stats[0]["bytes_sent"] == stats[0]["dense_bytes"] + control_nbytes(2)
         assert stats[2]["bytes_sent"] < stats[2]["dense_bytes"] / 4
         assert [s["ratio"] for s in stats] == [None, None, 0.05, 0.2, 0.2]
         assert stats[3]["bytes_sent"] > stats[2]["bytes_sent"]

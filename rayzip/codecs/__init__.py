@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 
-from .base import Codec, CodecError, Field, NonFiniteError, Payload
+from .base import Codec, CodecError, Field, NonFiniteError, Payload, WireOverflowError
 from .cast import BFloat16, Float16, NoCompression
 from .coo import Coo
 from .dct_quant import DCTQuant
@@ -33,6 +33,7 @@ __all__ = [
     "MomentumCorrection",
     "NoMemory",
     "NonFiniteError",
+    "WireOverflowError",
     "Payload",
     "codec_parameters",
     "get_codec",

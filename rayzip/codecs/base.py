@@ -28,6 +28,7 @@ __all__ = [
     "CodecError",
     "Field",
     "NonFiniteError",
+    "WireOverflowError",
     "Payload",
     "check_ratio",
 ]
@@ -39,6 +40,15 @@ class CodecError(ValueError):
 
 class NonFiniteError(FloatingPointError):
     """The input holds NaN or Inf, which no lossy codec can represent faithfully."""
+
+
+class WireOverflowError(NonFiniteError, CodecError):
+    """A finite value beyond the wire type's range (fp16): it would arrive as Inf.
+    ``first_index`` is the flat index of the first such value, where known."""
+
+    def __init__(self, message: str, first_index: int | None = None):
+        super().__init__(message)
+        self.first_index = first_index
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from .base import Codec, Field, NonFiniteError, Payload, find_nonfinite
+from .base import Codec, Field, NonFiniteError, Payload, WireOverflowError, find_nonfinite
+from .sparse import FP16_MAX
 
 __all__ = ["NoCompression", "Float16", "BFloat16"]
 
@@ -70,9 +71,9 @@ class _Narrowing(_Cast):
             if found:
                 raise NonFiniteError(f"{self.name}: input has {found[0]} NaN/Inf value(s), "
                                      f"first at flat index {found[1]}")
-            big = float(abs(flat).max())
-            raise NonFiniteError(f"{self.name}: |x| up to {big:.4g} overflows {self.name}; "
-                                 "use bf16 or none")
+            big = abs(flat)
+            raise WireOverflowError(f"{self.name}: |x| up to {float(big.max()):.4g} overflows {self.name}; "
+                                    "use bf16 or none", first_index=int(xp.argmax(big > FP16_MAX)))
         return {"values": values}
 
 

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 
 from .base import CodecError
-from ..xp import as_array, asnumpy, is_torch
+from ..xp import array_module, as_array, asnumpy, is_torch
 
-__all__ = ["ErrorFeedback", "MomentumCorrection", "NoMemory", "check_error_feedback"]
+__all__ = ["ErrorFeedback", "MomentumCorrection", "NoMemory", "check_error_feedback", "reshard_state"]
 
 
 def check_error_feedback(codec) -> None:
@@ -32,6 +32,14 @@ def check_error_feedback(codec) -> None:
     issue = codec.error_feedback_issue()
     if issue:
         raise CodecError(issue)
+
+
+def _on(held, xp):
+    """``held`` on ``xp``'s device: restored state is host numpy until the first gradient
+    shows where it lives (or ``load_state_dict(..., like=)`` says so up front)."""
+    if array_module(held) is xp:
+        return held
+    return asnumpy(held) if xp is np else xp.asarray(held)
 
 
 def _check_layout(what: str, name: str, held, flat) -> None:
@@ -56,6 +64,7 @@ class ErrorFeedback:
         if residual is None:
             out = flat.astype(xp.float32)  # always a new array: x is never modified
         else:
+            residual = self.residuals[name] = _on(residual, xp)
             _check_layout("error feedback", name, residual, flat)
             out = xp.add(flat, residual, dtype=xp.float32)
         out = out.reshape(arr.shape)
@@ -70,14 +79,38 @@ class ErrorFeedback:
         dec, _ = as_array(decoded)
         self.residuals[name] = (comp.reshape(-1) - dec.reshape(-1).astype(xp.float32)).astype(xp.float32)
 
-    def encode(self, codec, name: str, x):
-        """compensate, encode, update: the payload to send for ``x``."""
+    def encode(self, codec, name: str, x, scale: float = 1.0):
+        """compensate, encode, update: the payload to send for ``x``. With ``scale`` the
+        payload carries ``scale * (x + residual)`` (an allreduce sends grad / n); the residual
+        stays in the units of ``x``."""
         check_error_feedback(codec)
-        compensated = self.compensate(name, x)
+        return self._encode_compensated(codec, name, self.compensate(name, x), scale)
+
+    def _encode_compensated(self, codec, name: str, compensated, scale: float):
+        # compensated is this call's own array, so it may be scaled in place and the codec
+        # may turn it into the residual. The residual held before is never written to, so
+        # snapshot() stays valid.
+        if scale != 1.0:
+            compensated *= scale
         payload = codec.encode(compensated)
-        # compensated is this call's own array, so the codec may turn it into the residual.
-        self.residuals[name] = codec.residual(compensated, payload)
+        residual = codec.residual(compensated, payload)
+        if scale != 1.0:
+            residual /= scale
+        self.residuals[name] = residual
         return payload
+
+    def snapshot(self) -> dict:
+        """The state as it is now, to :meth:`restore` if this step is dropped on every rank.
+        Costs nothing: encode replaces arrays instead of writing into them."""
+        return {"residuals": dict(self.residuals)}
+
+    def restore(self, snapshot: dict) -> None:
+        self.residuals = dict(snapshot["residuals"])
+
+    def rescale(self, factor: float) -> None:
+        """Multiply what is held by ``factor``: the gradient's units changed (AMP's loss scale)."""
+        for held in self.residuals.values():
+            held *= factor
 
     def reset(self) -> None:
         self.residuals.clear()
@@ -86,9 +119,10 @@ class ErrorFeedback:
         """Residuals as host numpy arrays (for checkpoints)."""
         return {name: asnumpy(r).copy() for name, r in self.residuals.items()}
 
-    def load_state_dict(self, state: dict[str, Any], xp=np) -> None:
-        self.residuals = {name: xp.asarray(np.asarray(r, dtype=np.float32).reshape(-1))
-                          for name, r in state.items()}
+    def load_state_dict(self, state: dict[str, Any], like=None) -> None:
+        """Restore :meth:`state_dict`'s arrays onto the device of ``like`` (a torch tensor or an
+        array; default: the host, moved to the gradient's device at its first use)."""
+        self.residuals = {name: _restored(r, like) for name, r in state.items()}
 
 
 class MomentumCorrection(ErrorFeedback):
@@ -117,7 +151,7 @@ class MomentumCorrection(ErrorFeedback):
         self.momentum = float(momentum)
         self.velocities: dict[str, Any] = {}
 
-    def encode(self, codec, name: str, x):
+    def encode(self, codec, name: str, x, scale: float = 1.0):
         check_error_feedback(codec)
         arr, xp = as_array(x)
         flat = arr.reshape(-1)
@@ -125,16 +159,27 @@ class MomentumCorrection(ErrorFeedback):
         if velocity is None:
             velocity = flat.astype(xp.float32)
         else:
+            velocity = _on(velocity, xp)
             _check_layout("momentum", name, velocity, flat)
-            velocity *= self.momentum
+            velocity = xp.multiply(velocity, self.momentum, dtype=xp.float32)  # a new array: see snapshot()
             velocity += flat
         self.velocities[name] = velocity
-        compensated = self.compensate(name, velocity)
-        payload = codec.encode(compensated)
-        self.residuals[name] = codec.residual(compensated, payload)
+        payload = self._encode_compensated(codec, name, self.compensate(name, velocity), scale)
         if codec.sparse:
             velocity[codec.to_coo(payload)[0]] = 0.0
         return payload
+
+    def snapshot(self) -> dict:
+        return {**super().snapshot(), "velocities": dict(self.velocities)}
+
+    def restore(self, snapshot: dict) -> None:
+        super().restore(snapshot)
+        self.velocities = dict(snapshot["velocities"])
+
+    def rescale(self, factor: float) -> None:
+        super().rescale(factor)
+        for held in self.velocities.values():
+            held *= factor
 
     def reset(self) -> None:
         super().reset()
@@ -144,13 +189,38 @@ class MomentumCorrection(ErrorFeedback):
         return {**super().state_dict(),
                 **{_VELOCITY + name: asnumpy(v).copy() for name, v in self.velocities.items()}}
 
-    def load_state_dict(self, state: dict[str, Any], xp=np) -> None:
-        super().load_state_dict({k: v for k, v in state.items() if not k.startswith(_VELOCITY)}, xp)
-        self.velocities = {k[len(_VELOCITY):]: xp.asarray(np.asarray(v, dtype=np.float32).reshape(-1))
-                           for k, v in state.items() if k.startswith(_VELOCITY)}
+    def load_state_dict(self, state: dict[str, Any], like=None) -> None:
+        super().load_state_dict({k: v for k, v in state.items() if not k.startswith(_VELOCITY)}, like)
+        self.velocities = {k[len(_VELOCITY):]: _restored(v, like) for k, v in state.items() if k.startswith(_VELOCITY)}
 
 
 _VELOCITY = "velocity:"
+
+
+def _restored(saved, like):
+    flat = np.asarray(asnumpy(saved.numpy() if is_torch(saved) else saved), dtype=np.float32).reshape(-1)
+    return flat if like is None else _on(flat, as_array(like)[1])
+
+
+def reshard_state(saved: dict[int, dict], old_world: int, new_world: int, rank: int) -> dict[str, np.ndarray]:
+    """This rank's Memory state after the world size went from ``old_world`` to ``new_world``.
+
+    Residuals and velocities hold gradient that each worker computed but has not sent yet;
+    the step applies their mean over the workers. Rank r takes the states of the old ranks
+    j with j mod new_world == r (``saved`` maps old ranks to their :meth:`state_dict`),
+    summed and scaled by new_world / old_world, so that the mean over the new workers equals
+    the mean over the old ones: nothing pending is lost on a scale-down, nor counted twice
+    on a scale-up. Both states are linear in the gradient (a velocity is a sum of past
+    gradients), so the rule holds for momentum correction too.
+    """
+    mine = [saved[j] for j in sorted(saved) if j % new_world == rank and j < old_world]
+    out: dict[str, np.ndarray] = {}
+    for state in mine:
+        for name, held in state.items():
+            held = _restored(held, None)
+            out[name] = held.copy() if name not in out else out[name] + held
+    factor = np.float32(new_world / old_world)
+    return {name: held * factor for name, held in out.items()}
 
 
 class NoMemory(ErrorFeedback):
@@ -164,5 +234,5 @@ class NoMemory(ErrorFeedback):
     def update(self, name: str, compensated, decoded) -> None:
         pass
 
-    def encode(self, codec, name: str, x):
-        return codec.encode(x)
+    def encode(self, codec, name: str, x, scale: float = 1.0):
+        return codec.encode(x * scale if scale != 1.0 else x)

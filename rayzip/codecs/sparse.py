@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Codec, CodecError, Payload
+from .base import Codec, CodecError, Payload, WireOverflowError
 from ..xp import array_module, as_array
 
 __all__ = ["SparseCodec", "VALUE_DTYPES", "coo_sum", "scatter"]
@@ -73,7 +73,7 @@ class SparseCodec(Codec):
     def _narrow_values(self, values):
         """Cast kept values to the wire dtype; fp16 refuses what it cannot hold."""
         if self.value_dtype == "fp16" and values.size and float(abs(values).max()) > FP16_MAX:
-            raise CodecError(
+            raise WireOverflowError(
                 f"{self.name}: kept values exceed the fp16 range (|x| > {FP16_MAX}); "
                 "use value_dtype='fp32'"
             )

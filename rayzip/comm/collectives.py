@@ -10,7 +10,8 @@
 Usage::
 
     communicator = make_communicator("auto", codec, Transport())
-    average = communicator.average(codec, codec.encode(grad))   # flat float32, same device
+    payload = codec.encode(grad * communicator.input_scale)     # allreduce: each rank sends grad / n
+    average = communicator.average(codec, payload)              # flat float32, same device
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ class Communicator:
     def __init__(self, transport: Transport):
         self.transport = transport
 
+    @property
+    def input_scale(self) -> float:
+        """What the caller multiplies a gradient by before encoding it for :meth:`average`."""
+        return 1.0
+
     def average(self, codec: Codec, payload: Payload):
+        """The mean over all workers of the decoded payloads (encoded at ``input_scale``)."""
         raise NotImplementedError
 
     def documented_bytes(self, codec: Codec, payload: Payload) -> int:
@@ -40,7 +47,14 @@ class Communicator:
 
 
 class AllReduce(Communicator):
+    """Payloads carry grad / n, so the sum is the mean: as torch's own hooks do, dividing
+    first keeps an fp16 sum of n large gradients from overflowing where their mean fits."""
+
     name = "allreduce"
+
+    @property
+    def input_scale(self) -> float:
+        return 1.0 / self.transport.world
 
     def average(self, codec, payload):
         # A zero-copy view: the in-place sum lands in the payload itself, which then decodes.
@@ -48,7 +62,7 @@ class AllReduce(Communicator):
         if codec.name == "bf16":  # bf16 travels as its uint16 bit pattern
             tensor = tensor.view(torch.bfloat16)
         self.transport.all_reduce(tensor)
-        return codec.decode_flat(payload) / self.transport.world
+        return codec.decode_flat(payload)
 
     def documented_bytes(self, codec, payload):
         return ring_allreduce_bytes(payload.arrays["values"].nbytes, self.transport.world)

@@ -51,11 +51,11 @@ class Transport:
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over all workers, in place."""
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """Reduce ``tensor`` over all workers (a sum unless ``op`` says otherwise), in place."""
         nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world)
         with self._on_network(nbytes):
-            dist.all_reduce(tensor, group=self.group)
+            dist.all_reduce(tensor, op=op, group=self.group)
         self._count(nbytes)
         return tensor
 

@@ -1,32 +1,52 @@
 """Compressed gradient communication for torch DDP, as a comm hook with a state object.
 
-For each gradient bucket the hook adds the error-feedback residual, encodes with the codec,
-exchanges payloads with the collective that fits the codec (ring, allgather or allreduce),
-decodes, averages, and hands DDP the averaged gradient. It counts the bytes this worker
-sends and what an fp32 ring allreduce would have sent, per step.
+The hook gathers DDP's buckets into the whole gradient of the trainable parameters, in
+parameter order. At the last bucket it adds the error-feedback residual, encodes with the
+codec, agrees with every other rank on one small control word (step, config, all-finite,
+stop; see :mod:`rayzip.comm.control`), exchanges payloads with the collective that fits
+the codec (ring, allgather or allreduce), decodes and averages. It counts the bytes this
+worker sends and what an fp32 ring allreduce would have sent, per step.
+
+A NaN or Inf on any rank (a bad batch, an fp16 AMP overflow, an fp16 sum that overflowed on
+the wire) is seen by every rank at the same step. With ``on_nonfinite="skip"`` every rank
+drops the step: the residuals stay as they were, the gradient handed back is NaN on every
+rank (as plain DDP's would be, so ``GradScaler.step`` skips it and lowers its scale), and
+``state.last_step.skipped`` is set for loops without a scaler. With ``"raise"`` (the default)
+every rank raises :class:`NonFiniteError` naming the rank, parameter and element.
 
 Usage::
 
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     state = rayzip.torch.compress(ddp, CompressionSpec(codec="group_topk", ratio=0.01))
     ...                                   # train as usual
-    state.set_ratio(0.05)                 # takes effect at the next step, on every rank that calls it
+    state.set_ratio(0.05)                 # from the next step on; every rank must call it
+    state.propose(20.0)                   # or: one rank proposes, every rank adopts it next step
     print(state.last_step)                # bytes_sent, dense_bytes, comm_s of the finished step
+
+With AMP's ``GradScaler``, pass it so that residuals follow the loss scale::
+
+    scaler = torch.amp.GradScaler("cuda")
+    state = rayzip.torch.compress(ddp, spec, grad_scaler=scaler, on_nonfinite="skip")
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..codecs import NonFiniteError, get_codec
+from ..codecs.base import find_nonfinite
 from ..comm import AllReduce, Transport, make_communicator, ring_allreduce_bytes
+from ..comm.control import ControlWord, RankDisagreement, agree, bad_key, encode_mode, proposal_key
 from ..spec import CompressionSpec
-from ..xp import to_torch
+from ..xp import as_array, to_torch
 
-__all__ = ["CompressionState", "StepStats", "compress", "compressed_hook"]
+__all__ = ["CompressionState", "NonFiniteError", "RankDisagreement", "StepStats", "compress", "compressed_hook"]
+
+NONFINITE_POLICIES = ("raise", "skip")
 
 
 @dataclass
@@ -38,34 +58,49 @@ class StepStats:
     ratio: float | None = None
     bytes_sent: int = 0  # bytes this worker handed to torch.distributed to send (ps: pushed)
     bytes_received: int = 0  # ps: bytes pulled from the shards
-    dense_bytes: int = 0  # an fp32 ring allreduce of the same buckets: 2(n-1)/n * 4 * numel
-    comm_s: float = 0.0  # hook entry to averaged gradient, summed over buckets
+    dense_bytes: int = 0  # an fp32 ring allreduce of the same gradient: 2(n-1)/n * 4 * numel
+    control_bytes: int = 0  # of bytes_sent, the control word's all-reduce
+    comm_s: float = 0.0  # hook entry to averaged gradient
     network_s: float = 0.0  # of comm_s, inside torch.distributed (wire and waiting for peers)
     numel: int = 0
     buckets: list[int] = field(default_factory=list)  # element count of each exchange (the whole gradient, once)
     verify_max_abs_err: float | None = None
     verify_documented_bytes: int | None = None  # verify mode: bytes_sent by the wire formulas
     messages: list[int] = field(default_factory=list)
+    skipped: bool = False  # a rank's gradient was not finite: every rank dropped this step
+    nonfinite: str | None = None  # why, when skipped
+    stop: bool = False  # some rank asked every rank to stop after this step
+    adopted: tuple[int, float] | None = None  # (seq, compression ratio) agreed this step, applied from the next
 
 
 class CompressionState:
-    """Everything the hook keeps between calls: codec, error feedback, collective, counters."""
+    """Everything the hook keeps between calls: codec, error feedback, collective, counters.
 
-    def __init__(self, spec: CompressionSpec, process_group=None, device: torch.device | str = "cpu",
-                 momentum: float | None = None, parameters: list[torch.Tensor] | None = None):
+    ``parameters`` are the trainable parameters in DDP's order (those with
+    ``requires_grad``: DDP's buckets hold no others), ``names`` their names for messages.
+    """
+
+    def __init__(self, spec: CompressionSpec, parameters: list[torch.Tensor], process_group=None,
+                 device: torch.device | str = "cpu", momentum: float | None = None,
+                 names: list[str] | None = None, on_nonfinite: str = "raise", grad_scaler=None):
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}")
+        if not parameters:
+            raise ValueError("no trainable parameters: nothing to compress")
         self.spec = spec
-        # With the model's parameters, the hook gathers every bucket into one gradient in
-        # parameter order and compresses that once per step. What the codec sees (its groups,
-        # its top k) then does not depend on how DDP bucketed the parameters, which differs
-        # between a job's first step and the rest, so a restarted job repeats the uninterrupted
-        # one exactly. Without them, each bucket is compressed on its own.
-        self._offsets: dict[int, tuple[int, int]] | None = None
-        if parameters:
-            starts = [0]
-            for p in parameters:
-                starts.append(starts[-1] + p.numel())
-            self._offsets = {id(p): (starts[i], p.numel()) for i, p in enumerate(parameters)}
-            self._numel = starts[-1]
+        self.on_nonfinite = on_nonfinite
+        self.grad_scaler = grad_scaler
+        # One gradient in parameter order, compressed once per step: what the codec sees (its
+        # groups, its top k) then does not depend on how DDP bucketed the parameters, which
+        # differs between a job's first step and the rest, so a restarted job repeats the
+        # uninterrupted one exactly.
+        starts = [0]
+        for p in parameters:
+            starts.append(starts[-1] + p.numel())
+        self._offsets = {id(p): (starts[i], p.numel()) for i, p in enumerate(parameters)}
+        self._spans = [(starts[i], starts[i + 1]) for i in range(len(parameters))]
+        self._names = list(names) if names else [f"parameter {i}" for i in range(len(parameters))]
+        self._numel = starts[-1]
         self._flat: torch.Tensor | None = None
         self._waiting: list[tuple[torch.futures.Future, list[tuple[int, int]], torch.Tensor]] = []
         self.rank = dist.get_rank(process_group)
@@ -80,9 +115,13 @@ class CompressionState:
         self.enabled = True
         self._pending_ratio: float | None = None
         self._pending_enabled: bool | None = None
+        self._proposal: int = 0
+        self._stop = False
+        self._loss_scale: float | None = None  # the scale the residuals are in (AMP)
         self.current = StepStats(ratio=getattr(self.codec, "ratio", None))
         self.last_step: StepStats | None = None
-        self.totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "comm_s": 0.0, "network_s": 0.0}
+        self.totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "comm_s": 0.0, "network_s": 0.0,
+                       "skipped": 0}
 
     # --- control, applied at step boundaries so that every rank switches together -------
     @property
@@ -90,14 +129,28 @@ class CompressionState:
         return getattr(self.codec, "ratio", None)
 
     def set_ratio(self, ratio: float) -> None:
-        """Use ``ratio`` from the next step on. Call it on every rank for the same step."""
+        """Use ``ratio`` from the next step on. Call it on every rank for the same step (a
+        rank that does not is caught by the control word: every rank raises)."""
         if not hasattr(self.codec, "ratio"):
             raise ValueError(f"codec {self.codec.name} has no ratio to change")
         self._pending_ratio = float(ratio)
 
     def set_enabled(self, enabled: bool) -> None:
-        """Compression on, or off (dense fp32 allreduce), from the next step on."""
+        """Compression on, or off (dense fp32 allreduce), from the next step on, on every rank."""
         self._pending_enabled = bool(enabled)
+
+    def propose(self, compression_ratio: float, seq: int = 0) -> None:
+        """Ask every rank to compress at ``compression_ratio`` (1 / kept fraction; 1 or less:
+        off) from the step after the next exchange. One rank may call it alone (a controller's
+        decision reaches rank 0 only); the control word carries it to the others, and the
+        highest ``seq`` wins. ``last_step.adopted`` says when it was agreed."""
+        self._proposal = proposal_key(seq, compression_ratio)
+
+    def request_stop(self) -> None:
+        """Ask every rank to stop: ``last_step.stop`` is set on every rank after the next
+        exchange. A rank whose data ran out, or that was told of its preemption, calls it
+        while still running that step."""
+        self._stop = True
 
     def _apply_ratio(self, ratio: float) -> None:
         """Swap in the codec at ``ratio``, keeping its state (a seeded codec's call count)."""
@@ -119,6 +172,7 @@ class CompressionState:
         self.current.messages = self.transport.messages
         self.last_step = self.current
         self.totals["steps"] += 1
+        self.totals["skipped"] += int(self.current.skipped)
         for key in ("bytes_sent", "dense_bytes", "comm_s", "network_s"):
             self.totals[key] += getattr(self.current, key)
         self.step += 1
@@ -127,15 +181,118 @@ class CompressionState:
     def state_dict(self) -> dict:
         return {"step": self.step, "enabled": self.enabled, "ratio": self.ratio,
                 "memory": self.memory.state_dict(), "codec": self.codec.state_dict(),
-                "totals": dict(self.totals)}
+                "loss_scale": self._loss_scale, "totals": dict(self.totals)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; residuals and velocities land on this state's device."""
         self.step, self.enabled = int(state["step"]), bool(state["enabled"])
         if state.get("ratio") is not None and hasattr(self.codec, "ratio"):
             self._apply_ratio(state["ratio"])
-        self.memory.load_state_dict(state["memory"])
+        self.memory.load_state_dict(state["memory"], like=torch.empty(0, device=self.transport.device))
         self.codec.load_state_dict(state["codec"])
+        self._loss_scale = state.get("loss_scale")
         self.totals.update(state.get("totals", {}))
+
+    # --- one step's exchange --------------------------------------------------------------
+    def average(self, grad: torch.Tensor) -> torch.Tensor:
+        """One whole step without DDP: ``grad`` (flat, this rank's) averaged over the ranks.
+        Every rank calls it once per step, as the DDP hook does at the last bucket."""
+        self._begin_step()
+        result = self.exchange(grad)
+        self._end_step()
+        return result
+
+    def exchange(self, grad: torch.Tensor) -> torch.Tensor:
+        """The mean over every rank of ``grad`` (this rank's whole flat gradient) through the
+        codec with error feedback; NaN-filled on every rank when the step is skipped."""
+        start = time.perf_counter()
+        stats = self.current
+        sent_before, network_before = self.transport.bytes_sent, self.transport.network_s
+        self._follow_loss_scale()
+        communicator, codec = (self.communicator, self.codec) if stats.compressed else (self.dense, self.dense_codec)
+        snapshot = self.memory.snapshot()
+        payload, bad, failure = None, 0, None
+        found = find_nonfinite(*as_array(grad))
+        if found is not None:
+            bad = bad_key(self.rank, self.world, found[1])
+        else:
+            try:  # through the memory also when dense: it sends what error feedback held back
+                payload = self.memory.encode(codec, "model", grad, communicator.input_scale)
+            except NonFiniteError as exc:  # finite, but beyond the wire type (fp16)
+                bad = bad_key(self.rank, self.world, getattr(exc, "first_index", 0) or 0, overflow=True)
+            except Exception as exc:  # raised here alone, it would leave the others waiting
+                failure = exc
+        word = ControlWord(step=self.step, ratio=float(self.ratio or 0.0),
+                           mode=encode_mode(self.enabled, stats.compressed, getattr(self.codec, "value_dtype", None)),
+                           bad=bad, failed=self.world - self.rank if failure is not None else 0,
+                           stop=int(self._stop), proposal=self._proposal)
+        control_before = self.transport.bytes_sent
+        agreed = agree(self.transport, word)
+        stats.control_bytes = self.transport.bytes_sent - control_before
+        self._stop, self._proposal = False, 0
+        if failure is not None:
+            raise failure
+        if agreed.failed is not None:
+            raise RankDisagreement(f"step {self.step}: rank {agreed.failed} failed to encode its gradient "
+                                   "(its own error is in its log); every rank stops")
+        agreed.check()
+        stats.stop = agreed.stop
+        self._adopt(agreed.proposal)
+        average = None
+        if agreed.bad is not None:
+            rank, index, overflow = agreed.bad
+            what = (f"overflows the {getattr(codec, 'value_dtype', None) or codec.name} wire type" if overflow
+                    else "is not finite")
+            reason = f"rank {rank}'s gradient {what} at {self._where(index)}"
+        else:
+            average = to_torch(communicator.average(codec, payload))
+            reason = None if bool(torch.isfinite(average).all()) else (
+                f"the averaged gradient is not finite after the {communicator.name} (the sum overflowed "
+                f"{getattr(codec, 'value_dtype', None) or codec.name} on the wire)")
+            if self.spec.verify and reason is None:
+                _verify(self, communicator, codec, payload, average)
+                documented = communicator.documented_bytes(codec, payload) + stats.control_bytes
+                stats.verify_documented_bytes = (stats.verify_documented_bytes or 0) + documented
+        stats.bytes_sent += self.transport.bytes_sent - sent_before
+        stats.dense_bytes += ring_allreduce_bytes(4 * grad.numel(), self.world)
+        stats.numel += grad.numel()
+        stats.buckets.append(grad.numel())
+        stats.network_s += self.transport.network_s - network_before
+        if reason is not None:  # every rank holds the same word, or the same average: all act alike
+            self.memory.restore(snapshot)
+            message = f"step {self.step}: {reason}"
+            if self.on_nonfinite == "raise":
+                raise NonFiniteError(message)
+            stats.skipped, stats.nonfinite = True, message
+            average = torch.full_like(grad, float("nan"))
+        result = average.to(device=grad.device, dtype=grad.dtype).view_as(grad)
+        stats.comm_s += time.perf_counter() - start
+        return result
+
+    def _adopt(self, proposal: tuple[int, float] | None) -> None:
+        if proposal is None:
+            return
+        seq, compression_ratio = proposal
+        self.current.adopted = proposal
+        self._pending_enabled = compression_ratio > 1.0
+        if compression_ratio > 1.0 and hasattr(self.codec, "ratio"):
+            self._pending_ratio = 1.0 / compression_ratio
+
+    def _follow_loss_scale(self) -> None:
+        """Keep residuals in the units of the gradient: AMP scales it by the loss scale."""
+        if self.grad_scaler is None or not self.grad_scaler.is_enabled():
+            return
+        scale = float(self.grad_scaler.get_scale())
+        if self._loss_scale is not None and scale != self._loss_scale:
+            self.memory.rescale(scale / self._loss_scale)
+        self._loss_scale = scale
+
+    def _where(self, index: int) -> str:
+        """'parameter NAME, element j' for a flat index of the gradient."""
+        i = int(np.searchsorted([a for a, _ in self._spans], index, side="right")) - 1
+        if 0 <= i < len(self._spans) and index < self._spans[i][1]:
+            return f"{self._names[i]} (parameter {i} of the model), element {index - self._spans[i][0]}"
+        return f"flat element {index}"
 
 
 def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -146,17 +303,10 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
     """
     if bucket.index() == 0:
         state._begin_step()
-    if state._offsets is None:
-        future = torch.futures.Future()
-        future.set_result(_exchange(state, bucket.buffer(), f"bucket{bucket.index()}/{bucket.buffer().numel()}",
-                                    f"gradient bucket {bucket.index()}"))
-        if bucket.is_last():
-            state._end_step()
-        return future
     start = time.perf_counter()
     buffer = bucket.buffer()
     if state._flat is None:
-        state._flat = torch.empty(state._numel, dtype=torch.float32, device=buffer.device)
+        state._flat = torch.zeros(state._numel, dtype=torch.float32, device=buffer.device)
     spans, pos = [], 0
     for p in bucket.parameters():
         offset, n = state._offsets[id(p)]
@@ -167,75 +317,43 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
     state._waiting.append((future, spans, buffer))
     state.current.comm_s += time.perf_counter() - start
     if bucket.is_last():
-        average = _exchange(state, state._flat, "model", "gradient")
-        for waiting, spans, buffer in state._waiting:
-            waiting.set_result(torch.cat([average[o: o + n] for o, n in spans]).to(buffer.dtype))
-        state._waiting.clear()
+        try:
+            average = state.exchange(state._flat)
+        finally:
+            waiting, state._waiting = state._waiting, []
+        for future_, spans_, buffer_ in waiting:
+            future_.set_result(torch.cat([average[o: o + n] for o, n in spans_]).to(buffer_.dtype))
         state._end_step()
     return future
 
 
-def _exchange(state: CompressionState, grad: torch.Tensor, name: str, what: str) -> torch.Tensor:
-    """Compress ``grad`` with error feedback, exchange it, return the average as a tensor."""
-    start = time.perf_counter()
-    stats = state.current
-    sent_before, network_before = state.transport.bytes_sent, state.transport.network_s
-    try:
-        if stats.compressed:
-            payload = state.memory.encode(state.codec, name, grad)
-            average = state.communicator.average(state.codec, payload)
-            if state.spec.verify:
-                _verify(state, payload, average)
-                documented = state.communicator.documented_bytes(state.codec, payload)
-                stats.verify_documented_bytes = (stats.verify_documented_bytes or 0) + documented
-        else:  # through the memory too: it sends what error feedback held back, and momentum
-            payload = state.memory.encode(state.dense_codec, name, grad)
-            average = state.dense.average(state.dense_codec, payload)
-    except NonFiniteError as exc:
-        raise NonFiniteError(f"rank {state.rank}, step {state.step}, {what}: {exc}"
-                             + _which_parameter(state, exc)) from None
-    stats.bytes_sent += state.transport.bytes_sent - sent_before
-    stats.dense_bytes += ring_allreduce_bytes(4 * grad.numel(), state.world)
-    stats.numel += grad.numel()
-    stats.buckets.append(grad.numel())
-    result = to_torch(average).to(device=grad.device, dtype=grad.dtype).view_as(grad)
-    stats.comm_s += time.perf_counter() - start
-    stats.network_s += state.transport.network_s - network_before
-    return result
-
-
-def _which_parameter(state: CompressionState, exc: NonFiniteError) -> str:
-    """' (parameter i, element j)' for the first bad flat index, when the hook knows the layout."""
-    index = getattr(exc, "first_index", None)
-    if index is None or state._offsets is None:
-        return ""
-    for i, (offset, n) in enumerate(sorted(state._offsets.values())):
-        if offset <= index < offset + n:
-            return f" (parameter {i} of the model, element {index - offset})"
-    return ""
-
-
-def _verify(state: CompressionState, payload, average) -> None:
+def _verify(state: CompressionState, communicator, codec, payload, average) -> None:
     """Compare the collective's average with the mean of every worker's decoded payload."""
-    mine = to_torch(state.codec.decode_flat(payload)).float().to(state.transport.device)
+    mine = to_torch(codec.decode_flat(payload)).float().to(state.transport.device) / communicator.input_scale
     everyone = [torch.empty_like(mine) for _ in range(state.world)]
     dist.all_gather(everyone, mine, group=state.transport.group)  # not counted: a self-check
     reference = torch.stack(everyone).mean(dim=0)
-    got = to_torch(average).float().to(reference.device)
+    got = average.float().to(reference.device)
     err = float((got - reference).abs().max()) if got.numel() else 0.0
     prior = state.current.verify_max_abs_err or 0.0
     state.current.verify_max_abs_err = max(prior, err)
 
 
 def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: CompressionSpec,
-             process_group=None, momentum: float | None = None) -> CompressionState:
+             process_group=None, momentum: float | None = None, on_nonfinite: str = "raise",
+             grad_scaler=None) -> CompressionState:
     """Register rayzip's compressed comm hook on ``ddp_model``; returns its state.
 
+    Only parameters with ``requires_grad`` are exchanged (frozen layers cost nothing).
     With ``spec.momentum_correction``, pass the SGD ``momentum`` here and build the optimizer
-    with momentum 0: the hook applies it, per worker, before compressing.
+    with momentum 0: the hook applies it, per worker, before compressing. ``on_nonfinite``:
+    ``"raise"`` or ``"skip"`` (see the module docstring); ``grad_scaler``: AMP's
+    ``GradScaler``, whose scale the residuals then follow.
     """
-    device = next(ddp_model.parameters()).device
-    state = CompressionState(spec, process_group=process_group, device=device, momentum=momentum,
-                             parameters=list(ddp_model.parameters()))
+    named = [(name, p) for name, p in ddp_model.module.named_parameters() if p.requires_grad]
+    device = named[0][1].device if named else torch.device("cpu")
+    state = CompressionState(spec, parameters=[p for _, p in named], process_group=process_group, device=device,
+                             momentum=momentum, names=[name for name, _ in named], on_nonfinite=on_nonfinite,
+                             grad_scaler=grad_scaler)
     ddp_model.register_comm_hook(state, compressed_hook)
     return state

@@ -34,6 +34,9 @@ from ..checkpoint import DeltaChain
 from ..checkpoint import inspect as inspect_checkpoint
 from ..checkpoint import load as load_checkpoint
 from ..checkpoint import save as save_checkpoint
+from ..codecs import NonFiniteError
+from ..codecs.memory import reshard_state
+from ..comm.control import RankDisagreement
 from ..comm import ring_allreduce_bytes
 from ..metrics import WorkerMetrics
 from ..ps import ParameterServerClient, flat_to_parameters
@@ -44,13 +47,20 @@ from ..torch.optim import build_optimizer
 from .data import load_dataset, shard
 from .models import build_model
 
-__all__ = ["train_loop", "total_steps"]
+__all__ = ["Adoption", "agreed_accuracy", "shard_plan", "train_loop"]
 
 
-def total_steps(training: TrainingSpec, shard_size: int) -> int:
+def shard_plan(training: TrainingSpec, train_size: int, rank: int, world: int) -> tuple[torch.Tensor, int]:
+    """This rank's training examples, and the steps that every rank runs.
+
+    In ``epochs`` mode the shards differ by up to one example, so epochs are counted over the
+    smallest shard (``train_size // world`` examples) on every rank: a rank that ran one step
+    longer would wait in a collective for ranks that had already stopped. (Batches are drawn
+    from the rank's own shard, so no example is left out for good.)"""
+    mine = shard(train_size, rank, world, training.seed)
     if training.steps is not None:
-        return training.steps
-    return training.epochs * max(1, math.ceil(shard_size / training.batch_size))
+        return mine, training.steps
+    return mine, training.epochs * max(1, math.ceil((train_size // world) / training.batch_size))
 
 
 def _batch(seed: int, rank: int, step: int, shard_size: int, batch: int) -> torch.Tensor:
@@ -91,34 +101,77 @@ def _compute_time(model: DistributedDataParallel, x: torch.Tensor, y: torch.Tens
     return best
 
 
-class _Adoption:
-    """Rank 0 fetches the controller's latest decision without waiting and broadcasts it;
-    every rank hands it to the hook at the same step."""
+class Adoption:
+    """Rank 0 takes the controller's latest decision without waiting (``poll`` returns a
+    ``{"seq", "ratio"}`` decision or None) and proposes it in the step's control word; every
+    rank adopts the agreed proposal from the next step on, however late the decision came.
+    ``applied(seq, step)`` tells the controller, once, from rank 0."""
 
-    def __init__(self, controller, rank: int, state, device):
-        self.controller, self.rank, self.state, self.device = controller, rank, state, device
-        self.pending = controller.decision.remote() if rank == 0 else None
-        self.latest = {"seq": -1, "ratio": 0.0}
-        self.applied_seq = -1
+    def __init__(self, poll, applied, rank: int, state):
+        self.poll, self.applied, self.rank, self.state = poll, applied, rank, state
+        self.proposed_seq = self.applied_seq = -1
 
-    def before_step(self, step: int) -> None:
-        if self.rank == 0:
-            ready, _ = ray.wait([self.pending], timeout=0)
-            if ready:
-                self.latest = ray.get(self.pending)
-                self.pending = self.controller.decision.remote()
-        message = torch.tensor([float(self.latest["seq"]), float(self.latest["ratio"])], dtype=torch.float64,
-                               device=self.device)  # NCCL broadcasts device tensors only
-        dist.broadcast(message, src=0)
-        seq, ratio = int(message[0]), float(message[1])
-        if seq == self.applied_seq or ratio < 1.0:
+    @classmethod
+    def from_controller(cls, controller, rank: int, state) -> "Adoption":
+        pending = [controller.decision.remote()] if rank == 0 else []
+
+        def poll():
+            ready, _ = ray.wait(pending, timeout=0)
+            if not ready:
+                return None
+            decision = ray.get(pending[0])
+            pending[0] = controller.decision.remote()
+            return decision
+
+        return cls(poll, lambda seq, step: controller.applied.remote(seq, step), rank, state)
+
+    def before_step(self) -> None:
+        if self.rank != 0:
             return
-        self.applied_seq = seq
-        self.state.set_enabled(ratio > 1.0)
-        if ratio > 1.0:
-            self.state.set_ratio(1.0 / ratio)
-        if self.rank == 0:
-            self.controller.applied.remote(seq, step)
+        latest = self.poll()
+        if latest is not None and latest["seq"] > self.proposed_seq and latest["ratio"] >= 1.0:
+            # Agreed in this step's control word, applied by every rank from the next step.
+            self.proposed_seq = latest["seq"]
+            self.state.propose(latest["ratio"], seq=latest["seq"])
+
+    def after_step(self, step: int) -> None:
+        adopted = self.state.last_step.adopted if self.state.last_step is not None else None
+        if adopted is not None and adopted[0] > self.applied_seq:
+            self.applied_seq = adopted[0]
+            if self.rank == 0:
+                self.applied(adopted[0], step + 1)
+
+
+def _skip_step(state, model: torch.nn.Module, step: int, rank: int, policy: str) -> bool:
+    """Whether every rank drops this step for a non-finite gradient. rayzip's hook agreed on
+    it in the control word; under plain DDP or a torch hook every rank holds the same
+    averaged gradient, and at world size 1 there is no one to agree with, so each rank's
+    own look is everyone's."""
+    if state is not None:
+        return bool(state.last_step.skipped)
+    for name, p in model.named_parameters():
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            if policy == "raise":
+                raise NonFiniteError(f"step {step}: the gradient of {name} is not finite (rank {rank}'s view, "
+                                     "the same on every rank)")
+            return True
+    return False
+
+
+def _fail_together(exc: Exception, step: int, world: int) -> None:
+    """Every rank reports the failure and returns; the driver raises it (see run_job)."""
+    print(f"rayzip: stopping every rank at step {step}: {type(exc).__name__}: {exc}")
+    ray.train.report({"step": step, "world_size": world, "done": True,
+                      "failure": f"{type(exc).__name__}: {exc}", "failure_type": type(exc).__name__})
+
+
+def agreed_accuracy(accuracy: float | None, device) -> float | None:
+    """Rank 0's test accuracy, on every rank."""
+    message = torch.tensor([float("nan") if accuracy is None else accuracy], dtype=torch.float64,
+                           device=device)  # NCCL broadcasts device tensors only
+    dist.broadcast(message, src=0)
+    value = float(message.item())
+    return None if math.isnan(value) else value
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -171,15 +224,37 @@ def _restore(checkpoint, rank: int, world: int, model, optimizer, state, chain: 
         for group, value in zip(optimizer.param_groups, momentum):
             if value is not None:
                 group["momentum"] = value
-        mine = path / f"rank{rank}"
-        if state is not None and mine.exists():
-            saved = load_checkpoint(mine)
-            if saved["world_size"] == world:
-                state.load_state_dict(saved["hook"])
-            else:  # another world size shards the buckets' residuals differently: start them anew
-                print(f"rayzip: world size {saved['world_size']} -> {world}: error-feedback residuals reset")
-                state.step = trainer["step"] + 1
+        if state is not None:
+            _restore_hook(path, rank, world, trainer, state)
     return trainer["step"] + 1, trainer["totals"], trainer["test_accuracy"]
+
+
+def _restore_hook(path: Path, rank: int, world: int, trainer: dict, state) -> None:
+    """The hook's state for this rank. Every rank, new ones included, resumes at the
+    checkpoint's step (a new rank at step 0 would send dense warm-up steps while the others
+    ran the ring). The residuals and velocities do not depend on the world size: after a
+    resize they are re-sharded (:func:`reshard_state`) so their mean over the workers, the
+    update still pending, is kept."""
+    old_world = int(trainer["world_size"])
+    saved = {}
+    for old_rank in range(old_world):
+        if old_rank == rank or (old_world != world and old_rank % world == rank):
+            part = path / f"rank{old_rank}"
+            if part.exists():
+                saved[old_rank] = load_checkpoint(part)["hook"]
+    if old_world == world and rank in saved:
+        state.load_state_dict(saved[rank])
+    else:
+        # The codec's state (a seeded codec's call count) is the same on every rank.
+        template = saved.get(rank) or next(iter(saved.values()), None)
+        if template is None and (path / "rank0").exists():
+            template = load_checkpoint(path / "rank0")["hook"]
+        if template is not None:
+            memory = reshard_state({r: h["memory"] for r, h in saved.items()}, old_world, world, rank)
+            state.load_state_dict({**template, "memory": memory})
+        print(f"rayzip: rank {rank}: world size {old_world} -> {world}: error feedback re-sharded from "
+              f"rank(s) {sorted(saved) or 'none'}")
+    state.step = trainer["step"] + 1
 
 
 def _server_weights(model: torch.nn.Module, client: ParameterServerClient) -> tuple[dict, dict]:
@@ -242,7 +317,8 @@ def train_loop(config: dict) -> None:
     device = ray.train.torch.get_device()
     ddp = isinstance(model, DistributedDataParallel)
     hooked = ddp and comp.torch_hook is None and (comp.codec != "none" or comp.verify or comp.momentum_correction)
-    state = compress(model, comp, momentum=training.momentum if comp.momentum_correction else None) if hooked else None
+    state = compress(model, comp, momentum=training.momentum if comp.momentum_correction else None,
+                     on_nonfinite=training.on_nonfinite) if hooked else None
     counter = (register_torch_hook(model, comp.torch_hook, comp.powersgd_rank, comp.powersgd_start_iter)
                if ddp and comp.torch_hook else None)
     # At world size 1 there is no hook, so momentum stays in the optimizer.
@@ -251,10 +327,9 @@ def train_loop(config: dict) -> None:
               if ps_mode else None)
     optimizer = None if ps_mode else build_optimizer(
         training, model.parameters(), momentum_elsewhere=state is not None and comp.momentum_correction)
-    numel = sum(p.numel() for p in model.parameters())
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-    mine = shard(len(x_train), rank, world, training.seed)
-    steps = total_steps(training, len(mine))
+    mine, steps = shard_plan(training, len(x_train), rank, world)
     compute_probe_s = _compute_time(model, x_train[mine[:training.batch_size]].to(device),
                                     y_train[mine[:training.batch_size]].to(device)) if ddp else 0.0
     chain = None
@@ -267,18 +342,21 @@ def train_loop(config: dict) -> None:
         start, totals, accuracy = _restore(ray.train.get_checkpoint(), rank, world, model, optimizer, state, chain)
         weights = lambda: (_unwrap(model).state_dict(), optimizer.state_dict())  # noqa: E731
     totals = {"bytes_sent": 0, "bytes_received": 0, "dense_bytes": 0, "train_s": 0.0, "step_s": 0.0, "comm_s": 0.0, "network_s": 0.0,
-              "timed_steps": 0, **totals}
+              "timed_steps": 0, "skipped_steps": 0, **totals}
     every = spec.checkpoint.every_steps
     run_id = config.get("run_id", spec.name)
     metrics_out = WorkerMetrics(run_id, spec.name, rank) if spec.metrics.enabled else None
     controller = ray.get_actor(config["controller"]) if config.get("controller") else None
-    adoption = _Adoption(controller, rank, state, device) if controller is not None and state is not None else None
+    adoption = Adoption.from_controller(controller, rank, state) if controller is not None and state is not None else None
     train_start = time.perf_counter() - totals["train_s"]
     tx_start = _interface_tx_bytes()
 
+    skipped_in_a_row = 0
     for step in range(start, steps):
         if adoption is not None:
-            adoption.before_step(step)
+            adoption.before_step()
+        if state is not None and step == steps - 1:
+            state.request_stop()  # every rank learns it at this step's exchange, even one that counted more
         t0 = time.perf_counter()
         lr = scaled_lr(training.lr, world, training.base_world_size, step, training.lr_warmup_steps)
         for group in optimizer.param_groups if optimizer is not None else ():
@@ -287,10 +365,22 @@ def train_loop(config: dict) -> None:
         x, y = x_train[idx].to(device), y_train[idx].to(device)
         model.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), y)
-        loss.backward()  # the comm hook compresses and exchanges here
+        try:
+            loss.backward()  # the comm hook compresses and exchanges here
+            skipped = _skip_step(state, model, step, rank, training.on_nonfinite) if client is None else False
+        except (NonFiniteError, RankDisagreement) as exc:
+            # Raised on every rank at once (the control word, or a gradient every rank
+            # holds): end the run together, without a retry that would replay the same batch.
+            _fail_together(exc, step, world)
+            return
+        skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
+        if skipped_in_a_row > training.max_skipped_steps:
+            _fail_together(NonFiniteError(f"{skipped_in_a_row} steps in a row skipped for non-finite gradients, "
+                                          f"the last at step {step}"), step, world)
+            return
         if client is not None:
             client.update(model, step, lr)  # push, the shards step, pull
-        else:
+        elif not skipped:
             optimizer.step()
         step_s = time.perf_counter() - t0
 
@@ -302,9 +392,7 @@ def train_loop(config: dict) -> None:
             bytes_sent = counter.take() if counter is not None else dense_bytes
             comm_s = max(0.0, step_s - compute_probe_s) if ddp else 0.0
             network_s = comm_s
-        loss_value = float(loss.detach())
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"rank {rank}: loss is {loss_value} at step {step}")
+        loss_value = float(loss.detach())  # may be NaN on one rank: the gradients decide, on every rank
         if metrics_out is not None:
             metrics_out.record(step, step_s, comm_s, network_s, bytes_sent, dense_bytes, loss_value)
         if controller is not None:
@@ -313,6 +401,9 @@ def train_loop(config: dict) -> None:
         totals["comm_s"] += comm_s
         totals["network_s"] += network_s
         totals["timed_steps"] += 1
+        totals["skipped_steps"] += int(skipped)
+        if adoption is not None:
+            adoption.after_step(step)
         totals["bytes_sent"] += bytes_sent
         totals["bytes_received"] += stats.bytes_received if stats is not None else 0
         totals["dense_bytes"] += dense_bytes
@@ -328,16 +419,15 @@ def train_loop(config: dict) -> None:
         paused = time.perf_counter()
         if evaluate:
             accuracy = _accuracy(model, x_test, y_test, device)
+        if evaluate and world > 1 and dist.is_initialized():
+            # Rank 0's accuracy counts: in asynchronous parameter-server mode each rank
+            # evaluates its own copy of the model, and a rank that stopped alone, then or at a
+            # later step from its own stale figure, would leave the others waiting.
+            accuracy = agreed_accuracy(accuracy, device)
         reached = training.target_accuracy is not None and accuracy is not None and accuracy >= training.target_accuracy
         if reached and totals.get("time_to_target_s") is None:
             totals["time_to_target_s"], totals["steps_to_target"] = totals["train_s"], step + 1
-        done = last or (reached and training.stop_at_target)
-        if evaluate and not last and world > 1 and dist.is_initialized():
-            # Rank 0 decides: in asynchronous parameter-server mode each rank evaluates its own
-            # copy of the model, and a rank that stopped alone would leave the others waiting.
-            verdict = torch.tensor([float(done)], device=device)  # NCCL broadcasts device tensors only
-            dist.broadcast(verdict, src=0)
-            done = bool(verdict.item())
+        done = last or (reached and training.stop_at_target) or bool(stats is not None and getattr(stats, "stop", False))
         metrics = {
             "step": step, "loss": loss_value, "lr": lr, "world_size": world,
             "step_s": step_s, "comm_s": comm_s, "compute_probe_s": compute_probe_s,
@@ -356,7 +446,8 @@ def train_loop(config: dict) -> None:
             "verify_documented_bytes": totals.get("verify_documented_bytes"),
             "test_accuracy": accuracy, "reached_target": totals.get("time_to_target_s") is not None,
             "time_to_target_s": totals.get("time_to_target_s"), "steps_to_target": totals.get("steps_to_target"), "elapsed_s": time.time() - started,
-            "done": done, "pid": os.getpid(),
+            "done": done, "pid": os.getpid(), "skipped": skipped,
+            "skipped_steps": totals["skipped_steps"],
         }
         checkpoint = None
         if (every and (step + 1) % every == 0) or done:

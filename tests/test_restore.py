@@ -1,0 +1,139 @@
+"""Restores and resizes keep every rank in step, and keep error feedback (issue 16)."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+try:
+    from gloo_world import run_world
+except ImportError:
+    from tests.gloo_world import run_world
+from rayzip.codecs.memory import reshard_state
+from rayzip.spec import CompressionSpec, TrainingSpec
+from rayzip.torch.hook import CompressionState
+from rayzip.xp import array_module, as_array
+
+TIMEOUT_S = 30
+NUMEL = 3000
+
+
+@pytest.mark.parametrize("world", [2, 3, 7, 8])
+def test_every_rank_runs_the_same_steps_in_epochs_mode(world):
+    from rayzip.train.loop import shard_plan
+
+    training = TrainingSpec(epochs=2, batch_size=64)
+    train_size = 1347  # digits' training split: 7 shards of 193 and 192 examples
+    plans = [shard_plan(training, train_size, rank, world) for rank in range(world)]
+    assert len({steps for _, steps in plans}) == 1
+    assert plans[0][1] == 2 * math.ceil((train_size // world) / 64)
+    assert sorted(int(i) for mine, _ in plans for i in mine) == list(range(train_size))  # disjoint cover
+
+
+@pytest.mark.parametrize("old, new", [(2, 3), (3, 2), (4, 1), (1, 2), (2, 2)])
+def test_reshard_keeps_the_mean_of_pending_error_feedback(old, new):
+    rng = np.random.default_rng(old * 10 + new)
+    saved = {r: {"model": rng.standard_normal(50).astype(np.float32),
+                 "velocity:model": rng.standard_normal(50).astype(np.float32)} for r in range(old)}
+    resharded = [reshard_state(saved, old, new, r) for r in range(new)]
+    for key in ("model", "velocity:model"):
+        before = np.mean([saved[r][key] for r in range(old)], axis=0)
+        after = np.sum([s[key] for s in resharded if key in s], axis=0) / new
+        np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
+
+
+def _state(rank, world, warmup=5):
+    param = torch.zeros(NUMEL)
+    spec = CompressionSpec(codec="topk", ratio=0.02, momentum_correction=True, warmup_steps=warmup)
+    return CompressionState(spec, parameters=[param], momentum=0.9)
+
+
+def _save_rank(rank, world, directory, steps):
+    from rayzip.train.loop import _save
+
+    state = _state(rank, world)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        state.average(torch.randn(NUMEL, generator=gen))
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    weights = lambda: (model.state_dict(), optimizer.state_dict())  # noqa: E731
+    _save(Path(directory), rank, world, steps - 1, weights, state, {"checkpoints": 0}, None, None)
+    return {k: np.asarray(v).copy() for k, v in state.memory.state_dict().items()}
+
+
+def _restore_rank(rank, world, directory, device):
+    import ray.train
+
+    from rayzip.train.loop import _restore
+
+    state = _state(rank, world)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    start, _, _ = _restore(ray.train.Checkpoint.from_directory(directory), rank, world, model, optimizer, state, None)
+    held = state.memory.residuals.get("model")
+    on_device = held is None or array_module(held) is as_array(torch.empty(0, device=device))[1]
+    memory = {k: np.asarray(v).copy() for k, v in state.memory.state_dict().items()}
+    state.average(torch.ones(NUMEL))  # every rank at the same step: no RankDisagreement
+    return start, state.last_step.step, state.last_step.compressed, memory, on_device
+
+
+@pytest.mark.parametrize("old, new", [(2, 3), (3, 2)])
+def test_a_resize_resumes_every_rank_at_the_checkpoint_step_with_error_feedback_kept(old, new):
+    with tempfile.TemporaryDirectory() as directory:
+        saved = run_world(_save_rank, old, directory, 8, timeout_s=TIMEOUT_S)
+        restored = run_world(_restore_rank, new, directory, "cpu", timeout_s=TIMEOUT_S)
+    for start, step, compressed, _, on_device in restored:
+        # A new rank at step 0 would still be in its dense warm-up (5 steps) while the others ran the ring.
+        assert start == 8 and step == 8 and compressed and on_device
+    for key in ("model", "velocity:model"):
+        before = np.mean([s[key] for s in saved], axis=0)
+        after = np.sum([r[3][key] for r in restored if key in r[3]], axis=0) / new
+        assert np.abs(before).max() > 0.1  # there was something pending to keep
+        np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (and cupy) to restore onto")
+def test_restored_error_feedback_lands_on_the_gradients_device_on_cuda():
+    from rayzip.codecs import ErrorFeedback
+
+    memory = ErrorFeedback()
+    grad = torch.randn(NUMEL, device="cuda")
+    memory.load_state_dict({"model": np.ones(NUMEL, np.float32)}, like=grad)
+    assert array_module(memory.residuals["model"]) is as_array(grad)[1]
+    memory.encode(CompressionSpec(codec="topk", ratio=0.1).build_codec(), "model", grad)
+    assert array_module(memory.residuals["model"]) is as_array(grad)[1]
+
+
+def test_restored_error_feedback_follows_the_gradient_to_its_array_module():
+    # The device-agnostic check: state restored from a checkpoint (host numpy) is moved to
+    # wherever the first gradient lives, and ``like=`` moves it up front.
+    from rayzip.codecs import ErrorFeedback, MomentumCorrection
+
+    grad = torch.randn(NUMEL)
+    for memory in (ErrorFeedback(), MomentumCorrection(0.9)):
+        saved = {"model": torch.ones(NUMEL), "velocity:model": torch.ones(NUMEL)}  # as checkpoint.load gives
+        if not isinstance(memory, MomentumCorrection):
+            saved.pop("velocity:model")
+        memory.load_state_dict(saved, like=grad)
+        assert array_module(memory.residuals["model"]) is as_array(grad)[1]
+        memory.encode(CompressionSpec(codec="topk", ratio=0.1).build_codec(), "model", grad)
+        held = [memory.residuals["model"], *getattr(memory, "velocities", {}).values()]
+        assert all(array_module(h) is as_array(grad)[1] for h in held)
+
+
+def _accuracy_rank(rank, world):
+    from rayzip.train.loop import agreed_accuracy
+
+    # In asynchronous parameter-server mode each rank evaluates its own copy of the model.
+    own = [0.80, 0.95, 0.91][rank]
+    return agreed_accuracy(own, "cpu"), agreed_accuracy(None if rank == 0 else own, "cpu")
+
+
+def test_every_rank_takes_rank_zeros_accuracy_for_the_stop_decision():
+    assert run_world(_accuracy_rank, 3, timeout_s=TIMEOUT_S) == [(0.80, None)] * 3
