@@ -428,13 +428,17 @@ def checkpoint_verify(path: Path = typer.Argument(..., help="Checkpoint director
 
 @checkpoint_app.command("decompress")
 def checkpoint_decompress(path: Path = typer.Argument(..., help="Checkpoint directory."),
-                          out: Path = typer.Option(..., "--out", "-o", help="Write the state here with torch.save.")):
+                          out: Path = typer.Option(..., "--out", "-o", help="Write the state here with torch.save."),
+                          allow_pickle: bool = typer.Option(
+                              False, "--allow-pickle", help="Unpickle objects stored with allow_pickle=True: "
+                                                            "this runs code from the checkpoint, so only for files "
+                                                            "you trust.")):
     """Write the restored state as a plain torch.save file."""
     import torch
 
     from .checkpoint import load
 
-    state = _checkpoint_or_exit(lambda: load(path))
+    state = _checkpoint_or_exit(lambda: load(path, allow_pickle=allow_pickle))
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, out)
     console.print(f"wrote {out}", highlight=False)

@@ -348,7 +348,8 @@ def test_delta_chain_survives_ray_rotation_and_restarts(tmp_path):
         reported.append(target)
         while len(reported) > 2:
             shutil.rmtree(reported.pop(0))  # Ray's rotation
-    assert sorted(p.name for p in (tmp_path / "bases").iterdir()) == sorted(set(chain.history[-2:]))
+    # Bases of the last keep + 1 checkpoints: the newest is not registered with Ray yet.
+    assert sorted(p.name for p in (tmp_path / "bases").iterdir()) == sorted(set(chain.history[-3:]))
     assert chain.history == ["base-000000"] * 3 + ["base-000003"] * 3 + ["base-000006"] * 2
     for target in reported:  # every checkpoint Ray kept restores bit-exactly
         back = checkpoint.load(target)
@@ -363,3 +364,26 @@ def test_delta_chain_survives_ray_rotation_and_restarts(tmp_path):
     resumed.history = resumed.save(tmp_path / "checkpoint_008", advance(1), 8, resumed.history)
     assert resumed.history[-1] == "base-000006"
     checkpoint.verify(tmp_path / "checkpoint_008")
+
+
+def test_delta_chain_keeps_the_registered_checkpoints_base_until_a_newer_one_is_registered(tmp_path):
+    # num_to_keep 1, a new base every checkpoint: saving checkpoint 1 must not delete the base
+    # of checkpoint 0, which is still the registered one until Ray registers checkpoint 1.
+    import shutil
+
+    from rayzip.checkpoint import DeltaChain
+
+    advance = adam_state(1)
+    chain = DeltaChain(tmp_path / "bases", full_every=1, keep=1)
+    first, second = advance(2), advance(2)
+    chain.history = chain.save(tmp_path / "checkpoint_000", first, 0, chain.history)
+    chain.history = chain.save(tmp_path / "checkpoint_001", second, 1, chain.history)
+    # The worker dies here, before Ray registered checkpoint_001: the job resumes from 000.
+    back = checkpoint.load(tmp_path / "checkpoint_000")
+    for name, value in first["model"].items():
+        assert_bit_exact(value, back["model"][name], name)
+    # Once 001 is registered, Ray deletes 000, and the next save collects 000's base.
+    shutil.rmtree(tmp_path / "checkpoint_000")
+    chain.history = chain.save(tmp_path / "checkpoint_002", advance(1), 2, chain.history)
+    assert sorted(p.name for p in (tmp_path / "bases").iterdir()) == ["base-000001", "base-000002"]
+    checkpoint.verify(tmp_path / "checkpoint_001")

@@ -4,8 +4,11 @@ Ray's ``CheckpointConfig(num_to_keep)`` deletes old checkpoint directories, so a
 checkpoint must not refer to a base inside one of them. :class:`DeltaChain` writes a full
 *base* into a directory of its own every ``full_every`` checkpoints, and each checkpoint
 reported to Ray stores its weights as XOR deltas against the current base, which it names by
-absolute path. After each save it deletes the bases that none of the last ``keep``
-checkpoints refers to: exactly the ones Ray may still hold, since Ray keeps the most recent.
+absolute path. After each save it deletes the bases that neither the new checkpoint nor the
+``keep`` before it refers to. The new one is not registered with Ray yet (a worker lost
+before it is would resume from the one before), and Ray holds the ``keep`` most recent
+registered ones, so a base goes only once a newer registered checkpoint replaced every
+checkpoint that needs it.
 The list of bases used travels in the checkpoint itself, so a restarted job continues the
 chain where its checkpoint left it.
 
@@ -54,7 +57,7 @@ class DeltaChain:
         return history
 
     def _collect(self, history: list[str]) -> None:
-        needed = set(history[-self.keep:])
+        needed = set(history[-(self.keep + 1):])
         for base in self.root.glob("base-*"):
             if base.name not in needed:
                 shutil.rmtree(base, ignore_errors=True)

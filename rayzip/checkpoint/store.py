@@ -1,8 +1,11 @@
 """The checkpoint directory: ``manifest.json`` plus ``tensors.bin``.
 
 ``save(directory, state, base=...)`` writes any nest of dicts, lists and tuples whose
-leaves are tensors (torch, numpy or cupy), numbers, strings, None or other picklable
-objects; ``load(directory)`` returns the same nest with every tensor bit-exact.
+leaves are tensors (torch, numpy or cupy), numbers (NaN and Inf included, numpy scalars
+too), strings, bytes or None; ``load(directory)`` returns the same nest with every tensor
+bit-exact. Nothing is pickled: loading a checkpoint never runs code from it. Other objects
+need ``save(..., allow_pickle=True)``, and loading them ``load(..., allow_pickle=True)``,
+which trusts whoever could write the file.
 
 The manifest lists, per tensor: name (its path in the nest), dtype, shape, codec and codec
 parameters, whether it is a delta against the base, the byte range of each of its streams
@@ -20,6 +23,7 @@ Usage::
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pickle
@@ -49,17 +53,29 @@ class CheckpointError(ValueError):
 
 # --- the nest <-> (tree, leaves) ------------------------------------------------------------
 
-def _flatten(obj: Any, path: str, tensors: dict[str, Any], objects: dict[str, bytes]):
+def _flatten(obj: Any, path: str, tensors: dict[str, Any], objects: dict[str, bytes], allow_pickle: bool):
     if is_torch(obj) or isinstance(obj, np.ndarray) or type(obj).__module__.startswith("cupy"):
         tensors[path] = obj
         return {"$tensor": path}
     if isinstance(obj, dict):
-        return {"$dict": [[_key(k, path), _flatten(v, f"{path}/{k}", tensors, objects)] for k, v in obj.items()]}
+        return {"$dict": [[_key(k, path), _flatten(v, f"{path}/{k}", tensors, objects, allow_pickle)]
+                          for k, v in obj.items()]}
     if isinstance(obj, (list, tuple)):
-        items = [_flatten(v, f"{path}/{i}", tensors, objects) for i, v in enumerate(obj)]
+        items = [_flatten(v, f"{path}/{i}", tensors, objects, allow_pickle) for i, v in enumerate(obj)]
         return {"$list" if isinstance(obj, list) else "$tuple": items}
-    if obj is None or isinstance(obj, (bool, int, float, str)) and _json_exact(obj):
+    if isinstance(obj, np.generic) and obj.dtype.kind in "biuf":  # numpy scalars, exactly
+        return {"$scalar": [obj.dtype.str, _flatten(obj.item(), path, tensors, objects, False)]}
+    if obj is None or isinstance(obj, (bool, int, str)):
         return obj
+    if isinstance(obj, float):
+        return obj if np.isfinite(obj) else {"$float": repr(obj)}  # JSON has no NaN or Inf
+    if isinstance(obj, bytes):
+        return {"$bytes": base64.b64encode(obj).decode()}
+    if not allow_pickle:
+        raise CheckpointError(f"{path or '/'}: a {type(obj).__module__}.{type(obj).__qualname__} can only be "
+                              "stored by pickling it, and loading a pickle runs code from the file: store "
+                              "tensors, numbers, strings and containers, or pass allow_pickle=True to save "
+                              "(and to load)")
     objects[path] = pickle.dumps(obj)
     return {"$pickle": path}
 
@@ -70,20 +86,27 @@ def _key(key: Any, path: str) -> Any:
     raise CheckpointError(f"{path}: dict key {key!r} is not a str or int")
 
 
-def _json_exact(value: Any) -> bool:
-    return not isinstance(value, float) or np.isfinite(value)
-
-
-def _unflatten(node: Any, tensors: dict[str, Any], objects: dict[str, bytes]):
+def _unflatten(node: Any, tensors: dict[str, Any], objects: dict[str, bytes], source: Path, allow_pickle: bool):
     if not isinstance(node, dict):
         return node
     if "$tensor" in node:
         return tensors[node["$tensor"]]
+    if "$float" in node:
+        return float(node["$float"])
+    if "$scalar" in node:
+        dtype, value = node["$scalar"]
+        return np.dtype(dtype).type(value)
+    if "$bytes" in node:
+        return base64.b64decode(node["$bytes"])
     if "$pickle" in node:
+        if not allow_pickle:
+            raise CheckpointError(f"{source}: entry {node['$pickle']!r} is a pickled object, and unpickling runs "
+                                  "code from the file: refused. Load with allow_pickle=True (rayzip checkpoint "
+                                  "decompress --allow-pickle) only if you trust whoever could write it")
         return pickle.loads(objects[node["$pickle"]])
     if "$dict" in node:
-        return {k: _unflatten(v, tensors, objects) for k, v in node["$dict"]}
-    items = [_unflatten(v, tensors, objects) for v in node.get("$list", node.get("$tuple", []))]
+        return {k: _unflatten(v, tensors, objects, source, allow_pickle) for k, v in node["$dict"]}
+    items = [_unflatten(v, tensors, objects, source, allow_pickle) for v in node.get("$list", node.get("$tuple", []))]
     return items if "$list" in node else tuple(items)
 
 
@@ -95,7 +118,7 @@ def _dtype_name(x: Any) -> str:
 
 def save(directory: str | os.PathLike, state: Any, base: str | os.PathLike | None = None,
          optimizer_state: Callable[[str], bool] | None = None, delta: Callable[[str], bool] | None = None,
-         absolute_base: bool = False, threads: int | None = None) -> dict:
+         absolute_base: bool = False, threads: int | None = None, allow_pickle: bool = False) -> dict:
     """Write ``state`` to ``directory``; returns the manifest.
 
     With ``base`` (a checkpoint directory), tensors present there with the same dtype and
@@ -105,12 +128,14 @@ def save(directory: str | os.PathLike, state: Any, base: str | os.PathLike | Non
     ``optimizer_state(name)`` marks tensors whose codec choice should try the prefix mapping
     first (default: names under ``optimizer``). Names are paths in the nest: ``/model/fc.weight``.
     ``threads`` code streams in parallel (default: the usable cores, at most 8).
+    ``allow_pickle`` lets leaves that are not tensors, numbers, strings or bytes be pickled;
+    without it they raise :class:`CheckpointError` naming their path.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / DATA, "wb") as out:
         manifest = _encode(state, base, optimizer_state, delta, out.write,
-                           None if absolute_base else directory.resolve(), threads)
+                           None if absolute_base else directory.resolve(), threads, allow_pickle)
     tmp = directory / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest))
     os.replace(tmp, directory / MANIFEST)  # the manifest appears last, whole
@@ -119,18 +144,19 @@ def save(directory: str | os.PathLike, state: Any, base: str | os.PathLike | Non
 
 def encode(state: Any, base: str | os.PathLike | None = None,
            optimizer_state: Callable[[str], bool] | None = None,
-           delta: Callable[[str], bool] | None = None, threads: int | None = None) -> tuple[dict, list]:
+           delta: Callable[[str], bool] | None = None, threads: int | None = None,
+           allow_pickle: bool = False) -> tuple[dict, list]:
     """``(manifest, blobs)``: :func:`save` in memory; ``b"".join(blobs)`` is ``tensors.bin``.
     The base, if any, is recorded by absolute path."""
     blobs: list = []
-    return _encode(state, base, optimizer_state, delta, blobs.append, None, threads), blobs
+    return _encode(state, base, optimizer_state, delta, blobs.append, None, threads, allow_pickle), blobs
 
 
 def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any],
-            relative_to: Path | None, threads: int | None) -> dict:
+            relative_to: Path | None, threads: int | None, allow_pickle: bool = False) -> dict:
     tensors: dict[str, Any] = {}
     objects: dict[str, bytes] = {}
-    tree = _flatten(state, "", tensors, objects)
+    tree = _flatten(state, "", tensors, objects, allow_pickle)
     is_optimizer = optimizer_state or (lambda name: name.startswith("/optimizer"))
     base_tensors, base_ref = ({}, None)
     wants_delta = delta or (lambda name: True)
@@ -273,7 +299,9 @@ def _load_tensors(directory: Path, words_only: bool = False, names: set[str] | N
                   threads: int | None = None):
     """{name: (words, dtype, shape)} when words_only, else the manifest and restored leaves."""
     manifest = _read_manifest(directory)
-    data_path = directory / manifest["data"]
+    if manifest.get("data") != DATA:  # never a path the manifest could point elsewhere with
+        raise CheckpointError(f"{directory / MANIFEST}: its data file is {manifest.get('data')!r}, not {DATA!r}")
+    data_path = directory / DATA
     try:
         data = data_path.read_bytes()
     except FileNotFoundError:
@@ -281,11 +309,11 @@ def _load_tensors(directory: Path, words_only: bool = False, names: set[str] | N
     return _decode(manifest, memoryview(data), data_path, _base_dir(directory, manifest), words_only, names, threads)
 
 
-def decode(manifest: dict, blobs: list, threads: int | None = None) -> Any:
-    """Inverse of :func:`encode`; ``threads`` as for :func:`load`."""
+def decode(manifest: dict, blobs: list, threads: int | None = None, allow_pickle: bool = False) -> Any:
+    """Inverse of :func:`encode`; ``threads`` and ``allow_pickle`` as for :func:`load`."""
     manifest, tensors, objects = _decode(manifest, _Pieces(blobs), Path(DATA), _base_dir(Path("/"), manifest),
                                          threads=threads)
-    return _unflatten(manifest["tree"], tensors, objects)
+    return _unflatten(manifest["tree"], tensors, objects, Path(DATA), allow_pickle)
 
 
 class _Pieces:
@@ -316,6 +344,15 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
 
     def restore(name: str, entry: dict) -> Any:
         """The tensor's words, or a pickled object's bytes."""
+        try:
+            return restore_unchecked(name, entry)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # a stream or manifest entry that its decoder cannot take
+            raise CheckpointError(f"{data_path}: tensor {name!r}: cannot be restored "
+                                  f"({type(exc).__name__}: {exc})") from None
+
+    def restore_unchecked(name: str, entry: dict) -> Any:
         streams = []
         for s in entry["streams"]:
             blob = data[s["offset"]: s["offset"] + s["stored"]]
@@ -325,6 +362,9 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
                 streams.append(unpack_stream(blob, s["coding"], s["nbytes"]))
             except Exception as exc:
                 raise CheckpointError(f"{data_path}: tensor {name!r}: cannot decompress ({exc})") from None
+            if not entry.get("pickle") and s["nbytes"] > _most_stream_bytes(entry):
+                raise CheckpointError(f"{data_path}: tensor {name!r}: a stream of {s['nbytes']} bytes is "
+                                      "larger than the tensor could need")
         if entry.get("pickle"):
             return streams[0].tobytes()
         dtype, shape = entry["dtype"], tuple(entry["shape"])
@@ -362,6 +402,12 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
     return manifest, tensors, objects
 
 
+def _most_stream_bytes(entry: dict) -> int:
+    """No stream of a tensor is larger than two bytes per element (prefix escapes) or its raw size."""
+    count = int(np.prod(entry["shape"], dtype=np.int64))
+    return max(2, _itemsize(entry["dtype"])) * count
+
+
 def _hash(data) -> str:
     """XXH3-64 of the bytes, as hex: checksums at memory speed (CRC-32 was a quarter of the
     time of a save)."""
@@ -387,11 +433,12 @@ def _itemsize(dtype: str) -> int:
     return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
-def load(directory: str | os.PathLike, threads: int | None = None) -> Any:
+def load(directory: str | os.PathLike, threads: int | None = None, allow_pickle: bool = False) -> Any:
     """The state saved in ``directory``, with torch tensors on the CPU. Tensors are restored
-    on ``threads`` threads (default: the usable cores, at most 8)."""
+    on ``threads`` threads (default: the usable cores, at most 8). A pickled entry raises
+    :class:`CheckpointError` unless ``allow_pickle`` (unpickling runs code from the file)."""
     manifest, tensors, objects = _load_tensors(Path(directory), threads=threads)
-    return _unflatten(manifest["tree"], tensors, objects)
+    return _unflatten(manifest["tree"], tensors, objects, Path(directory) / MANIFEST, allow_pickle)
 
 
 def verify(directory: str | os.PathLike) -> dict:
