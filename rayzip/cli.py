@@ -37,11 +37,28 @@ def _load_or_exit(path: Path):
 @app.command()
 def validate(spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec (YAML).")):
     """Check a job spec: exit 0 when valid, 2 naming each bad field."""
+    from .spec import ALLOWED_MODULES_ENV, code_references
+
     spec = _load_or_exit(spec_path)
+    _allowed_or_exit(spec, spec_path)
     s = spec.scaling
     console.print(f"ok: {spec.name}: codec {spec.compression.codec} {spec.compression.codec_params()}, "
                   f"collective {spec.compression.collective}, workers {s.min_workers}..{s.max_workers}",
                   highlight=False)
+    for field, value in code_references(spec):
+        console.print(f"note: {field} is code: `rayzip run` imports {value} and calls it on every worker, "
+                      f"with the job's privileges. Run specs only from people you would let run code; "
+                      f"{ALLOWED_MODULES_ENV} limits which modules a spec may name.", highlight=False, soft_wrap=True)
+
+
+def _allowed_or_exit(spec, spec_path: Path) -> None:
+    from .spec import SpecError, check_allowed_modules
+
+    try:
+        check_allowed_modules(spec, source=str(spec_path))
+    except SpecError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
 
 
 @app.command()
@@ -63,6 +80,7 @@ def run(
 ):
     """Train a job spec on Ray ($RAY_ADDRESS, or an embedded local Ray)."""
     spec = _load_or_exit(spec_path)
+    _allowed_or_exit(spec, spec_path)
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .runner import run_job, write_summary
@@ -102,15 +120,21 @@ def submit(
     no_wait: bool = typer.Option(False, "--no-wait", help="Return once submitted."),
     resubmit: bool = typer.Option(False, help="Run again even if this spec was submitted before."),
     working_dir: Optional[Path] = typer.Option(None, help="A folder of your code to ship with the job "
-                                                          "(for module:function models and datasets)."),
+                                                          "(for module:function models and datasets); "
+                                                          ".gitignore and .rayignore are honoured, symlinks out "
+                                                          "of it left out, credential files refused."),
 ):
     """Run a job spec on a Ray cluster via the Jobs API; exit with the job's status."""
     spec = _load_or_exit(spec_path)
+    from .package import SecretFileError
     from .submit import submit_job
 
     try:
         job_id, status = submit_job(spec_path, spec, address=address, wait=not no_wait, resubmit=resubmit,
                                     working_dir=working_dir, echo=lambda line: print(line, flush=True))
+    except (SecretFileError, FileNotFoundError) as exc:  # nothing was sent
+        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
     except Exception as exc:  # connection, auth or API errors: one clear line, no traceback
         console.print(f"[red]submit failed:[/red] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)

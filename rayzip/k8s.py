@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import re
+import shlex
 from typing import Any
 
 from .spec import JobSpec
@@ -101,9 +102,11 @@ def render(spec: JobSpec, spec_text: str, image: str = DEFAULT_IMAGE, namespace:
     meta = {"labels": {"app.kubernetes.io/name": "rayzip", "rayzip/job": name}}
     if namespace:
         meta["namespace"] = namespace
-    entrypoint = f"rayzip run {SPEC_DIR}/job.yaml"
+    # KubeRay runs the entrypoint through a shell: every argument is quoted.
+    command = ["rayzip", "run", f"{SPEC_DIR}/job.yaml"]
     if storage_path:
-        entrypoint += f" --storage-path {storage_path}"
+        command += ["--storage-path", storage_path]
+    entrypoint = shlex.join(command)
     manifests = {
         "configmap.yaml": {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": configmap, **meta},
                            "data": {"job.yaml": spec_text}},

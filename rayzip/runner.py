@@ -27,7 +27,7 @@ from ray.train.torch import TorchTrainer
 
 from .adaptive import controller_name, start_controller
 from .ps import shard_names, shard_report, start_shards, stop_shards
-from .spec import JobSpec
+from .spec import JobSpec, check_allowed_modules
 from .train.loop import train_loop
 
 __all__ = ["ProgressActor", "TrainingFailed", "run_job", "summarize"]
@@ -137,6 +137,7 @@ def _chain_dir(storage: str, run_id: str) -> str | None:
 def run_job(spec: JobSpec, storage_path: str | None = None,
             on_progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Train ``spec`` to completion; returns the summary (see :func:`summarize`)."""
+    check_allowed_modules(spec)  # $RAYZIP_ALLOWED_MODULES, before any worker imports the spec's code
     init_ray()
     run_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     storage = storage_path or os.environ.get("RAYZIP_STORAGE_PATH") or os.path.expanduser("~/ray_results")

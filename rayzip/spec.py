@@ -8,6 +8,7 @@ Usage::
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -22,7 +23,8 @@ from .comm.collectives import choose_collective
 
 __all__ = [
     "CheckpointSpec", "CompressionSpec", "DatasetSpec", "JobSpec", "MetricsSpec", "ModelSpec",
-    "ParameterServerSpec", "ScalingSpec", "SpecError", "TrainingSpec", "load_spec", "parse_spec",
+    "ParameterServerSpec", "ScalingSpec", "SpecError", "TrainingSpec", "check_allowed_modules", "code_references",
+    "load_spec", "parse_spec",
 ]
 
 BUILTIN_MODELS = ("mlp",)
@@ -322,6 +324,34 @@ class JobSpec(_Strict):
             raise ValueError("must be lowercase letters, digits and '-', start with a letter, "
                              "end with a letter or digit, at most 50 characters")
         return v
+
+
+ALLOWED_MODULES_ENV = "RAYZIP_ALLOWED_MODULES"
+
+
+def code_references(spec: JobSpec) -> list[tuple[str, str]]:
+    """``(field, "module:function")`` for each field whose value rayzip imports and calls: a
+    spec that names one runs that code on every worker."""
+    return [(field, value) for field, value in (("model.name", spec.model.name), ("dataset.name", spec.dataset.name))
+            if _IMPORT_PATH.match(value)]
+
+
+def check_allowed_modules(spec: JobSpec, allowed: str | None = None, source: str = "spec") -> None:
+    """Refuse code the operator has not allowed. ``allowed`` (default: $RAYZIP_ALLOWED_MODULES)
+    is a comma-separated list of modules; a module matches an entry or lies under it
+    (``models`` allows ``models.vit``). Unset: any module. Set but empty: built-ins only."""
+    allowed = os.environ.get(ALLOWED_MODULES_ENV) if allowed is None else allowed
+    if allowed is None:
+        return
+    entries = [e.strip() for e in allowed.split(",") if e.strip()]
+    problems = []
+    for field, value in code_references(spec):
+        module = value.partition(":")[0]
+        if not any(module == e or module.startswith(e + ".") for e in entries):
+            problems.append(f"{field}: module {module!r} is not in {ALLOWED_MODULES_ENV} "
+                            f"({', '.join(entries) or 'empty: built-ins only'})")
+    if problems:
+        raise SpecError(problems, source)
 
 
 def _problems(exc: ValidationError) -> list[str]:

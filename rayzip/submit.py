@@ -1,7 +1,9 @@
 """``rayzip submit``: run a job spec on a Ray cluster through the Ray Jobs API.
 
 The job's working directory holds the spec (and, with ``working_dir``, a folder of your code
-for ``module:function`` models and datasets, copied beside it); the entrypoint is
+for ``module:function`` models and datasets, copied beside it as :mod:`rayzip.package`
+allows: ``.gitignore`` and ``.rayignore`` honoured, no symlink out of it, no credential
+files); the entrypoint is
 ``python -m rayzip run SPEC`` on the cluster, whose Python must have rayzip installed. The submission id is derived from the spec's name and content: submitting the
 same spec again attaches to the job already there instead of starting a duplicate; pass
 ``resubmit=True`` for a fresh run.
@@ -25,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from .package import package_working_dir
 from .spec import JobSpec
 
 __all__ = ["submission_id", "submit_job"]
@@ -58,26 +61,30 @@ def submit_job(spec_path: Path, spec: JobSpec, address: str | None = None, wait:
     use_token_auth_if_available()  # before Ray is imported: it reads the mode once
     from ray.job_submission import JobSubmissionClient
 
-    client = JobSubmissionClient(address)
     job_id = submission_id(spec, spec_path.read_bytes())
     if resubmit:
         job_id += time.strftime("-%Y%m%d-%H%M%S")
-    existing = _status(client, job_id)
-    if existing is None:
-        with tempfile.TemporaryDirectory(prefix="rayzip-submit-") as package:
-            if working_dir is not None:
-                shutil.copytree(working_dir, package, dirs_exist_ok=True,
-                                ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.pyc"))
-            shutil.copy(spec_path, Path(package) / SPEC_NAME)
+    with tempfile.TemporaryDirectory(prefix="rayzip-submit-") as package:
+        # Packed before the cluster is contacted: a refused file stops the submission with
+        # nothing sent.
+        shipped = package_working_dir(working_dir, Path(package)) if working_dir is not None else None
+        shutil.copy(spec_path, Path(package) / SPEC_NAME)
+        client = JobSubmissionClient(address)
+        existing = _status(client, job_id)
+        if existing is None:
+            if shipped is not None:
+                echo(f"shipping {len(shipped.files)} files ({shipped.nbytes / 1e6:.2f} MB) from {working_dir}"
+                     + (f"; left out symlinks that leave it or name directories: {', '.join(shipped.left_out_links)}"
+                        if shipped.left_out_links else ""))
             client.submit_job(
                 entrypoint=f"python -m rayzip run {SPEC_NAME}",
                 submission_id=job_id,
                 runtime_env={"working_dir": package},
                 metadata={"rayzip_spec": spec.name},
             )
-        echo(f"submitted {job_id}")
-    else:
-        echo(f"{job_id} was submitted before ({existing}); attaching to it (--resubmit runs it again)")
+            echo(f"submitted {job_id}")
+        else:
+            echo(f"{job_id} was submitted before ({existing}); attaching to it (--resubmit runs it again)")
     if not wait:
         return job_id, None
     asyncio.run(_stream(client, job_id, echo))

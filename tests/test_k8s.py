@@ -126,3 +126,12 @@ def test_podmonitor_scrapes_every_ray_pods_metrics_port_keeping_rayzips_job_labe
                                  shipped("rayjob.yaml")["spec"]["rayClusterSpec"]["workerGroupSpecs"][0])
              for p in c["template"]["spec"]["containers"][0]["ports"]]
     assert ports.count("metrics") == 2
+
+
+def test_storage_path_is_shell_quoted_in_the_entrypoint():
+    import shlex
+
+    spec_text = EXAMPLE.read_text()
+    hostile = "s3://bucket/my runs; touch /tmp/pwned #"
+    entrypoint = render(load_spec(EXAMPLE), spec_text, storage_path=hostile)["rayjob.yaml"]["spec"]["entrypoint"]
+    assert shlex.split(entrypoint) == ["rayzip", "run", "/etc/rayzip/job.yaml", "--storage-path", hostile]

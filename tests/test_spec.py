@@ -128,3 +128,45 @@ def test_defaults_fill_in_and_codec_params_exclude_unset():
     spec = JobSpec.model_validate({"name": "x", "compression": {"codec": "qsgd", "levels": 63}})
     assert spec.training.steps == 300
     assert spec.compression.codec_params(rank=3) == {"levels": 63, "seed": 3}
+
+
+CODE_SPEC = """\
+name: code-spec
+model: {name: "mycorp.models:build"}
+dataset: {name: "scratch.data:load"}
+"""
+
+
+def test_validate_says_that_module_function_fields_are_code(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAYZIP_ALLOWED_MODULES", raising=False)
+    path = tmp_path / "code.yaml"
+    path.write_text(CODE_SPEC)
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 0
+    assert "model.name is code: `rayzip run` imports mycorp.models:build and calls it on every worker" in result.output
+    assert "dataset.name is code" in result.output and "RAYZIP_ALLOWED_MODULES" in result.output
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_the_module_allow_list_is_enforced_naming_the_field(tmp_path, monkeypatch, command):
+    path = tmp_path / "code.yaml"
+    path.write_text(CODE_SPEC)
+    monkeypatch.setenv("RAYZIP_ALLOWED_MODULES", "mycorp, other.pkg")
+    result = CliRunner().invoke(app, [command, str(path)])
+    assert result.exit_code == 2, result.output
+    assert "dataset.name: module 'scratch.data' is not in RAYZIP_ALLOWED_MODULES (mycorp, other.pkg)" in result.output
+    assert "model.name" not in result.output  # mycorp.models lies under mycorp
+    monkeypatch.setenv("RAYZIP_ALLOWED_MODULES", "")
+    result = CliRunner().invoke(app, [command, str(path)])
+    assert result.exit_code == 2 and "model.name: module 'mycorp.models'" in result.output
+    assert "empty: built-ins only" in result.output
+
+
+def test_the_allow_list_does_not_match_a_prefix_that_is_not_a_package():
+    from rayzip.spec import SpecError, check_allowed_modules, parse_spec
+
+    spec = parse_spec({"name": "x", "model": {"name": "mycorpevil:build"}})
+    with pytest.raises(SpecError, match="model.name: module 'mycorpevil'"):
+        check_allowed_modules(spec, allowed="mycorp")
+    check_allowed_modules(spec, allowed="mycorpevil")
+    check_allowed_modules(parse_spec({"name": "y"}), allowed="")  # built-ins need no entry
