@@ -36,28 +36,29 @@ def _flat_params(model) -> np.ndarray:
 
 
 def _nan_rank(rank, world, spec, policy, bad_rank, bad_step, steps):
-    """Train with SGD; rank ``bad_rank`` alone feeds a NaN at ``bad_step``. Returns, per step,
-    (skipped, params after the step) or the error this rank raised."""
+    """Train with SGD; rank ``bad_rank`` alone feeds a NaN at ``bad_step`` (an Inf under
+    momentum correction). Returns, per step, (skipped, params after the step, what error
+    feedback holds), or the error this rank raised."""
+    momentum = 0.9 if spec.get("momentum_correction") else None
     ddp = torch.nn.parallel.DistributedDataParallel(_model())
-    state = compress(ddp, CompressionSpec(**spec), on_nonfinite=policy)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    state = compress(ddp, CompressionSpec(**spec), momentum=momentum, on_nonfinite=policy)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.0)
     gen = torch.Generator().manual_seed(rank)
     out = []
     for step in range(steps):
         x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
         if rank == bad_rank and step == bad_step:
-            x[3, 5] = float("nan")
+            x[3, 5] = float("inf") if momentum else float("nan")
         optimizer.zero_grad()
         started = time.perf_counter()
         try:
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
         except NonFiniteError as exc:
             return {"error": str(exc), "step": step, "waited_s": time.perf_counter() - started, "out": out}
-        residual = state.memory.residuals.get("model")
         if not state.last_step.skipped:
             optimizer.step()
-        out.append((state.last_step.skipped, _flat_params(ddp),
-                     None if residual is None else np.asarray(residual).copy()))
+        held = (state.memory.velocities if momentum else state.memory.residuals).get("model")
+        out.append((state.last_step.skipped, _flat_params(ddp), None if held is None else np.asarray(held).copy()))
     return {"error": None, "out": out}
 
 
@@ -77,9 +78,7 @@ def test_nan_on_one_rank_every_rank_raises_together_within_the_step():
 @pytest.mark.parametrize("spec", [{"codec": "group_topk", "ratio": 0.05},
                                   {"codec": "topk", "ratio": 0.05, "momentum_correction": True}])
 def test_nan_on_one_rank_every_rank_skips_the_same_step_and_keeps_its_residual(spec):
-    momentum = spec.get("momentum_correction")
-    fn = _nan_rank_momentum if momentum else _nan_rank
-    results = run_world(fn, 3, spec, "skip", 1, 2, 5, timeout_s=TIMEOUT_S)
+    results = run_world(_nan_rank, 3, spec, "skip", 1, 2, 5, timeout_s=TIMEOUT_S)
     for r in results:
         assert r["error"] is None
         assert [skipped for skipped, _, _ in r["out"]] == [False, False, True, False, False]
@@ -90,25 +89,6 @@ def test_nan_on_one_rank_every_rank_skips_the_same_step_and_keeps_its_residual(s
     for step in range(5):  # replicas stay identical
         for r in results[1:]:
             np.testing.assert_array_equal(r["out"][step][1], results[0]["out"][step][1])
-
-
-def _nan_rank_momentum(rank, world, spec, policy, bad_rank, bad_step, steps):
-    ddp = torch.nn.parallel.DistributedDataParallel(_model())
-    state = compress(ddp, CompressionSpec(**spec), momentum=0.9, on_nonfinite=policy)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.0)
-    gen = torch.Generator().manual_seed(rank)
-    out = []
-    for step in range(steps):
-        x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
-        if rank == bad_rank and step == bad_step:
-            x[3, 5] = float("inf")
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        if not state.last_step.skipped:
-            optimizer.step()
-        velocity = np.asarray(state.memory.velocities["model"]).copy()
-        out.append((state.last_step.skipped, _flat_params(ddp), velocity))
-    return {"error": None, "out": out}
 
 
 def _exchange_rank(rank, world, spec, values_by_rank, policy):
