@@ -44,6 +44,7 @@ class ProgressActor:
 
     def __init__(self):
         self.latest: dict | None = None
+        self.failure: dict | None = None
         self.history: list[dict] = []  # one entry per evaluation: the accuracy-over-time curve
         self.restarts = {"steps_run": 0, "restarts": 0, "steps_redone": 0, "resumes": []}
 
@@ -63,6 +64,13 @@ class ProgressActor:
 
     def get(self) -> dict | None:
         return self.latest
+
+    def fail(self, step: int, message: str) -> None:
+        """Every rank stopped together at ``step`` (rayzip.train.loop)."""
+        self.failure = {"step": step, "message": message}
+
+    def get_failure(self) -> dict | None:
+        return self.failure
 
     def get_history(self) -> list[dict]:
         return self.history
@@ -181,6 +189,7 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
                 on_progress(latest)
     wall_s = time.time() - started
     history = ray.get(progress.get_history.remote())
+    failure = ray.get(progress.get_failure.remote())
     restarts = ray.get(progress.get_restarts.remote())
     ray.kill(progress)
     ps_report = None
@@ -194,9 +203,9 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
         ray.kill(controller)
     if "error" in outcome:
         raise outcome["error"]
+    if failure is not None:  # every rank stopped together (rayzip.train.loop)
+        raise TrainingFailed(f"training stopped at step {failure['step']}: {failure['message']}")
     result = outcome["result"]
-    if (result.metrics or {}).get("failure"):  # every rank stopped together (rayzip.train.loop)
-        raise TrainingFailed(f"training stopped at step {result.metrics['step']}: {result.metrics['failure']}")
     summary = summarize(spec, result.metrics or {}, wall_s)
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
     summary["history"] = history

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 import ray
 
@@ -13,7 +16,8 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=2)
+    # Workers import tests/poisoned_data.py by its module name.
+    ray.init(address="local", num_cpus=2, runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
     yield
     ray.shutdown()
 
@@ -84,5 +88,24 @@ def test_killed_worker_resumes_from_the_compressed_checkpoint_exactly(local_ray,
         # all restored bit-exactly, so training ends exactly where the uninterrupted run did.
         assert summary["final_test_accuracy"] == reference["final_test_accuracy"]
         assert summary["final_loss"] == reference["final_loss"]
-    else:  # resized: residuals restart, so the run differs a little
+    else:  # resized: residuals re-sharded, and the batches differ, so the run differs a little
         assert abs(summary["final_test_accuracy"] - reference["final_test_accuracy"]) <= 0.03
+
+
+def test_a_nan_on_one_rank_stops_every_rank_at_that_step_without_retries(local_ray, tmp_path):
+    from rayzip.runner import TrainingFailed
+
+    spec = JobSpec.model_validate({
+        "name": "nan-one-rank",
+        "model": {"name": "mlp", "hidden": [64]},
+        "dataset": {"name": "poisoned_data:digits_with_a_nan_shard"},  # rank 1's examples are NaN
+        "training": {"steps": 50, "batch_size": 32, "eval_every": 10, "on_nonfinite": "raise"},
+        "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 3},
+        "compression": {"codec": "group_topk", "ratio": 0.05},
+        "checkpoint": {"every_steps": 0},
+    })
+    started = time.perf_counter()
+    with pytest.raises(TrainingFailed, match=r"training stopped at step 0: NonFiniteError: step 0: rank 1's "
+                                             r"gradient is not finite at 0\.weight"):
+        run_job(spec, storage_path=str(tmp_path))
+    print(f"2 Ray Train workers, NaN on rank 1: failed together in {time.perf_counter() - started:.1f} s")

@@ -158,11 +158,12 @@ def _skip_step(state, model: torch.nn.Module, step: int, rank: int, policy: str)
     return False
 
 
-def _fail_together(exc: Exception, step: int, world: int) -> None:
-    """Every rank reports the failure and returns; the driver raises it (see run_job)."""
+def _fail_together(exc: Exception, step: int, progress) -> None:
+    """Every rank returns; rank 0 tells the driver, which raises it (see run_job). Ray Train
+    sees a clean finish, so it does not retry what would fail again at the same batch."""
     print(f"rayzip: stopping every rank at step {step}: {type(exc).__name__}: {exc}")
-    ray.train.report({"step": step, "world_size": world, "done": True,
-                      "failure": f"{type(exc).__name__}: {exc}", "failure_type": type(exc).__name__})
+    if progress is not None:
+        ray.get(progress.fail.remote(step, f"{type(exc).__name__}: {exc}"))
 
 
 def agreed_accuracy(accuracy: float | None, device) -> float | None:
@@ -371,12 +372,12 @@ def train_loop(config: dict) -> None:
         except (NonFiniteError, RankDisagreement) as exc:
             # Raised on every rank at once (the control word, or a gradient every rank
             # holds): end the run together, without a retry that would replay the same batch.
-            _fail_together(exc, step, world)
+            _fail_together(exc, step, progress)
             return
         skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
         if skipped_in_a_row > training.max_skipped_steps:
             _fail_together(NonFiniteError(f"{skipped_in_a_row} steps in a row skipped for non-finite gradients, "
-                                          f"the last at step {step}"), step, world)
+                                          f"the last at step {step}"), step, progress)
             return
         if client is not None:
             client.update(model, step, lr)  # push, the shards step, pull
