@@ -317,14 +317,28 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
     state._waiting.append((future, spans, buffer))
     state.current.comm_s += time.perf_counter() - start
     if bucket.is_last():
+        waiting, state._waiting = state._waiting, []
         try:
             average = state.exchange(state._flat)
-        finally:
-            waiting, state._waiting = state._waiting, []
+        except Exception as exc:
+            # Raised through DDP's reducer, it would lose its type (DDP casts a future's value
+            # to a tensor) or, raised from the hook, leave the reducer mid-bucket. DDP gets a
+            # NaN gradient and completes; the error is raised at the end of backward().
+            for future_, spans_, buffer_ in waiting:
+                future_.set_result(torch.full((sum(n for _, n in spans_),), float("nan"), dtype=buffer_.dtype,
+                                              device=buffer_.device))
+            torch.autograd.Variable._execution_engine.queue_callback(_raiser(exc))
+            return future
         for future_, spans_, buffer_ in waiting:
             future_.set_result(torch.cat([average[o: o + n] for o, n in spans_]).to(buffer_.dtype))
         state._end_step()
     return future
+
+
+def _raiser(exc: Exception):
+    def raise_it():
+        raise exc
+    return raise_it
 
 
 def _verify(state: CompressionState, communicator, codec, payload, average) -> None:
