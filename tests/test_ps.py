@@ -21,7 +21,7 @@ from rayzip.codecs import get_codec
 from rayzip.ps import (ParameterShard, StaleGeneration, decode_pull, encode_pull, merge_optimizer_states,
                        message_nbytes, shard_bounds, slice_optimizer_state)
 from rayzip.runner import run_job
-from rayzip.spec import JobSpec, SpecError, parse_spec
+from rayzip.spec import JobSpec, SpecError, load_spec, parse_spec
 
 
 # --- pure functions -------------------------------------------------------------------------
@@ -228,8 +228,9 @@ def test_ps_training_equals_ddp_allreduce_training(local_ray, tmp_path):
 
 @pytest.mark.ray
 def test_group_topk_push_and_codec_pull_reach_the_digits_target(local_ray, tmp_path):
-    spec = _job("ps-topk", {"codec": "group_topk", "ratio": 0.01, "collective": "ps", "momentum_correction": True},
-                {"shards": 2, "pull": "codec"}, hidden=128, steps=400, target_accuracy=0.93, eval_every=25)
+    # The example job users run: group top-k at 1% both ways, momentum correction, 2 shards.
+    spec = load_spec(Path(__file__).resolve().parents[1] / "jobs" / "digits-ps.yaml")
+    assert (spec.compression.collective, spec.ps.pull, spec.training.target_accuracy) == ("ps", "codec", 0.93)
     summary = run_job(spec, storage_path=str(tmp_path))
     assert summary["reached_target"] and summary["final_test_accuracy"] >= 0.93, summary["history"]
     # 1% of entries as (u16 offset, fp16 value) per group: ~90x fewer bytes than dense, both ways.

@@ -33,9 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..checkpoint import DeltaChain
 from ..checkpoint import inspect as inspect_checkpoint
 from ..checkpoint import load as load_checkpoint
-from ..checkpoint import save as save_checkpoint
 from ..codecs import NonFiniteError
-from ..codecs.memory import reshard_state
 from ..comm.control import RankDisagreement
 from ..comm import ring_allreduce_bytes
 from ..metrics import WorkerMetrics
@@ -44,6 +42,7 @@ from ..spec import JobSpec, TrainingSpec
 from ..torch import compress, scaled_lr
 from ..torch.baselines import register_torch_hook
 from ..torch.optim import build_optimizer
+from .checkpoints import load_optimizer, load_trainer, restore_hook, unwrap, write_parts
 from .data import load_dataset, shard
 from .models import build_model
 
@@ -175,40 +174,22 @@ def agreed_accuracy(accuracy: float | None, device) -> float | None:
     return None if math.isnan(value) else value
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
 def _save(directory: Path, rank: int, world: int, step: int, weights, state, totals: dict,
           accuracy: float | None, chain: DeltaChain | None) -> None:
-    """Each rank writes its part of the step's checkpoint as a compressed rayzip checkpoint:
-    rank 0 the model, optimizer, step and RNG (``trainer/``; with a chain, weights as XOR
-    deltas against its current base), every rank its hook state, error-feedback residuals
-    and momentum included (``rank{r}/``). ``weights()``, the (model, optimizer) state dicts,
-    is called on rank 0 only (in parameter-server mode it fetches the shards' state)."""
+    """Each rank writes its part of the step's checkpoint (:func:`write_parts`): rank 0 the
+    model, optimizer, step and byte totals, every rank its hook state. ``weights()``, the
+    (model, optimizer) state dicts, is called on rank 0 only (in parameter-server mode it
+    fetches the shards' state)."""
+    index = totals.get("checkpoints", 0)
     if rank == 0:
-        index = totals.get("checkpoints", 0)
         totals["checkpoints"] = index + 1
+
+    def trainer() -> dict:
         model_state, optimizer_state = weights()
-        trainer = {"model": model_state, "optimizer": optimizer_state, "step": step,
-                   "world_size": world, "totals": totals, "test_accuracy": accuracy, "torch_rng": torch.get_rng_state()}
-        if chain is None:
-            save_checkpoint(directory / "trainer", trainer)
-        else:
-            chain.history = chain.save(directory / "trainer", trainer, index, chain.history)
-    if state is not None:
-        save_checkpoint(directory / f"rank{rank}", {"world_size": world, "hook": state.state_dict()})
+        return {"model": model_state, "optimizer": optimizer_state, "step": step, "totals": totals,
+                "test_accuracy": accuracy}
 
-
-def _load_trainer(path: Path, model, chain: DeltaChain | None) -> dict:
-    """Rank 0's part of a checkpoint (``trainer/``), applied to the model, the RNG and the
-    delta chain's history; a corrupt file raises, naming file and tensor."""
-    trainer = load_checkpoint(path / "trainer")
-    if chain is not None:
-        chain.history = list(trainer.get("chain", []))
-    _unwrap(model).load_state_dict(trainer["model"])
-    torch.set_rng_state(trainer["torch_rng"])
-    return trainer
+    write_parts(directory, rank, world, trainer, state, chain, index)
 
 
 def _restore(checkpoint, rank: int, world: int, model, optimizer, state, chain: DeltaChain | None):
@@ -217,45 +198,11 @@ def _restore(checkpoint, rank: int, world: int, model, optimizer, state, chain: 
         return 0, {}, None
     with checkpoint.as_directory() as path:
         path = Path(path)
-        trainer = _load_trainer(path, model, chain)
-        # The saved param groups carry their momentum, which lives in the hook or in the
-        # optimizer depending on the world size that saved them: keep this run's own.
-        momentum = [group.get("momentum") for group in optimizer.param_groups]
-        optimizer.load_state_dict(trainer["optimizer"])
-        for group, value in zip(optimizer.param_groups, momentum):
-            if value is not None:
-                group["momentum"] = value
+        trainer = load_trainer(path, model, chain)
+        load_optimizer(optimizer, trainer["optimizer"])
         if state is not None:
-            _restore_hook(path, rank, world, trainer, state)
+            restore_hook(path, rank, world, trainer, state)
     return trainer["step"] + 1, trainer["totals"], trainer["test_accuracy"]
-
-
-def _restore_hook(path: Path, rank: int, world: int, trainer: dict, state) -> None:
-    """The hook's state for this rank. Every rank, new ones included, resumes at the
-    checkpoint's step (a new rank at step 0 would send dense warm-up steps while the others
-    ran the ring). The residuals and velocities do not depend on the world size: after a
-    resize they are re-sharded (:func:`reshard_state`) so their mean over the workers, the
-    update still pending, is kept."""
-    old_world = int(trainer["world_size"])
-    saved = {}
-    for old_rank in range(old_world):
-        if old_rank == rank or (old_world != world and old_rank % world == rank):
-            part = path / f"rank{old_rank}"
-            if part.exists():
-                saved[old_rank] = load_checkpoint(part)["hook"]
-    if old_world == world and rank in saved:
-        state.load_state_dict(saved[rank])
-    else:
-        # The codec's state (a seeded codec's call count) is the same on every rank.
-        template = saved.get(rank) or next(iter(saved.values()), None)
-        if template is None and (path / "rank0").exists():
-            template = load_checkpoint(path / "rank0")["hook"]
-        if template is not None:
-            memory = reshard_state({r: h["memory"] for r, h in saved.items()}, old_world, world, rank)
-            state.load_state_dict({**template, "memory": memory})
-        print(f"rayzip: rank {rank}: world size {old_world} -> {world}: error feedback re-sharded from "
-              f"rank(s) {sorted(saved) or 'none'}")
-    state.step = trainer["step"] + 1
 
 
 def _server_weights(model: torch.nn.Module, client: ParameterServerClient) -> tuple[dict, dict]:
@@ -274,7 +221,7 @@ def _restore_ps(checkpoint, rank: int, model, client: ParameterServerClient, cha
     trainer, saved = None, None
     if checkpoint is not None:
         with checkpoint.as_directory() as path:
-            trainer = _load_trainer(Path(path), model, chain)
+            trainer = load_trainer(Path(path), model, chain)
             mine = Path(path) / f"rank{rank}"
             saved = load_checkpoint(mine) if mine.exists() else None
     generation = [uuid.uuid4().hex if rank == 0 else None]
@@ -341,7 +288,7 @@ def train_loop(config: dict) -> None:
         weights = lambda: _server_weights(model, client)  # noqa: E731
     else:
         start, totals, accuracy = _restore(ray.train.get_checkpoint(), rank, world, model, optimizer, state, chain)
-        weights = lambda: (_unwrap(model).state_dict(), optimizer.state_dict())  # noqa: E731
+        weights = lambda: (unwrap(model).state_dict(), optimizer.state_dict())  # noqa: E731
     totals = {"bytes_sent": 0, "bytes_received": 0, "dense_bytes": 0, "train_s": 0.0, "step_s": 0.0, "comm_s": 0.0, "network_s": 0.0,
               "timed_steps": 0, "skipped_steps": 0, **totals}
     every = spec.checkpoint.every_steps

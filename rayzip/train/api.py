@@ -1,0 +1,128 @@
+"""rayzip in your own Ray Train loop: compressed gradients and checkpoints in two lines.
+
+Inside a ``train_func`` for ``ray.train.torch.TorchTrainer``::
+
+    import rayzip.train
+    from rayzip.train import CompressionConfig
+
+    def train_func(config):
+        model = rayzip.train.prepare_model(build_model(),
+                                           compression=CompressionConfig(codec="group_topk", ratio=0.01))
+        optimizer = torch.optim.AdamW(model.parameters())
+        start = rayzip.train.restore(model, optimizer)          # {} on a fresh start, else what you saved
+        for step in range(start.get("step", -1) + 1, steps):
+            ...                                                  # forward, backward, optimizer.step()
+            rayzip.train.report({"loss": loss}, model=model, optimizer=optimizer, extra={"step": step})
+
+``prepare_model`` calls ``ray.train.torch.prepare_model`` and registers rayzip's comm hook on
+the DDP model it returns (at world size 1 there is no DDP and nothing to exchange: the same
+code runs, and :func:`compression_state` is None). ``report`` writes a compressed rayzip
+checkpoint: rank 0 the model, the optimizer and ``extra``, every rank its compression state
+(residuals, velocities, codec state, step). ``restore`` reads them back from
+``ray.train.get_checkpoint()`` on every rank, re-sharding the compression state when the
+world size changed (see :func:`rayzip.train.checkpoints.restore_hook`).
+
+Every rank must call ``report`` and ``restore`` at the same points, as with
+``ray.train.report``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import ray.train.torch
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ..spec import CompressionSpec
+from ..torch.hook import CompressionState, compress
+from .checkpoints import load_optimizer, load_trainer, restore_hook, unwrap, write_parts
+
+__all__ = ["CompressionConfig", "compression_state", "prepare_model", "report", "restore", "save_checkpoint"]
+
+# The compression section of a job spec is the library's config object: a small pydantic
+# model (codec and its parameters, error feedback, momentum correction, collective, warm-up).
+CompressionConfig = CompressionSpec
+
+_ATTRIBUTE = "_rayzip_compression_state"
+
+
+def prepare_model(model: torch.nn.Module, compression: CompressionConfig | None = None, *,
+                  momentum: float | None = None, on_nonfinite: str = "raise", grad_scaler=None,
+                  **prepare_kwargs: Any) -> torch.nn.Module:
+    """``ray.train.torch.prepare_model(model, **prepare_kwargs)`` with rayzip's compressed comm
+    hook on the DDP model it returns.
+
+    ``momentum``: the SGD momentum, when ``compression.momentum_correction`` (build the
+    optimizer with momentum 0 where :func:`compression_state` is not None, with this momentum
+    where it is). ``on_nonfinite`` and ``grad_scaler`` as for :func:`rayzip.torch.compress`.
+    """
+    if compression is not None and compression.collective == "ps":
+        raise ValueError("collective ps runs parameter-server shards, which `rayzip run` starts; "
+                         "in your own loop, choose auto, ring, allreduce or allgather")
+    prepared = ray.train.torch.prepare_model(model, **prepare_kwargs)
+    state = None
+    if isinstance(prepared, DistributedDataParallel) and compression is not None:
+        state = compress(prepared, compression, momentum=momentum if compression.momentum_correction else None,
+                         on_nonfinite=on_nonfinite, grad_scaler=grad_scaler)
+    object.__setattr__(prepared, _ATTRIBUTE, state)  # a plain attribute, not a submodule
+    return prepared
+
+
+def compression_state(model: torch.nn.Module) -> CompressionState | None:
+    """The hook's state (``last_step``, ``set_ratio``, ``propose``...), or None at world size 1
+    or for a model that :func:`prepare_model` did not prepare."""
+    return getattr(model, _ATTRIBUTE, None)
+
+
+def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    extra: dict | None = None) -> Path:
+    """Write this rank's part of a checkpoint into ``directory`` (every rank calls it): rank
+    0 the model, optimizer and ``extra`` (tensors, numbers, strings, containers), every rank
+    its compression state."""
+    directory = Path(directory)
+    context = ray.train.get_context()
+    state = compression_state(model)
+
+    def trainer() -> dict:
+        return {"model": unwrap(model).state_dict(),
+                "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                "step": state.step - 1 if state is not None else -1, "extra": dict(extra or {})}
+
+    write_parts(directory, context.get_world_rank(), context.get_world_size(), trainer, state)
+    return directory
+
+
+def report(metrics: dict, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+           extra: dict | None = None) -> None:
+    """``ray.train.report(metrics)``, with a compressed checkpoint when ``model`` is given."""
+    if model is None:
+        ray.train.report(metrics)
+        return
+    directory = Path(tempfile.mkdtemp(prefix="rayzip-ckpt-"))
+    save_checkpoint(directory, model, optimizer, extra)
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(directory)),
+                     delete_local_checkpoint_after_upload=True)
+
+
+def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+            checkpoint: ray.train.Checkpoint | None = None) -> dict:
+    """Load the latest checkpoint (``ray.train.get_checkpoint()`` unless given) into ``model``,
+    ``optimizer`` and the compression state; returns the ``extra`` saved with it, or {} when
+    there is none. Every rank calls it."""
+    checkpoint = checkpoint if checkpoint is not None else ray.train.get_checkpoint()
+    if checkpoint is None:
+        return {}
+    context = ray.train.get_context()
+    with checkpoint.as_directory() as path:
+        path = Path(path)
+        trainer = load_trainer(path, model)
+        if optimizer is not None and trainer.get("optimizer") is not None:
+            load_optimizer(optimizer, trainer["optimizer"])
+        state = compression_state(model)
+        if state is not None:
+            restore_hook(path, context.get_world_rank(), context.get_world_size(), trainer, state)
+    return dict(trainer.get("extra") or {})
