@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import tempfile
@@ -20,10 +21,12 @@ def _entry(rank: int, world: int, init_file: str, out_dir: str, fn, args, timeou
         result = ("ok", fn(rank, world, *args))
     except BaseException as exc:  # ship the failure to the parent, which re-raises it
         result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    finally:
-        dist.destroy_process_group()
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as fh:
         pickle.dump(result, fh)
+    # A failed fn leaves its DDP model alive in reference cycles through its traceback; its
+    # reducer must go before the process group it points to, not at interpreter exit.
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def run_world(fn, world: int, *args, timeout_s: float | None = None):
