@@ -16,8 +16,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .base import Codec, Field, NonFiniteError, Payload, WireOverflowError, find_nonfinite
-from .sparse import FP16_MAX
+from .base import Codec, Field, Payload, WireOverflowError
 
 __all__ = ["NoCompression", "Float16", "BFloat16"]
 
@@ -67,13 +66,9 @@ class _Narrowing(_Cast):
     def _encode(self, flat, xp):
         values = self._narrow(flat)
         if not self._all_finite(values, xp):
-            found = find_nonfinite(flat, xp)
-            if found:
-                raise NonFiniteError(f"{self.name}: input has {found[0]} NaN/Inf value(s), "
-                                     f"first at flat index {found[1]}")
-            big = abs(flat)
-            raise WireOverflowError(f"{self.name}: |x| up to {float(big.max()):.4g} overflows {self.name}; "
-                                    "use bf16 or none", first_index=int(xp.argmax(big > FP16_MAX)))
+            Codec._check_finite(self, flat, xp)  # NaN/Inf in the input: raises, naming the first
+            raise WireOverflowError(f"{self.name}: |x| up to {float(abs(flat).max()):.4g} overflows {self.name}; "
+                                    "use bf16 or none", first_index=int(xp.argmax(~xp.isfinite(self._widen(values)))))
         return {"values": values}
 
 

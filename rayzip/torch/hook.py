@@ -30,19 +30,18 @@ With AMP's ``GradScaler``, pass it so that residuals follow the loss scale::
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
+import bisect
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..codecs import NonFiniteError, get_codec
-from ..codecs.base import find_nonfinite
+from ..codecs import NonFiniteError, WireOverflowError, get_codec
 from ..comm import AllReduce, Transport, make_communicator, ring_allreduce_bytes
 from ..comm.control import ControlWord, RankDisagreement, agree, bad_key, encode_mode, proposal_key
 from ..spec import CompressionSpec
-from ..xp import as_array, to_torch
+from ..xp import to_torch
 
 __all__ = ["CompressionState", "NonFiniteError", "RankDisagreement", "StepStats", "compress", "compressed_hook"]
 
@@ -98,7 +97,7 @@ class CompressionState:
         for p in parameters:
             starts.append(starts[-1] + p.numel())
         self._offsets = {id(p): (starts[i], p.numel()) for i, p in enumerate(parameters)}
-        self._spans = [(starts[i], starts[i + 1]) for i in range(len(parameters))]
+        self._starts = starts
         self._names = list(names) if names else [f"parameter {i}" for i in range(len(parameters))]
         self._numel = starts[-1]
         self._flat: torch.Tensor | None = None
@@ -212,16 +211,13 @@ class CompressionState:
         communicator, codec = (self.communicator, self.codec) if stats.compressed else (self.dense, self.dense_codec)
         snapshot = self.memory.snapshot()
         payload, bad, failure = None, 0, None
-        found = find_nonfinite(*as_array(grad))
-        if found is not None:
-            bad = bad_key(self.rank, self.world, found[1])
-        else:
-            try:  # through the memory also when dense: it sends what error feedback held back
-                payload = self.memory.encode(codec, "model", grad, communicator.input_scale)
-            except NonFiniteError as exc:  # finite, but beyond the wire type (fp16)
-                bad = bad_key(self.rank, self.world, getattr(exc, "first_index", 0) or 0, overflow=True)
-            except Exception as exc:  # raised here alone, it would leave the others waiting
-                failure = exc
+        try:  # through the memory also when dense: it sends what error feedback held back
+            payload = self.memory.encode(codec, "model", grad, communicator.input_scale)
+        except NonFiniteError as exc:  # every codec checks its input; fp16 also its wire type
+            bad = bad_key(self.rank, self.world, getattr(exc, "first_index", None) or 0,
+                          overflow=isinstance(exc, WireOverflowError))
+        except Exception as exc:  # raised here alone, it would leave the others waiting
+            failure = exc
         word = ControlWord(step=self.step, ratio=float(self.ratio or 0.0),
                            mode=encode_mode(self.enabled, stats.compressed, getattr(self.codec, "value_dtype", None)),
                            bad=bad, failed=self.world - self.rank if failure is not None else 0,
@@ -289,9 +285,9 @@ class CompressionState:
 
     def _where(self, index: int) -> str:
         """'parameter NAME, element j' for a flat index of the gradient."""
-        i = int(np.searchsorted([a for a, _ in self._spans], index, side="right")) - 1
-        if 0 <= i < len(self._spans) and index < self._spans[i][1]:
-            return f"{self._names[i]} (parameter {i} of the model), element {index - self._spans[i][0]}"
+        i = bisect.bisect_right(self._starts, index) - 1
+        if 0 <= i < len(self._names):
+            return f"{self._names[i]} (parameter {i} of the model), element {index - self._starts[i]}"
         return f"flat element {index}"
 
 
