@@ -96,10 +96,10 @@ def run(
                 tmp = progress_file.with_suffix(".tmp")
                 tmp.write_text(json.dumps(m, default=str))
                 tmp.replace(progress_file)
-            acc = f"acc {m['test_accuracy']:.3f}" if m.get("test_accuracy") is not None else "acc -"
-            ratio = m["dense_bytes"] / m["bytes_sent"] if m.get("bytes_sent") else float("nan")
+            metric = _metric_text(m.get("metric"), m.get(m.get("metric") or "test_accuracy"))
+            ratio = m["dense_bytes"] / m["bytes_sent"] if m.get("bytes_sent") and m.get("dense_bytes") else float("nan")
             bar.update(task, completed=m["step"] + 1,
-                       status=f"loss {m['loss']:.3f}  {acc}  wire {ratio:.1f}x  workers {m['world_size']}")
+                       status=f"loss {m['loss']:.3f}  {metric}  wire {ratio:.1f}x  workers {m.get('world_size', '-')}")
 
         try:
             summary = run_job(spec, storage_path=storage_path, on_progress=show)
@@ -166,18 +166,24 @@ def prometheus_config_command(
     console.print(f"wrote {out}; run: prometheus --config.file={out}", highlight=False)
 
 
+def _metric_text(metric: str | None, value: float | None) -> str:
+    label = "val bpb" if metric == "val_loss" else "acc"
+    return f"{label} {value:.3f}" if value is not None else f"{label} -"
+
+
 def _summary_table(summary: dict):
     from rich.table import Table
 
     table = Table(title=f"rayzip run: {summary['name']}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
-    acc = summary["final_test_accuracy"]
     ratio = summary["wire_compression_ratio"]
+    lm = summary.get("metric") == "val_loss"
+    value, target = ((summary.get("final_val_loss"), summary.get("target_val_loss")) if lm
+                     else (summary["final_test_accuracy"], summary["target_accuracy"]))
     rows = [
-        ("final test accuracy", f"{acc:.4f}" if acc is not None else "-"),
-        ("target reached", {True: "yes", False: "no"}[summary["reached_target"]]
-         if summary["target_accuracy"] is not None else "no target"),
+        ("final validation loss (bits/byte)" if lm else "final test accuracy", f"{value:.4f}" if value is not None else "-"),
+        ("target reached", {True: "yes", False: "no"}[summary["reached_target"]] if target is not None else "no target"),
         ("steps", str(summary["steps"])),
         ("workers", str(summary["world_size"])),
         ("codec", " ".join([summary["codec"], *(f"{k}={v}" for k, v in summary["codec_params"].items())])),
@@ -307,6 +313,24 @@ def bench_cluster(
     if plot_path:
         plot(report, plot_path)
         console.print(f"wrote {plot_path}")
+
+
+@bench_app.command("table")
+def bench_table(report_json: Path = typer.Argument(..., help="A `bench cluster --json` report.")):
+    """Print a cluster report as the Markdown table the README shows (generated from the JSON)."""
+    import json
+
+    from .bench.cluster import markdown_table
+
+    try:
+        report = json.loads(report_json.read_text())
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]error:[/red] cannot read {report_json}: {exc}")
+        raise typer.Exit(2)
+    if "methods" not in report:
+        console.print(f"[red]error:[/red] {report_json} is not a `rayzip bench cluster` report (no methods)")
+        raise typer.Exit(2)
+    print(markdown_table(report))
 
 
 @bench_app.command("scaling")

@@ -60,7 +60,8 @@ class ProgressActor:
         self.restarts["steps_run"] += 1
         self.latest = metrics
         if metrics.get("evaluated"):
-            self.history.append({k: metrics.get(k) for k in ("step", "train_s", "elapsed_s", "test_accuracy", "loss")})
+            self.history.append({k: metrics.get(k) for k in ("step", "train_s", "elapsed_s", "test_accuracy", "val_loss",
+                                                                   "loss")})
 
     def get(self) -> dict | None:
         return self.latest
@@ -103,8 +104,11 @@ def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
     sent, dense = metrics.get("total_bytes_sent", 0), metrics.get("total_dense_bytes", 0)
     return {
         "name": spec.name,
+        "metric": metrics.get("metric"),  # test_accuracy (classification) or val_loss (language_model)
         "final_test_accuracy": metrics.get("test_accuracy"),
+        "final_val_loss": metrics.get("val_loss"),  # bits per byte
         "target_accuracy": spec.training.target_accuracy,
+        "target_val_loss": spec.training.target_val_loss,
         "reached_target": bool(metrics.get("reached_target")),
         "time_to_target_s": metrics.get("time_to_target_s"),  # training time when first reached
         "steps_to_target": metrics.get("steps_to_target"),
@@ -209,6 +213,7 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     summary = summarize(spec, result.metrics or {}, wall_s)
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
     summary["history"] = history
+    summary["metrics"] = dict(result.metrics or {})  # the last report, as the loop (yours too) wrote it
     summary["run_id"] = run_id
     summary["adaptive"] = adaptive
     summary["ps"] = ps_report

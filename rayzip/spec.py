@@ -17,7 +17,8 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-from .codecs import CODECS, CodecError, ErrorFeedback, MomentumCorrection, NoMemory, codec_parameters, get_codec
+from .codecs import (CODECS, AdamCorrection, CodecError, ErrorFeedback, MomentumCorrection, NoMemory, codec_parameters,
+                     get_codec)
 from .codecs.memory import check_error_feedback
 from .comm.collectives import choose_collective
 
@@ -27,8 +28,11 @@ __all__ = [
     "load_spec", "parse_spec",
 ]
 
-BUILTIN_MODELS = ("mlp",)
-BUILTIN_DATASETS = ("digits", "synthetic")
+BUILTIN_MODELS = ("mlp", "gpt")
+BUILTIN_DATASETS = ("digits", "synthetic", "python-stdlib")
+BUILTIN_LOOPS = ("classification", "language_model")
+TEXT_DATASETS = ("python-stdlib",)
+_GPT_FIELDS = ("layers", "width", "heads", "context", "dropout")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _CODEC_FIELDS = ("ratio", "group_size", "value_dtype", "block", "bits", "keep", "levels", "bucket_size", "seed")
 
@@ -52,9 +56,26 @@ def _builtin_or_import_path(value: str, builtins: tuple[str, ...], what: str) ->
 
 
 class ModelSpec(_Strict):
-    name: str = Field("mlp", description="Built-in model (mlp) or 'module:function' returning an nn.Module.")
+    name: str = Field("mlp", description="Built-in model (mlp, gpt) or 'module:function' returning an nn.Module.")
     hidden: list[int] = Field([256, 256], description="mlp: hidden layer widths.")
+    layers: int = Field(4, ge=1, description="gpt: transformer blocks.")
+    width: int = Field(384, ge=8, description="gpt: model width (a multiple of heads).")
+    heads: int = Field(6, ge=1, description="gpt: attention heads.")
+    context: int = Field(128, ge=2, description="gpt: tokens per training window.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="gpt: dropout in attention and MLP.")
     kwargs: dict[str, Any] = Field({}, description="Keyword arguments for a 'module:function' model.")
+
+    @model_validator(mode="after")
+    def _fields_fit_the_model(self):
+        # Compared with the defaults, not with the fields written: a dumped spec sets them all.
+        changed = {f for f in (*_GPT_FIELDS, "hidden") if getattr(self, f) != type(self).model_fields[f].default}
+        if self.name != "gpt" and changed.intersection(_GPT_FIELDS):
+            raise ValueError(f"{', '.join(sorted(changed.intersection(_GPT_FIELDS)))} apply to model gpt only")
+        if self.name != "mlp" and "hidden" in changed:
+            raise ValueError("hidden applies to model mlp only")
+        if self.name == "gpt" and self.width % self.heads:
+            raise ValueError(f"width ({self.width}) must be a multiple of heads ({self.heads})")
+        return self
 
     @field_validator("name")
     @classmethod
@@ -70,13 +91,20 @@ class ModelSpec(_Strict):
 
 
 class DatasetSpec(_Strict):
-    name: str = Field("digits", description="digits (scikit-learn), synthetic, or 'module:function' "
-                                            "returning (x_train, y_train, x_test, y_test).")
+    name: str = Field("digits", description="digits (scikit-learn), synthetic, python-stdlib (byte-level "
+                                            "text: the source of Python's standard library, see "
+                                            "rayzip.train.text), or 'module:function' returning "
+                                            "(x_train, y_train, x_test, y_test).")
     samples: int = Field(20_000, ge=10, description="synthetic: total examples.")
     features: int = Field(64, ge=1, description="synthetic: input width.")
     classes: int = Field(10, ge=2, description="synthetic: number of classes.")
     label_noise: float = Field(0.0, ge=0, lt=0.5, description="synthetic: fraction of labels replaced at random.")
     test_fraction: float = Field(0.25, gt=0, lt=1, description="Share of examples held out for testing.")
+    validation_fraction: float = Field(0.05, gt=0, lt=1, description="python-stdlib: share of files (by a "
+                                                                     "hash of the path) held out.")
+    max_bytes: Optional[int] = Field(None, ge=1024, description="python-stdlib: cap on the training text.")
+    eval_windows: int = Field(128, ge=1, description="python-stdlib: validation windows evaluated, evenly "
+                                                     "spread over the validation text, shared among the ranks.")
     kwargs: dict[str, Any] = Field({}, description="Keyword arguments for a 'module:function' dataset.")
 
     @field_validator("name")
@@ -89,13 +117,29 @@ class TrainingSpec(_Strict):
     steps: Optional[int] = Field(None, ge=1, description="Optimizer steps (give steps or epochs; default 300).")
     epochs: Optional[int] = Field(None, ge=1, description="Passes over each worker's shard.")
     batch_size: int = Field(64, ge=1, description="Examples per worker per step.")
+    loop: str = Field("classification", description="The per-worker training loop: classification, "
+                                                    "language_model, or 'module:function' called as "
+                                                    "function(config, ctx) with training.config and a "
+                                                    "rayzip.train.LoopContext.")
+    config: dict[str, Any] = Field({}, description="Handed to a 'module:function' loop as its config.")
     optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
     lr: float = Field(0.05, gt=0, description="Learning rate at base_world_size workers.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="constant (after lr_warmup_steps, which ramp from lr up to the scaled lr), or "
+                                "cosine: a linear warm-up from 0 over lr_warmup_steps, then a cosine decay "
+                                "to min_lr_ratio * lr at the last step.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: the final learning rate over the peak.")
     momentum: float = Field(0.9, ge=0, lt=1, description="sgd momentum.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="adam/adamw betas.")
     weight_decay: float = Field(0.0, ge=0)
+    grad_clip_norm: Optional[float] = Field(None, gt=0, description="Clip the averaged gradient's global "
+                                                                    "norm (every rank holds the same one).")
     seed: int = Field(0, ge=0)
-    target_accuracy: Optional[float] = Field(None, gt=0, le=1, description="Test accuracy to reach; the time "
-                                                                         "it first is reached is recorded.")
+    target_accuracy: Optional[float] = Field(None, gt=0, le=1, description="classification: test accuracy to "
+                                                                         "reach; the time it first is reached "
+                                                                         "is recorded.")
+    target_val_loss: Optional[float] = Field(None, gt=0, description="language_model: validation loss to reach, "
+                                                                     "in bits per byte.")
     stop_at_target: bool = Field(True, description="Stop once the target is reached (false: run every step, "
                                                    "to compare final accuracy at the same budget).")
     eval_every: int = Field(50, ge=1, description="Steps between test-set evaluations.")
@@ -105,6 +149,28 @@ class TrainingSpec(_Strict):
         "raise", description="A NaN/Inf gradient on any rank: every rank stops the run with an error naming "
                              "the rank and parameter (raise), or every rank drops that step (skip).")
     max_skipped_steps: int = Field(10, ge=1, description="skip: raise after this many skipped steps in a row.")
+
+    @field_validator("loop")
+    @classmethod
+    def _loop(cls, v: str) -> str:
+        return _builtin_or_import_path(v, BUILTIN_LOOPS, "loop")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError("each beta must be in [0, 1)")
+        return v
+
+    @model_validator(mode="after")
+    def _target_fits_the_loop(self):
+        if self.target_val_loss is not None and self.loop != "language_model":
+            raise ValueError("target_val_loss applies to loop language_model (use target_accuracy)")
+        if self.target_accuracy is not None and self.loop == "language_model":
+            raise ValueError("loop language_model measures validation loss: use target_val_loss")
+        if self.config and self.loop in BUILTIN_LOOPS:
+            raise ValueError("config is for a 'module:function' loop")
+        return self
 
     @model_validator(mode="after")
     def _steps_or_epochs(self):
@@ -148,6 +214,11 @@ class CompressionSpec(_Strict):
         False, description="Keep SGD momentum on each worker, before compression, and clear it where "
                            "entries are sent (DGC). Needs error_feedback and optimizer sgd with momentum; "
                            "the optimizer then runs with momentum 0.")
+    adam_correction: bool = Field(
+        False, description="Keep Adam's moments on each worker, on its own dense gradient, and compress "
+                           "the Adam direction with error feedback (see rayzip.codecs.memory.AdamCorrection). "
+                           "Needs error_feedback and optimizer adamw; the optimizer then runs as SGD without "
+                           "momentum, with AdamW's decoupled weight decay.")
     collective: Literal["auto", "ring", "allreduce", "allgather", "ps"] = Field(
         "auto", description="How workers combine gradients: a collective among them (auto picks ring, "
                             "allreduce or allgather to fit the codec), or ps: push to parameter-server "
@@ -173,9 +244,15 @@ class CompressionSpec(_Strict):
             raise ValueError("verify and torch_hook work on collectives among the workers, not with collective ps")
         if self.torch_hook is not None and (self.codec != "none" or self.verify):
             raise ValueError(f"torch_hook {self.torch_hook} replaces rayzip's hook: use codec none, verify false")
-        if self.momentum_correction and (not self.error_feedback or self.torch_hook is not None):
-            raise ValueError("momentum_correction works on rayzip's error feedback: "
-                             "set error_feedback true and leave torch_hook unset")
+        for name in ("momentum_correction", "adam_correction"):
+            if getattr(self, name) and (not self.error_feedback or self.torch_hook is not None):
+                raise ValueError(f"{name} works on rayzip's error feedback: "
+                                 "set error_feedback true and leave torch_hook unset")
+        if self.momentum_correction and self.adam_correction:
+            raise ValueError("choose momentum_correction (sgd) or adam_correction (adamw), not both")
+        if self.adam_correction and self.collective == "ps":
+            raise ValueError("adam_correction runs on collectives among the workers; with collective ps the "
+                             "shards run the optimizer")
         takes = codec_parameters(self.codec)
         for name in _CODEC_FIELDS:
             if getattr(self, name) is not None and name not in takes:
@@ -201,9 +278,14 @@ class CompressionSpec(_Strict):
     def build_codec(self, rank: int = 0):
         return get_codec(self.codec, **self.codec_params(rank))
 
-    def build_memory(self, momentum: float | None = None):
+    def build_memory(self, momentum: float | None = None, adam_betas: tuple[float, float] | None = None):
         """The Memory role this spec asks for: momentum correction (give the SGD ``momentum``),
-        error feedback, or none."""
+        Adam correction (give Adam's ``adam_betas``), error feedback, or none."""
+        if self.adam_correction:
+            if adam_betas is None:
+                raise ValueError("adam_correction needs Adam's betas, with the optimizer built as SGD "
+                                 "without momentum (rayzip.torch.optim.build_optimizer does it)")
+            return AdamCorrection(tuple(adam_betas))
         if self.momentum_correction:
             if not momentum:
                 raise ValueError("momentum_correction needs the SGD momentum factor, "
@@ -310,6 +392,29 @@ class JobSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _task_fits(self):
+        loop, model, data = self.training.loop, self.model.name, self.dataset.name
+        if loop == "language_model" and data not in TEXT_DATASETS:
+            raise ValueError(f"training.loop language_model reads text: dataset.name must be one of "
+                             f"{', '.join(TEXT_DATASETS)} (got {data})")
+        if loop == "language_model" and model not in ("gpt",) and model in BUILTIN_MODELS:
+            raise ValueError(f"training.loop language_model needs a language model: model.name gpt "
+                             f"or 'module:function' (got {model})")
+        if loop == "classification" and (model == "gpt" or data in TEXT_DATASETS):
+            raise ValueError(f"model {model} on dataset {data} is a language model: set training.loop: language_model")
+        if self.compression.collective == "ps" and self.training.grad_clip_norm is not None:
+            raise ValueError("training.grad_clip_norm clips the workers' averaged gradient; with collective ps "
+                             "the shards average it")
+        return self
+
+    @model_validator(mode="after")
+    def _adam_has_a_home(self):
+        if self.compression.adam_correction and self.training.optimizer != "adamw":
+            raise ValueError("compression.adam_correction moves AdamW's moments into the hook: it needs "
+                             f"training.optimizer adamw (got {self.training.optimizer})")
+        return self
+
+    @model_validator(mode="after")
     def _momentum_has_a_home(self):
         t = self.training
         if self.compression.momentum_correction and (t.optimizer != "sgd" or t.momentum == 0):
@@ -332,8 +437,8 @@ ALLOWED_MODULES_ENV = "RAYZIP_ALLOWED_MODULES"
 def code_references(spec: JobSpec) -> list[tuple[str, str]]:
     """``(field, "module:function")`` for each field whose value rayzip imports and calls: a
     spec that names one runs that code on every worker."""
-    return [(field, value) for field, value in (("model.name", spec.model.name), ("dataset.name", spec.dataset.name))
-            if _IMPORT_PATH.match(value)]
+    fields = (("model.name", spec.model.name), ("dataset.name", spec.dataset.name), ("training.loop", spec.training.loop))
+    return [(field, value) for field, value in fields if _IMPORT_PATH.match(value)]
 
 
 def check_allowed_modules(spec: JobSpec, allowed: str | None = None, source: str = "spec") -> None:

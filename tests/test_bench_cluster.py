@@ -141,3 +141,33 @@ def test_mean_step_time_comes_from_the_training_clock_between_evaluations():
     assert mean_step_s(history, 11, 10 ** 9) == (4.0 - 3.0) / 10
     assert mean_step_s(history, 1, 30) == (4.0 - 1.0) / 20
     assert mean_step_s(history, 25, 10 ** 9) is None  # one point only
+
+
+def test_methods_take_their_knob_and_adamw_jobs_get_adam_correction():
+    from rayzip.bench.cluster import method_compression
+
+    adamw = {"optimizer": "adamw"}
+    assert method_compression("dct_quant@4", 10, adamw) == {"codec": "dct_quant", "bits": 4, "collective": "allgather",
+                                                           "adam_correction": True}
+    assert method_compression("group_topk@0.05", 10, adamw)["ratio"] == 0.05
+    assert "adam_correction" not in method_compression("powersgd", 10, adamw)  # torch's hook: not ours
+    assert method_compression("group_topk", 10, {"optimizer": "sgd"})["momentum_correction"] is True
+    for bad in ("dct_quant@x", "powersgd@2", "nope"):
+        with pytest.raises(ValueError):
+            method_compression(bad, 10, adamw)
+
+
+def test_rows_compare_with_dense_in_the_same_run():
+    from rayzip.bench.cluster import _compare_with_dense
+
+    rows = [{"name": "dense", "time_to_target_s": 300.0, "step_s": 3.0, "compute_probe_s": 0.6, "final_metric": 3.0},
+            {"name": "x", "time_to_target_s": 75.0, "step_s": 0.8, "compute_probe_s": 0.6, "final_metric": 3.03},
+            {"name": "y", "time_to_target_s": None, "step_s": 0.7, "compute_probe_s": 0.6, "final_metric": 3.5},
+            {"name": "z", "error": "boom"}]
+    _compare_with_dense(rows)
+    dense, x, y = rows[0], rows[1], rows[2]
+    assert dense["ideal_speedup"] == pytest.approx(5.0) and dense["speedup_vs_dense"] == pytest.approx(1.0)
+    assert x["speedup_vs_dense"] == pytest.approx(4.0) and x["share_of_ideal"] == pytest.approx(0.8)
+    assert x["final_vs_dense"] == pytest.approx(0.01)
+    assert y["speedup_vs_dense"] is None and y["share_of_ideal"] is None  # never reached the target
+    assert "speedup_vs_dense" not in rows[3]

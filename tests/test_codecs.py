@@ -439,6 +439,17 @@ def test_every_registered_codec_is_covered():
 
 
 @settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from([1, 2, 4]), codes=st.lists(st.integers(0, 255), max_size=70))
+def test_bitpack_byte_fast_path_writes_the_documented_stream(bits, codes):
+    # Code i sits at bits [i*b, (i+1)*b) of the little-endian stream, whichever path packs it.
+    arr = np.array([c % (1 << bits) for c in codes], dtype=np.uint8)
+    stream = "".join(format(int(c), f"0{bits}b")[::-1] for c in arr)
+    stream += "0" * (-len(stream) % 8)
+    expected = np.array([int(stream[i:i + 8][::-1], 2) for i in range(0, len(stream), 8)], dtype=np.uint8)
+    assert np.array_equal(pack_bits(arr, bits, np), expected)
+
+
+@settings(max_examples=60, deadline=None)
 @given(bits=st.integers(1, 16), codes=st.lists(st.integers(0, 65535), max_size=70))
 def test_bitpack_round_trip(bits, codes):
     arr = np.array([c % (1 << bits) for c in codes], dtype=np.uint16)

@@ -102,13 +102,6 @@ def test_spec_refuses_what_ps_mode_cannot_do():
 
 
 # --- shard actors on a real Ray ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2)
-    yield
-    ray.shutdown()
-
-
 def _shard(spec: JobSpec, numel: int, params: np.ndarray):
     shard = ray.remote(ParameterShard).options(num_cpus=0).remote(0, spec.model_dump())
     ray.get(shard.load.remote(0, numel, params, None, 0))

@@ -54,7 +54,8 @@ def _state(rank, world, warmup=5):
 
 
 def _save_rank(rank, world, directory, steps):
-    from rayzip.train.loop import _save
+    from rayzip.train.loop import save_step
+    from rayzip.train.records import Totals
 
     state = _state(rank, world)
     gen = torch.Generator().manual_seed(rank)
@@ -63,19 +64,19 @@ def _save_rank(rank, world, directory, steps):
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     weights = lambda: (model.state_dict(), optimizer.state_dict())  # noqa: E731
-    _save(Path(directory), rank, world, steps - 1, weights, state, {"checkpoints": 0}, None, None)
+    save_step(Path(directory), rank, world, steps - 1, weights, state, Totals(), {}, None)
     return {k: np.asarray(v).copy() for k, v in state.memory.state_dict().items()}
 
 
 def _restore_rank(rank, world, directory, device):
     import ray.train
 
-    from rayzip.train.loop import _restore
+    from rayzip.train.exchange import restore_collective
 
     state = _state(rank, world)
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    start, _, _ = _restore(ray.train.Checkpoint.from_directory(directory), rank, world, model, optimizer, state, None)
+    start, _ = restore_collective(ray.train.Checkpoint.from_directory(directory), rank, world, model, optimizer, state)
     held = state.memory.residuals.get("model")
     on_device = held is None or array_module(held) is as_array(torch.empty(0, device=device))[1]
     memory = {k: np.asarray(v).copy() for k, v in state.memory.state_dict().items()}

@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
-import ray
 
 from rayzip.runner import run_job
 from rayzip.spec import JobSpec
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    # Workers import tests/poisoned_data.py by its module name.
-    ray.init(address="local", num_cpus=2, runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
-    yield
-    ray.shutdown()
 
 
 def test_two_worker_ring_training_verifies_counts_and_reaches_target(local_ray, tmp_path):

@@ -8,7 +8,6 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-import ray
 
 pytestmark = pytest.mark.ray
 
@@ -20,13 +19,6 @@ def _example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2)
-    yield
-    ray.shutdown()
 
 
 def test_user_loop_example_compresses_and_resumes_its_compression_state(local_ray, tmp_path):

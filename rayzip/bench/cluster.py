@@ -54,26 +54,34 @@ SCALING_SKIP = 10  # bench scaling: steps left out of the step time (start-up)
 
 
 def _method_base(method: str) -> tuple[str, dict[str, Any]]:
-    """``group_topk@0.05`` is group_topk at a fixed ratio of 0.05 (any sparse method takes @)."""
-    name, _, ratio = method.partition("@")
-    if name not in METHODS or (ratio and "ratio" not in METHODS[name]):
+    """``group_topk@0.05`` is group_topk at a fixed ratio of 0.05 (any sparse method takes
+    @RATIO); ``dct_quant@4`` is dct_quant at 4 bits."""
+    name, _, value = method.partition("@")
+    knob = "ratio" if "ratio" in METHODS.get(name, {}) else "bits" if "bits" in METHODS.get(name, {}) else None
+    if name not in METHODS or (value and knob is None):
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)} "
-                         "(sparse ones also as NAME@RATIO, e.g. group_topk@0.05)")
+                         "(sparse ones also as NAME@RATIO, e.g. group_topk@0.05; dct_quant@BITS)")
     compression = dict(METHODS[name])
-    if ratio:
-        compression["ratio"] = float(ratio)
+    if value:
+        try:
+            compression[knob] = float(value) if knob == "ratio" else int(value)
+        except ValueError:
+            raise ValueError(f"method {method!r}: {value!r} is not a {knob}") from None
     return name, compression
 
 
 def method_compression(method: str, powersgd_start_iter: int, training: dict | None = None) -> dict[str, Any]:
     """The spec's compression section for ``method``. Sparse methods move SGD momentum into
-    the hook (momentum correction) when the job's optimizer has momentum to move."""
+    the hook (momentum correction) when the job's optimizer has momentum to move; under
+    AdamW every rayzip codec sends each worker's Adam direction (Adam correction)."""
     method, compression = _method_base(method)
     if method == "powersgd":
         compression["powersgd_start_iter"] = powersgd_start_iter
     training = TrainingSpec.model_validate(training or {})
     if CODECS[compression["codec"]].sparse and training.optimizer == "sgd" and training.momentum > 0:
         compression["momentum_correction"] = True
+    if compression["codec"] != "none" and training.optimizer == "adamw" and compression.get("collective") != "ps":
+        compression["adam_correction"] = True  # AdamW's moments before compression (AdamCorrection)
     return compression
 
 
@@ -107,7 +115,9 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
         training.update({"steps": budget_steps, "stop_at_target": False})
     if drop_to is not None:
         base.setdefault("training", {})["eval_every"] = DROP_EVAL_EVERY  # step-time resolution
-    target = base.get("training", {}).get("target_accuracy")
+    training = TrainingSpec.model_validate(base.get("training", {}))
+    lm = training.loop == "language_model"
+    target = training.target_val_loss if lm else training.target_accuracy
     rows = []
     with NetnsCluster(nodes=nodes, bandwidth=bandwidth, latency=latency) as cluster:
         log(f"cluster up: {nodes} worker nodes at {bandwidth}" + (f", {latency} latency" if latency else ""))
@@ -139,11 +149,9 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
                 rows[-1].update(_drop_phases(summary, getattr(proc, "dropped_at", None)))
                 log(f"  {method}: step {rows[-1]['step_ms_before_drop']} ms before the drop, "
                     f"{rows[-1]['step_ms_after_drop']} ms after")
-            log(f"  {method}: {rows[-1]['time_to_target_s']} s to target, final acc {rows[-1]['final_accuracy']:.4f}")
-    dense = next((r for r in rows if r["name"] == "dense" and "error" not in r), None)
-    for row in rows:
-        ok = dense and dense["time_to_target_s"] and row.get("time_to_target_s")
-        row["speedup_vs_dense"] = dense["time_to_target_s"] / row["time_to_target_s"] if ok else None
+            log(f"  {method}: {rows[-1]['time_to_target_s']} s to target, final {rows[-1]['metric']} "
+                f"{rows[-1]['final_metric']:.4f}")
+    _compare_with_dense(rows)
     if drop_to is not None:
         for phase in ("before", "after"):
             fixed = [r[f"step_ms_{phase}_drop"] for r in rows if "error" not in r and r["name"] != "adaptive"
@@ -151,10 +159,30 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
             for r in rows:
                 mine = r.get(f"step_ms_{phase}_drop")
                 r[f"{phase}_vs_best_fixed"] = mine / min(fixed) if fixed and mine else None
-    return {"bandwidth": bandwidth, "latency": latency, "nodes": nodes, "target_accuracy": target,
+    return {"bandwidth": bandwidth, "latency": latency, "nodes": nodes, "metric": "val_loss" if lm else "test_accuracy",
+            "target": target, "target_accuracy": None if lm else target,
+            "stop_at_target": training.stop_at_target, "steps": training.steps,
             "budget_steps": budget_steps, "drop_to": drop_to, "drop_at_step": drop_at_step,
             "spec": str(spec_path), "powersgd_start_iter": powersgd_start_iter,
             "python": sys.version.split()[0], "methods": rows}
+
+
+def _compare_with_dense(rows: list[dict]) -> None:
+    """Each row against plain DDP in the same run: speed-up to the target, the ideal
+    speed-up (DDP's step time over its compute-only step: what no compressor can beat), the
+    share of it reached, and the final metric's relative difference at the same budget."""
+    dense = next((r for r in rows if r["name"] == "dense" and "error" not in r), None)
+    ideal = (dense["step_s"] / dense["compute_probe_s"]) if dense and dense.get("compute_probe_s") else None
+    for row in rows:
+        if "error" in row:
+            continue
+        ok = dense and dense["time_to_target_s"] and row.get("time_to_target_s")
+        row["speedup_vs_dense"] = dense["time_to_target_s"] / row["time_to_target_s"] if ok else None
+        row["step_speedup_vs_dense"] = dense["step_s"] / row["step_s"] if dense and row["step_s"] else None
+        row["ideal_speedup"] = ideal
+        row["share_of_ideal"] = row["speedup_vs_dense"] / ideal if ideal and row["speedup_vs_dense"] else None
+        row["final_vs_dense"] = ((row["final_metric"] - dense["final_metric"]) / dense["final_metric"]
+                                 if dense and dense["final_metric"] else None)
 
 
 DROP_EVAL_EVERY = 10
@@ -223,7 +251,10 @@ def _row(method: str, s: dict, tx_before: list[int], tx_after: list[int], run_s:
         "name": method,
         "time_to_target_s": s.get("time_to_target_s"),
         "steps_to_target": s.get("steps_to_target"),
+        "metric": s.get("metric") or "test_accuracy",
+        "final_metric": s["final_val_loss"] if s.get("metric") == "val_loss" else s["final_test_accuracy"],
         "final_accuracy": s["final_test_accuracy"],
+        "compute_probe_s": s.get("compute_probe_s"),  # DDP modes: forward + backward with communication off
         "steps": s["steps"],
         "step_s": mean_step,
         "comm_s": mean_comm,
@@ -292,25 +323,51 @@ def render_table(report: dict):
     from rich.table import Table
 
     budget = report.get("budget_steps")
+    lm = report.get("metric") == "val_loss"
     table = Table(title=f"rayzip bench cluster: {report['nodes']} nodes at {report['bandwidth']}, "
-                        f"target accuracy {report['target_accuracy']}"
-                        + (f", {budget} steps each" if budget else ", stopping at the target"))
-    for col in ("method", "to target", "vs DDP", "final acc", "step ms (comm)", "MB sent",
-                "MB pulled", "MB on iface", "compression"):
+                        f"target {'validation loss' if lm else 'accuracy'} {report.get('target', report.get('target_accuracy'))}"
+                        + (f", {budget or report.get('steps')} steps each"
+                           if budget or report.get("stop_at_target") is False else ", stopping at the target"))
+    for col in ("method", "to target", "vs DDP", "of ideal", "final bpb" if lm else "final acc", "step ms (comm)",
+                "MB sent", "MB pulled", "MB on iface", "compression"):
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     for r in report["methods"]:
         if "error" in r:
-            table.add_row(r["name"], "failed", "-", "-", "-", "-", "-", "-", "-")
+            table.add_row(r["name"], "failed", "-", "-", "-", "-", "-", "-", "-", "-")
             continue
         ttt = (f"{r['time_to_target_s']:.1f} s ({r.get('steps_to_target')} steps)"
                if r["time_to_target_s"] else "missed")
         speed = f"{r['speedup_vs_dense']:.2f}x" if r["speedup_vs_dense"] else "-"
         iface = f"{r['wire_bytes_interface'] / 1e6:.2f}" if r["wire_bytes_interface"] is not None else "-"
-        table.add_row(r["name"], ttt, speed, f"{r['final_accuracy']:.4f}",
+        share = f"{r['share_of_ideal']:.0%}" if r.get("share_of_ideal") else "-"
+        final = r.get("final_metric", r.get("final_accuracy"))
+        table.add_row(r["name"], ttt, speed, share, f"{final:.4f}",
                       f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})", f"{r['wire_bytes_counted'] / 1e6:.2f}",
                       f"{r['wire_bytes_pulled'] / 1e6:.2f}" if r.get("wire_bytes_pulled") is not None else "-",
                       iface, f"{r['wire_compression']:.1f}x" if r["wire_compression"] else "-")
     return table
+
+
+def markdown_table(report: dict) -> str:
+    """The cluster report as a Markdown table, for the README (generated, not typed)."""
+    lm = report.get("metric") == "val_loss"
+    head = ["method", "time to target", "vs DDP", "of ideal", "steps to target",
+            "final val bpb" if lm else "final acc", "final vs DDP", "step ms (comm)", "MB sent / worker", "compression"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report["methods"]:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error'][:60]} |" + " |" * (len(head) - 2))
+            continue
+        ttt = f"{r['time_to_target_s']:.1f} s" if r.get("time_to_target_s") else "not reached"
+        speed = f"{r['speedup_vs_dense']:.2f}×" if r.get("speedup_vs_dense") else "–"
+        share = f"{r['share_of_ideal']:.0%}" if r.get("share_of_ideal") else "–"
+        final = r.get("final_metric", r.get("final_accuracy"))
+        diff = f"{r['final_vs_dense']:+.1%}" if r.get("final_vs_dense") is not None else "–"
+        lines.append(" | ".join([
+            f"| {r['name']}", ttt, speed, share, str(r.get("steps_to_target") or "–"), f"{final:.4f}", diff,
+            f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})", f"{r['wire_bytes_counted'] / 1e6:.1f}",
+            f"{r['wire_compression']:.1f}×" if r.get("wire_compression") else "–"]) + " |")
+    return "\n".join(lines)
 
 
 def render_drop_table(report: dict):
@@ -341,16 +398,18 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    metric = report.get("metric") or "test_accuracy"
+    target = report.get("target", report.get("target_accuracy"))
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     for r in report["methods"]:
-        points = [(h["train_s"], h["test_accuracy"]) for h in r.get("history", []) if h.get("test_accuracy") is not None]
+        points = [(h["train_s"], h[metric]) for h in r.get("history", []) if h.get(metric) is not None]
         if points:
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker=".", label=r["name"])
-    if report["target_accuracy"]:
-        ax.axhline(report["target_accuracy"], color="grey", linestyle="--", linewidth=1, label="target")
+    if target:
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="target")
     ax.set_xlabel("training time (s)")
-    ax.set_ylabel("test accuracy")
+    ax.set_ylabel("validation loss (bits/byte)" if metric == "val_loss" else "test accuracy")
     ax.set_title(f"{report['nodes']} nodes at {report['bandwidth']}")
     ax.grid(alpha=0.3)
     ax.legend()

@@ -19,12 +19,13 @@ from .cast import BFloat16, Float16, NoCompression
 from .coo import Coo
 from .dct_quant import DCTQuant
 from .group_topk import GroupTopK
-from .memory import ErrorFeedback, MomentumCorrection, NoMemory
+from .memory import AdamCorrection, ErrorFeedback, MomentumCorrection, NoMemory
 from .qsgd import QSGD
 from .randomk import RandomK
 from .topk import TopK
 
 __all__ = [
+    "AdamCorrection",
     "CODECS",
     "Codec",
     "CodecError",

@@ -59,6 +59,8 @@ def unpack_bits(packed, bits: int, count: int, xp):
 
 
 def _pack_narrow(codes, bits: int, xp):
+    if 8 % bits == 0:
+        return _pack_within_bytes(codes, bits, xp)
     # Eight codes of b <= 8 bits make exactly b bytes: assemble them in one uint64 word.
     count = codes.size
     groups = (count + 7) // 8
@@ -73,6 +75,8 @@ def _pack_narrow(codes, bits: int, xp):
 
 
 def _unpack_narrow(packed, bits: int, count: int, xp):
+    if 8 % bits == 0:
+        return _unpack_within_bytes(packed, bits, count, xp)
     groups = (count + 7) // 8
     stream = xp.zeros(groups * 8, dtype=xp.uint8).reshape(groups, 8)
     flat = xp.zeros(groups * bits, dtype=xp.uint8)
@@ -83,4 +87,26 @@ def _unpack_narrow(packed, bits: int, count: int, xp):
     out = xp.empty((groups, 8), dtype=xp.uint8)
     for j in range(8):
         out[:, j] = (word >> xp.uint64(j * bits)) & mask
+    return out.reshape(-1)[:count]
+
+
+def _pack_within_bytes(codes, bits: int, xp):
+    # 1, 2 or 4 bits: 8 // b codes fill one byte exactly, so the stream is built in uint8
+    # (the uint64 path would widen every code to 8 bytes first).
+    per = 8 // bits
+    count = codes.size
+    padded = codes if count % per == 0 else xp.concatenate([codes, xp.zeros(per - count % per, dtype=xp.uint8)])
+    rows = padded.reshape(-1, per)
+    out = rows[:, 0].copy()
+    for j in range(1, per):
+        out |= rows[:, j] << xp.uint8(j * bits)
+    return out
+
+
+def _unpack_within_bytes(packed, bits: int, count: int, xp):
+    per = 8 // bits
+    mask = xp.uint8((1 << bits) - 1)
+    out = xp.empty((packed.size, per), dtype=xp.uint8)
+    for j in range(per):
+        out[:, j] = (packed >> xp.uint8(j * bits)) & mask
     return out.reshape(-1)[:count]

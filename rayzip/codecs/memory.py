@@ -24,7 +24,7 @@ import numpy as np
 from .base import CodecError
 from ..xp import array_module, as_array, asnumpy, is_torch
 
-__all__ = ["ErrorFeedback", "MomentumCorrection", "NoMemory", "check_error_feedback", "reshard_state"]
+__all__ = ["AdamCorrection", "ErrorFeedback", "MomentumCorrection", "NoMemory", "check_error_feedback", "reshard_state"]
 
 
 def check_error_feedback(codec) -> None:
@@ -195,6 +195,106 @@ class MomentumCorrection(ErrorFeedback):
 
 
 _VELOCITY = "velocity:"
+_ADAM = "adam_"  # adam_m:, adam_v:, adam_t: state keys
+
+
+class AdamCorrection(ErrorFeedback):
+    """Error feedback on each worker's own Adam direction: the moments see the dense local
+    gradient, before compression.
+
+    Plain error feedback under Adam sends a coordinate's gradient in rare bursts (a sparse
+    codec keeps ~1% a step), and Adam's second moment, fed those bursts, shrinks every
+    update that follows: training under top-k then barely moves. Here each worker keeps
+    ``m = b1 m + (1 - b1) g`` and ``v = b2 v + (1 - b2) g^2`` of its own gradient and
+    compresses the bias-corrected direction ``m^ / (sqrt(v^) + eps)`` plus the residual; the
+    optimizer then applies the averaged direction with plain SGD (no momentum) at the same
+    learning rate, with ``weight_decay`` as AdamW's decoupled decay
+    (``p -= lr * (d + wd * p)``). Every direction is applied once, now or later through the
+    residual, so the sum of the updates equals the workers' mean Adam updates. Through a
+    lossless codec at one worker it is AdamW exactly.
+
+    Usage::
+
+        memory = AdamCorrection(betas=(0.9, 0.95))
+        optimizer = torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=wd)
+        payload = memory.encode(codec, "model", grad)
+    """
+
+    def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        b1, b2 = betas
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise CodecError(f"Adam correction needs betas in [0, 1), got {betas!r}")
+        super().__init__()
+        self.betas, self.eps = (float(b1), float(b2)), float(eps)
+        self.first: dict[str, Any] = {}
+        self.second: dict[str, Any] = {}
+        self.steps: dict[str, int] = {}
+
+    def encode(self, codec, name: str, x, scale: float = 1.0):
+        check_error_feedback(codec)
+        arr, xp = as_array(x)
+        flat = arr.reshape(-1)
+        (b1, b2), t = self.betas, self.steps.get(name, 0) + 1
+        m, v = self.first.get(name), self.second.get(name)
+        # New arrays each step (snapshot() keeps the old ones), written in place otherwise:
+        # this runs on the whole gradient every step.
+        term = xp.multiply(flat, 1 - b1, dtype=xp.float32)
+        if m is None:
+            m, v = term, xp.multiply(flat, flat, dtype=xp.float32)
+            v *= 1 - b2
+            term = xp.empty_like(m)
+        else:
+            m, v = _on(m, xp), _on(v, xp)
+            _check_layout("Adam moments", name, m, flat)
+            m = xp.multiply(m, b1, dtype=xp.float32)
+            m += term
+            xp.multiply(flat, flat, out=term)
+            term *= 1 - b2
+            v = xp.multiply(v, b2, dtype=xp.float32)
+            v += term
+        self.first[name], self.second[name], self.steps[name] = m, v, t
+        denominator = xp.multiply(v, 1 / (1 - b2 ** t), out=term)
+        xp.sqrt(denominator, out=denominator)
+        denominator += self.eps
+        direction = xp.multiply(m, 1 / (1 - b1 ** t), dtype=xp.float32)
+        direction /= denominator
+        if self.residuals.get(name) is not None:
+            residual = _on(self.residuals[name], xp)
+            _check_layout("error feedback", name, residual, direction)
+            direction += residual  # direction is this call's own array: compensate in place
+        return self._encode_compensated(codec, name, direction, scale)
+
+    def snapshot(self) -> dict:
+        return {**super().snapshot(), "first": dict(self.first), "second": dict(self.second), "steps": dict(self.steps)}
+
+    def restore(self, snapshot: dict) -> None:
+        super().restore(snapshot)
+        self.first, self.second, self.steps = dict(snapshot["first"]), dict(snapshot["second"]), dict(snapshot["steps"])
+
+    def rescale(self, factor: float) -> None:
+        raise CodecError("Adam correction does not follow a loss scale: the direction it sends is scale-free, "
+                         "and GradScaler would unscale it; train in bf16 or without GradScaler")
+
+    def reset(self) -> None:
+        super().reset()
+        self.first.clear()
+        self.second.clear()
+        self.steps.clear()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        out = super().state_dict()
+        for name in self.first:
+            out[f"{_ADAM}m:{name}"] = asnumpy(self.first[name]).copy()
+            out[f"{_ADAM}v:{name}"] = asnumpy(self.second[name]).copy()
+            out[f"{_ADAM}t:{name}"] = np.array([self.steps[name]], dtype=np.float32)
+        return out
+
+    def load_state_dict(self, state: dict[str, Any], like=None) -> None:
+        super().load_state_dict({k: v for k, v in state.items() if not k.startswith(_ADAM)}, like)
+        self.first = {k[len(_ADAM) + 2:]: _restored(v, like) for k, v in state.items() if k.startswith(_ADAM + "m:")}
+        self.second = {k[len(_ADAM) + 2:]: _restored(v, like) for k, v in state.items() if k.startswith(_ADAM + "v:")}
+        self.steps = {k[len(_ADAM) + 2:]: int(_restored(v, None)[0]) for k, v in state.items()
+                      if k.startswith(_ADAM + "t:")}
 
 
 def _restored(saved, like):
@@ -217,10 +317,19 @@ def reshard_state(saved: dict[int, dict], old_world: int, new_world: int, rank: 
     out: dict[str, np.ndarray] = {}
     for state in mine:
         for name, held in state.items():
+            if name.startswith(_ADAM):
+                continue
             held = _restored(held, None)
             out[name] = held.copy() if name not in out else out[name] + held
     factor = np.float32(new_world / old_world)
-    return {name: held * factor for name, held in out.items()}
+    out = {name: held * factor for name, held in out.items()}
+    # Adam moments are statistics of each worker's gradient, not pending updates: every new
+    # rank takes their mean over all the old ranks saved (and the largest step count).
+    moments = [state for state in saved.values() if any(k.startswith(_ADAM) for k in state)]
+    for name in {k for state in moments for k in state if k.startswith(_ADAM)}:
+        held = [_restored(state[name], None) for state in moments if name in state]
+        out[name] = np.max(held, axis=0) if name.startswith(_ADAM + "t:") else np.mean(held, axis=0)
+    return out
 
 
 class NoMemory(ErrorFeedback):

@@ -11,6 +11,7 @@ Usage::
 
 from ..spec import CompressionSpec
 from .hook import CompressionState, StepStats, compress, compressed_hook
-from .lr import scaled_lr
+from .lr import cosine_lr, learning_rate, scaled_lr
 
-__all__ = ["CompressionSpec", "CompressionState", "StepStats", "compress", "compressed_hook", "scaled_lr"]
+__all__ = ["CompressionSpec", "CompressionState", "StepStats", "compress", "compressed_hook", "cosine_lr", "learning_rate",
+           "scaled_lr"]

@@ -81,7 +81,7 @@ class CompressionState:
 
     def __init__(self, spec: CompressionSpec, parameters: list[torch.Tensor], process_group=None,
                  device: torch.device | str = "cpu", momentum: float | None = None,
-                 names: list[str] | None = None, on_nonfinite: str = "raise", grad_scaler=None):
+                 adam_betas: tuple[float, float] | None = None, names: list[str] | None = None, on_nonfinite: str = "raise", grad_scaler=None):
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}")
         if not parameters:
@@ -106,7 +106,7 @@ class CompressionState:
         self.world = dist.get_world_size(process_group)
         self.transport = Transport(process_group, device=device)
         self.codec = spec.build_codec(rank=self.rank)
-        self.memory = spec.build_memory(momentum)
+        self.memory = spec.build_memory(momentum, adam_betas)
         self.communicator = make_communicator(spec.collective, self.codec, self.transport)
         self.dense_codec = get_codec("none")  # warm-up and compression-off steps
         self.dense = AllReduce(self.transport)
@@ -351,19 +351,26 @@ def _verify(state: CompressionState, communicator, codec, payload, average) -> N
 
 def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: CompressionSpec,
              process_group=None, momentum: float | None = None, on_nonfinite: str = "raise",
-             grad_scaler=None) -> CompressionState:
+             grad_scaler=None, adam_betas: tuple[float, float] | None = None) -> CompressionState:
     """Register rayzip's compressed comm hook on ``ddp_model``; returns its state.
 
     Only parameters with ``requires_grad`` are exchanged (frozen layers cost nothing).
     With ``spec.momentum_correction``, pass the SGD ``momentum`` here and build the optimizer
-    with momentum 0: the hook applies it, per worker, before compressing. ``on_nonfinite``:
+    with momentum 0: the hook applies it, per worker, before compressing. With
+    ``spec.adam_correction``, pass Adam's ``adam_betas`` and build the optimizer as SGD without
+    momentum, weight decay as AdamW's (:func:`rayzip.torch.optim.build_optimizer` with
+    ``adam_elsewhere``): the hook sends each worker's Adam direction. ``on_nonfinite``:
     ``"raise"`` or ``"skip"`` (see the module docstring); ``grad_scaler``: AMP's
     ``GradScaler``, whose scale the residuals then follow.
     """
+    if spec.adam_correction and grad_scaler is not None:
+        raise ValueError("adam_correction sends a scale-free Adam direction, which GradScaler would unscale: "
+                         "train in bf16 or without GradScaler")
     named = [(name, p) for name, p in ddp_model.module.named_parameters() if p.requires_grad]
     device = named[0][1].device if named else torch.device("cpu")
     state = CompressionState(spec, parameters=[p for _, p in named], process_group=process_group, device=device,
-                             momentum=momentum, names=[name for name, _ in named], on_nonfinite=on_nonfinite,
+                             momentum=momentum, adam_betas=adam_betas, names=[name for name, _ in named],
+                             on_nonfinite=on_nonfinite,
                              grad_scaler=grad_scaler)
     ddp_model.register_comm_hook(state, compressed_hook)
     return state

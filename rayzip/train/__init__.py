@@ -1,5 +1,6 @@
 """rayzip inside Ray Train workers: the API for your own ``train_func`` (``prepare_model``,
-``report``, ``restore``), and the built-in loop, data and models that ``rayzip run`` uses.
+``report``, ``restore``, ``Telemetry``), the context a spec-named loop receives
+(``LoopContext``), and the built-in tasks, data and models that ``rayzip run`` uses.
 
 Usage::
 
@@ -8,5 +9,18 @@ Usage::
 """
 
 from .api import CompressionConfig, compression_state, prepare_model, report, restore, save_checkpoint
+from .records import StepRecord, Totals, Traffic
+from .telemetry import Telemetry
 
-__all__ = ["CompressionConfig", "compression_state", "prepare_model", "report", "restore", "save_checkpoint"]
+
+def __getattr__(name: str):
+    # The loop imports Ray Train's torch integration and every task: loaded when asked for.
+    if name == "LoopContext":
+        from .loop import LoopContext
+
+        return LoopContext
+    raise AttributeError(name)
+
+
+__all__ = ["CompressionConfig", "LoopContext", "StepRecord", "Telemetry", "Totals", "Traffic", "compression_state",
+           "prepare_model", "report", "restore", "save_checkpoint"]

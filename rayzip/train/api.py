@@ -51,14 +51,18 @@ _ATTRIBUTE = "_rayzip_compression_state"
 
 
 def prepare_model(model: torch.nn.Module, compression: CompressionConfig | None = None, *,
-                  momentum: float | None = None, on_nonfinite: str = "raise", grad_scaler=None,
+                  momentum: float | None = None, adam_betas: tuple[float, float] | None = None,
+                  on_nonfinite: str = "raise", grad_scaler=None,
                   **prepare_kwargs: Any) -> torch.nn.Module:
     """``ray.train.torch.prepare_model(model, **prepare_kwargs)`` with rayzip's compressed comm
     hook on the DDP model it returns.
 
     ``momentum``: the SGD momentum, when ``compression.momentum_correction`` (build the
     optimizer with momentum 0 where :func:`compression_state` is not None, with this momentum
-    where it is). ``on_nonfinite`` and ``grad_scaler`` as for :func:`rayzip.torch.compress`.
+    where it is). ``adam_betas``: Adam's betas, when ``compression.adam_correction`` (then build
+    the optimizer as ``torch.optim.SGD(params, lr, momentum=0, weight_decay=wd)`` where
+    :func:`compression_state` is not None, as AdamW where it is). ``on_nonfinite`` and
+    ``grad_scaler`` as for :func:`rayzip.torch.compress`.
     """
     if compression is not None and compression.collective == "ps":
         raise ValueError("collective ps runs parameter-server shards, which `rayzip run` starts; "
@@ -67,6 +71,7 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | None 
     state = None
     if isinstance(prepared, DistributedDataParallel) and compression is not None:
         state = compress(prepared, compression, momentum=momentum if compression.momentum_correction else None,
+                         adam_betas=adam_betas if compression.adam_correction else None,
                          on_nonfinite=on_nonfinite, grad_scaler=grad_scaler)
     object.__setattr__(prepared, _ATTRIBUTE, state)  # a plain attribute, not a submodule
     return prepared

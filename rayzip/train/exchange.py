@@ -1,0 +1,258 @@
+"""How a training step's gradients cross the network: one :class:`Exchange` per mode.
+
+* :class:`HookExchange`: DDP with rayzip's compressed comm hook;
+* :class:`TorchHookExchange`: DDP with torch's own PowerSGD or fp16 hook (baselines);
+* :class:`DenseExchange`: plain DDP allreduce, or a world of one (nothing to exchange);
+* :class:`ParameterServerExchange`: no DDP; push to the parameter shards, pull parameters.
+
+A loop drives every mode the same way::
+
+    exchange = build_exchange(spec, model, rank, world, ps_shards=...)
+    start, saved = exchange.restore(ray.train.get_checkpoint(), chain)
+    for step in ...:
+        exchange.begin_step(step, last=step == steps - 1)
+        loss = loss_fn(exchange.model, batch)
+        loss.backward()                          # the hook exchanges here
+        skipped = exchange.skipped(step)         # every rank's same answer
+        exchange.apply(step, lr, skipped)        # optimizer step, or push and pull
+        traffic = exchange.traffic(step_s)
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ..checkpoint import DeltaChain
+from ..checkpoint import load as load_checkpoint
+from ..codecs import NonFiniteError
+from ..comm import ring_allreduce_bytes
+from ..ps import ParameterServerClient, flat_to_parameters
+from ..spec import JobSpec
+from ..torch import compress
+from ..torch.baselines import register_torch_hook
+from ..torch.optim import build_optimizer
+from .checkpoints import load_optimizer, load_trainer, restore_hook, unwrap
+from .records import Traffic
+
+__all__ = ["DenseExchange", "Exchange", "HookExchange", "ParameterServerExchange", "TorchHookExchange",
+           "build_exchange", "compute_time", "restore_collective",
+           "traffic_of"]
+
+
+def compute_time(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], repeats: int = 3) -> float:
+    """Forward + backward time of one batch with DDP communication off (``no_sync``)."""
+    best = float("inf")
+    with model.no_sync():
+        for _ in range(repeats + 1):  # the first call warms up
+            t0 = time.perf_counter()
+            loss_fn().backward()
+            best = min(best, time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    return best
+
+
+class Exchange:
+    """The collective modes' common part: DDP (or a world of one) and a local optimizer."""
+
+    name = "dense"
+
+    def __init__(self, spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
+                 optimizer: torch.optim.Optimizer | None, state=None):
+        self.spec, self.model, self.rank, self.world = spec, model, rank, world
+        self.optimizer, self.state = optimizer, state
+        self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.compute_probe_s = 0.0  # set by the loop on DDP modes (see compute_time)
+
+    @property
+    def ddp(self) -> bool:
+        return isinstance(self.model, DistributedDataParallel)
+
+    def begin_step(self, step: int, last: bool) -> None:
+        """Before forward."""
+
+    def skipped(self, step: int) -> bool:
+        """After backward: whether every rank drops this step for a non-finite gradient.
+        Under plain DDP or a torch hook every rank holds the same averaged gradient, and at
+        world size 1 there is no one to agree with, so each rank's own look is everyone's."""
+        for name, p in self.model.named_parameters():
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                if self.spec.training.on_nonfinite == "raise":
+                    raise NonFiniteError(f"step {step}: the gradient of {name} is not finite (rank {self.rank}'s "
+                                         "view, the same on every rank)")
+                return True
+        return False
+
+    def apply(self, step: int, lr: float, skipped: bool) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if skipped:
+            return
+        if self.spec.training.grad_clip_norm is not None and not self.spec.compression.adam_correction:
+            # The averaged gradient: the same on every rank. (Under Adam correction it is the
+            # averaged Adam direction, which the moments already bound.)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.training.grad_clip_norm)
+        self.optimizer.step()
+
+    def traffic(self, step_s: float) -> Traffic:
+        """Plain DDP: the ring formula's bytes, and what the step took beyond compute."""
+        dense = ring_allreduce_bytes(4 * self.numel, self.world)
+        comm_s = max(0.0, step_s - self.compute_probe_s) if self.ddp else 0.0
+        return Traffic(bytes_sent=dense if self.ddp else 0, dense_bytes=dense, comm_s=comm_s, network_s=comm_s,
+                       comm_source="step minus compute", bytes_source="formula")
+
+    def weights(self) -> tuple[dict, dict]:
+        return unwrap(self.model).state_dict(), self.optimizer.state_dict()
+
+    def restore(self, checkpoint, chain: DeltaChain | None = None) -> tuple[int, dict | None]:
+        """(next step, rank 0's saved part) from a checkpoint, or (0, None)."""
+        return restore_collective(checkpoint, self.rank, self.world, self.model, self.optimizer, self.state, chain)
+
+
+def restore_collective(checkpoint, rank: int, world: int, model: torch.nn.Module, optimizer, state,
+                       chain: DeltaChain | None = None) -> tuple[int, dict | None]:
+    """Model, optimizer and hook state from ``checkpoint``: (next step, rank 0's saved part),
+    or (0, None) without one."""
+    if checkpoint is None:
+        return 0, None
+    with checkpoint.as_directory() as path:
+        path = Path(path)
+        trainer = load_trainer(path, model, chain)
+        load_optimizer(optimizer, trainer["optimizer"])
+        if state is not None:
+            restore_hook(path, rank, world, trainer, state)
+    return trainer["step"] + 1, trainer
+
+
+class DenseExchange(Exchange):
+    """Plain DDP allreduce, or a world of one."""
+
+
+class TorchHookExchange(Exchange):
+    """torch's own PowerSGD or fp16 comm hook; bytes counted at the torch.distributed call."""
+
+    def __init__(self, *args, counter, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.counter = counter
+        self.name = self.spec.compression.torch_hook
+
+    def traffic(self, step_s: float) -> Traffic:
+        traffic = super().traffic(step_s)
+        traffic.bytes_sent, traffic.bytes_source = self.counter.take(), "counted"
+        return traffic
+
+
+class HookExchange(Exchange):
+    """rayzip's compressed comm hook: the hook counts bytes and times the exchange, and the
+    step's control word tells every rank whether to skip, stop or adopt a new ratio."""
+
+    name = "rayzip"
+
+    def begin_step(self, step: int, last: bool) -> None:
+        if last:
+            self.state.request_stop()  # every rank learns it at this step's exchange, even one that counted more
+
+    def skipped(self, step: int) -> bool:
+        return bool(self.state.last_step.skipped)
+
+    def traffic(self, step_s: float) -> Traffic:
+        return traffic_of(self.state.last_step, dense_bytes=ring_allreduce_bytes(4 * self.numel, self.world))
+
+
+def traffic_of(stats, dense_bytes: int | None = None, source: str = "hook") -> Traffic:
+    """A :class:`Traffic` from the hook's or the ps client's ``StepStats``."""
+    return Traffic(bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
+                   dense_bytes=stats.dense_bytes if dense_bytes is None else dense_bytes,
+                   comm_s=stats.comm_s, network_s=stats.network_s, compressed=bool(stats.compressed),
+                   ratio=stats.ratio, comm_source=source, verify_max_abs_err=stats.verify_max_abs_err,
+                   verify_documented_bytes=stats.verify_documented_bytes, stop=bool(getattr(stats, "stop", False)))
+
+
+class ParameterServerExchange(Exchange):
+    """Push the gradient to the shards, which step; pull the parameters for the next step.
+
+    Live shards hold the truth, so a new worker group resumes where they are, not at the
+    checkpoint; shards that hold nothing (a new run, or a shard restarted after its process
+    died) are loaded from the checkpoint, or from this model at step 0."""
+
+    name = "ps"
+
+    def __init__(self, spec: JobSpec, model: torch.nn.Module, rank: int, world: int, client: ParameterServerClient):
+        super().__init__(spec, model, rank, world, optimizer=None, state=client)
+        self.client = client
+
+    def skipped(self, step: int) -> bool:
+        return False  # the client's encode raises on a non-finite gradient
+
+    def apply(self, step: int, lr: float, skipped: bool) -> None:
+        self.client.update(self.model, step, lr)
+
+    def traffic(self, step_s: float) -> Traffic:
+        return traffic_of(self.client.last_step, source="ps")
+
+    def weights(self) -> tuple[dict, dict]:
+        """The shards hold the authoritative parameters and the optimizer state; buffers are
+        the worker's."""
+        server = self.client.server_state()
+        return {**self.model.state_dict(), **flat_to_parameters(self.model, server["params"])}, server["optimizer"]
+
+    def restore(self, checkpoint, chain: DeltaChain | None = None) -> tuple[int, dict | None]:
+        trainer, saved = None, None
+        if checkpoint is not None:
+            with checkpoint.as_directory() as path:
+                trainer = load_trainer(Path(path), self.model, chain)
+                mine = Path(path) / f"rank{self.rank}"
+                saved = load_checkpoint(mine) if mine.exists() else None
+        generation = [uuid.uuid4().hex if self.rank == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(generation, src=0)
+        if self.rank == 0:
+            initial = {"params": torch.nn.utils.parameters_to_vector(self.model.parameters()).detach().cpu().numpy(),
+                       "optimizer": trainer["optimizer"] if trainer else None,
+                       "step": trainer["step"] + 1 if trainer else 0}
+            self.client.begin_group(generation[0], sum(p.numel() for p in self.model.parameters()), initial)
+        if dist.is_initialized():
+            dist.barrier()
+        start = self.client.join(generation[0], self.model)
+        if saved is not None and saved["hook"]["step"] == start:
+            self.client.load_state_dict(saved["hook"])
+        elif saved is not None:
+            print(f"rayzip: rank {self.rank} resumes at step {start}, its checkpoint holds step "
+                  f"{saved['hook']['step']}: error-feedback residuals reset")
+        return start, trainer
+
+
+def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
+                   ps_shards: list[str] | None = None) -> Exchange:
+    """Prepare ``model`` for Ray Train (DDP unless in parameter-server mode or at world size
+    1) and wrap it in the exchange its spec asks for, with its optimizer."""
+    comp, training = spec.compression, spec.training
+    if comp.collective == "ps":
+        # The shards combine gradients: no DDP allreduce underneath.
+        model = ray.train.torch.prepare_model(model, parallel_strategy=None)
+        momentum = training.momentum if comp.momentum_correction else None
+        client = ParameterServerClient(ps_shards, spec, rank, world, momentum=momentum)
+        return ParameterServerExchange(spec, model, rank, world, client)
+    model = ray.train.torch.prepare_model(model, parallel_strategy="ddp")
+    ddp = isinstance(model, DistributedDataParallel)
+    if ddp and comp.torch_hook is not None:
+        counter = register_torch_hook(model, comp.torch_hook, comp.powersgd_rank, comp.powersgd_start_iter)
+        return TorchHookExchange(spec, model, rank, world, build_optimizer(training, model.parameters()),
+                                 counter=counter)
+    if ddp and (comp.codec != "none" or comp.verify or comp.momentum_correction):
+        state = compress(model, comp, momentum=training.momentum if comp.momentum_correction else None,
+                         adam_betas=tuple(training.betas) if comp.adam_correction else None,
+                         on_nonfinite=training.on_nonfinite)
+        optimizer = build_optimizer(training, model.parameters(), momentum_elsewhere=comp.momentum_correction,
+                                    adam_elsewhere=comp.adam_correction)
+        return HookExchange(spec, model, rank, world, optimizer, state=state)
+    # At world size 1 there is no hook, so momentum stays in the optimizer.
+    return DenseExchange(spec, model, rank, world, build_optimizer(training, model.parameters()))
+

@@ -1,0 +1,89 @@
+"""Typed records of training: what one step moved and took, and the running totals a
+checkpoint carries across restarts.
+
+Usage::
+
+    totals = Totals.from_dict(saved.get("totals"))
+    totals.add(record)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+__all__ = ["StepRecord", "Totals", "Traffic"]
+
+
+@dataclass
+class Traffic:
+    """What one worker's gradient exchange sent and how long it took, for one step."""
+
+    bytes_sent: int = 0  # ps: pushed to the shards
+    bytes_received: int = 0  # ps: pulled from the shards
+    dense_bytes: int = 0  # an fp32 ring allreduce of the same gradient (ps: a dense push)
+    comm_s: float = 0.0
+    network_s: float = 0.0  # of comm_s, inside torch.distributed or waiting on the shards
+    compressed: bool = False
+    ratio: float | None = None
+    comm_source: str = "hook"  # hook, ps, or "step minus compute" (plain DDP, torch hooks)
+    bytes_source: str = "counted"  # counted, or formula (plain DDP)
+    verify_max_abs_err: float | None = None
+    verify_documented_bytes: int | None = None
+    stop: bool = False  # some rank asked every rank to stop after this step
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    lr: float
+    step_s: float
+    traffic: Traffic = field(default_factory=Traffic)
+    skipped: bool = False
+
+
+@dataclass
+class Totals:
+    """Sums over the run so far, saved in every checkpoint; the training clock excludes
+    evaluation and reporting, so time to target compares training."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    dense_bytes: int = 0
+    train_s: float = 0.0
+    step_s: float = 0.0
+    comm_s: float = 0.0
+    network_s: float = 0.0
+    timed_steps: int = 0
+    skipped_steps: int = 0
+    checkpoints: int = 0
+    time_to_target_s: float | None = None
+    steps_to_target: int | None = None
+    verify_max_abs_err: float | None = None
+    verify_documented_bytes: int | None = None
+
+    @classmethod
+    def from_dict(cls, saved: dict | None) -> "Totals":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (saved or {}).items() if k in known})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def add(self, record: StepRecord) -> None:
+        t = record.traffic
+        self.step_s += record.step_s
+        self.comm_s += t.comm_s
+        self.network_s += t.network_s
+        self.timed_steps += 1
+        self.skipped_steps += int(record.skipped)
+        self.bytes_sent += t.bytes_sent
+        self.bytes_received += t.bytes_received
+        self.dense_bytes += t.dense_bytes
+        if t.verify_max_abs_err is not None:
+            self.verify_max_abs_err = max(self.verify_max_abs_err or 0.0, t.verify_max_abs_err)
+        if t.verify_documented_bytes is not None:
+            self.verify_documented_bytes = (self.verify_documented_bytes or 0) + t.verify_documented_bytes
+
+    def mean(self, name: str) -> float:
+        return getattr(self, name) / self.timed_steps if self.timed_steps else 0.0

@@ -1,0 +1,130 @@
+"""Per-step telemetry from any training loop: Prometheus series, the adaptive controller,
+and ratio adoption agreed in the hook's control word.
+
+``rayzip run``'s loops use it, and so can your own ``train_func``::
+
+    import rayzip.train
+
+    model = rayzip.train.prepare_model(model, compression=CompressionConfig(codec="group_topk", ratio=0.01))
+    telemetry = rayzip.train.Telemetry(model, run="my-run", controller=controller_name("my-run"))
+    for step, batch in enumerate(loader):
+        telemetry.begin_step()
+        loss = ...; loss.backward(); optimizer.step()
+        telemetry.end_step(step, float(loss))          # a StepRecord
+
+``controller`` names an adaptive controller actor started on the driver with
+:func:`rayzip.adaptive.start_controller`; its ratio decisions reach every rank at the same
+step (:class:`Adoption`). Every rank must call ``begin_step``/``end_step`` at every step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+import torch
+
+from ..comm import ring_allreduce_bytes
+from ..metrics import WorkerMetrics
+from .records import StepRecord, Traffic
+
+__all__ = ["Adoption", "Telemetry"]
+
+
+class Adoption:
+    """Rank 0 takes the controller's latest decision without waiting (``poll`` returns a
+    ``{"seq", "ratio"}`` decision or None) and proposes it in the step's control word; every
+    rank adopts the agreed proposal from the next step on, however late the decision came.
+    ``applied(seq, step)`` tells the controller, once, from rank 0."""
+
+    def __init__(self, poll, applied, rank: int, state):
+        self.poll, self.applied, self.rank, self.state = poll, applied, rank, state
+        self.proposed_seq = self.applied_seq = -1
+
+    @classmethod
+    def from_controller(cls, controller, rank: int, state) -> "Adoption":
+        pending = [controller.decision.remote()] if rank == 0 else []
+
+        def poll():
+            ready, _ = ray.wait(pending, timeout=0)
+            if not ready:
+                return None
+            decision = ray.get(pending[0])
+            pending[0] = controller.decision.remote()
+            return decision
+
+        return cls(poll, lambda seq, step: controller.applied.remote(seq, step), rank, state)
+
+    def before_step(self) -> None:
+        if self.rank != 0:
+            return
+        latest = self.poll()
+        if latest is not None and latest["seq"] > self.proposed_seq and latest["ratio"] >= 1.0:
+            # Agreed in this step's control word, applied by every rank from the next step.
+            self.proposed_seq = latest["seq"]
+            self.state.propose(latest["ratio"], seq=latest["seq"])
+
+    def after_step(self, step: int) -> None:
+        adopted = self.state.last_step.adopted if self.state.last_step is not None else None
+        if adopted is not None and adopted[0] > self.applied_seq:
+            self.applied_seq = adopted[0]
+            if self.rank == 0:
+                self.applied(adopted[0], step + 1)
+
+
+class Telemetry:
+    """Records each step: Prometheus (``metrics=True``, through Ray's metrics agent, with run,
+    job and rank labels), the controller's inputs, and its decisions' adoption."""
+
+    def __init__(self, model: torch.nn.Module | None = None, run: str = "rayzip", job: str | None = None,
+                 controller=None, metrics: bool = True, rank: int | None = None, state=None):
+        from .api import compression_state
+
+        if rank is None:
+            rank = ray.train.get_context().get_world_rank()
+        self.rank = rank
+        self.state = state if state is not None else (compression_state(model) if model is not None else None)
+        self.model = model
+        self.metrics = WorkerMetrics(run, job or run, rank) if metrics else None
+        if isinstance(controller, str):
+            controller = ray.get_actor(controller)
+        self.controller = controller
+        self.adoption = (Adoption.from_controller(controller, rank, self.state)
+                         if controller is not None and self.state is not None else None)
+        self._started: float | None = None
+
+    def begin_step(self) -> None:
+        if self.adoption is not None:
+            self.adoption.before_step()
+        self._started = time.perf_counter()
+
+    def end_step(self, step: int, loss: float, lr: float = 0.0) -> StepRecord:
+        """For a loop that calls :meth:`begin_step`: the step's record from the hook's counters."""
+        step_s = time.perf_counter() - (self._started if self._started is not None else time.perf_counter())
+        record = StepRecord(step=step, loss=loss, lr=lr, step_s=step_s, traffic=self._traffic(),
+                            skipped=bool(self.state is not None and self.state.last_step.skipped))
+        self.record(record)
+        return record
+
+    def _traffic(self) -> Traffic:
+        if self.state is not None and self.state.last_step is not None:
+            from .exchange import traffic_of
+
+            s = self.state.last_step
+            return traffic_of(s, dense_bytes=ring_allreduce_bytes(4 * s.numel, self.state.world))
+        return Traffic(comm_source="not measured", bytes_source="none")
+
+    def record(self, record: StepRecord) -> None:
+        t = record.traffic
+        if self.metrics is not None:
+            self.metrics.record(record.step, record.step_s, t.comm_s, t.network_s, t.bytes_sent, t.dense_bytes,
+                                record.loss)
+        if self.controller is not None:
+            self.controller.report.remote(self.rank, record.step, record.loss, record.step_s, t.comm_s, t.network_s,
+                                          t.bytes_sent, t.dense_bytes)
+        if self.adoption is not None:
+            self.adoption.after_step(record.step)
+
+    def record_checkpoint(self, stored_bytes: int, raw_bytes: int) -> None:
+        if self.metrics is not None:
+            self.metrics.record_checkpoint(stored_bytes, raw_bytes)

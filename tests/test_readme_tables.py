@@ -1,0 +1,43 @@
+"""Every README table that names the JSON it came from is that JSON, rendered by
+`rayzip bench table` (no typed figures)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from rayzip.bench.cluster import markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = re.compile(r"<!-- table from (\S+\.json) -->\n((?:\|.*\|\n)+)")
+
+
+def _tables():
+    return MARKER.findall((ROOT / "README.md").read_text())
+
+
+def test_the_readme_has_generated_tables():
+    assert len(_tables()) >= 2
+
+
+@pytest.mark.parametrize("source, table", _tables())
+def test_a_generated_table_matches_its_json(source, table):
+    report = json.loads((ROOT / source).read_text())
+    assert table.strip() == markdown_table(report).strip(), f"regenerate with: rayzip bench table {source}"
+
+
+def test_bench_table_prints_the_markdown_and_refuses_other_files(tmp_path):
+    from typer.testing import CliRunner
+
+    from rayzip.cli import app
+
+    source, table = _tables()[0]
+    result = CliRunner().invoke(app, ["bench", "table", str(ROOT / source)])
+    assert result.exit_code == 0 and result.output.strip() == table.strip()
+    other = tmp_path / "x.json"
+    other.write_text('{"rows": []}')
+    result = CliRunner().invoke(app, ["bench", "table", str(other)])
+    assert result.exit_code == 2 and "not a `rayzip bench cluster` report" in result.output

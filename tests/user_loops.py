@@ -1,0 +1,41 @@
+"""A user's own training loop for ``training.loop: user_loops:digits_loop`` (imported by the
+workers through PYTHONPATH in the tests' runtime_env)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rayzip.train.data import digits, shard
+
+
+def digits_loop(config: dict, ctx) -> None:
+    """An MLP on this rank's shard of digits, through the context's compressed model,
+    optimizer, telemetry and checkpoints."""
+    from rayzip.spec import DatasetSpec
+
+    torch.manual_seed(0)
+    x, y, x_test, y_test = digits(DatasetSpec(), seed=0)
+    mine = shard(len(x), ctx.rank, ctx.world, seed=0)
+    model = ctx.prepare_model(torch.nn.Sequential(torch.nn.Linear(64, config["hidden"]), torch.nn.ReLU(),
+                                                  torch.nn.Linear(config["hidden"], 10)))
+    optimizer = ctx.build_optimizer(model.parameters())
+    start = ctx.restore(model, optimizer).get("step", -1) + 1
+    gen = torch.Generator().manual_seed(ctx.rank)
+    for step in range(start, config["steps"]):
+        ctx.telemetry.begin_step()
+        idx = mine[torch.randint(0, len(mine), (32,), generator=gen)]
+        for group in optimizer.param_groups:
+            group["lr"] = ctx.learning_rate(step, config["steps"])
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        optimizer.step()
+        record = ctx.telemetry.end_step(step, float(loss))
+        if step + 1 == config["steps"]:
+            with torch.no_grad():
+                accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
+            ctx.report({"step": step, "loss": float(loss), "test_accuracy": accuracy,
+                        "bytes_sent": record.traffic.bytes_sent, "dense_bytes": record.traffic.dense_bytes,
+                        "compressed": record.traffic.compressed, "world_size": ctx.world},
+                       model=model, optimizer=optimizer, extra={"step": step})
