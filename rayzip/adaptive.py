@@ -37,7 +37,9 @@ step, and their own timings, the source when no Prometheus is configured.
 **Robustness.** A Prometheus that is unreachable, slow (``query_timeout``), or answers with
 NaN or nothing leaves the last decision in force: the attempt is recorded as ``held``, a
 warning is logged once, and each further attempt waits twice as long (up to 8 intervals).
-Training never waits for the controller. Decisions start once training has run for a window.
+An answer that lacks the series of a rank that reported to the controller within the
+window is held the same way, since the slowest rank counts. Training never waits for the
+controller. Decisions start once training has run for a window.
 
 Every decision (and every hold) is logged with its inputs and kept in :meth:`history`;
 ``rayzip_controller_*`` series export them.
@@ -248,6 +250,12 @@ class AdaptiveController:
         return {"delay_per_byte": max(delay.values()), "delay_per_byte_by_rank": {str(k): v for k, v in delay.items()},
                 "compute_s": sum(compute) / len(compute)}
 
+    def _reporting_ranks(self) -> set[str]:
+        """The ranks that reported to this controller within the last window."""
+        horizon = time.time() - self.spec.window
+        with self.lock:
+            return {str(r[1]) for r in self.reports if r[0] >= horizon}
+
     def _dense_bytes(self) -> float | None:
         with self.lock:
             return float(self.reports[-1][8]) if self.reports else None
@@ -265,6 +273,11 @@ class AdaptiveController:
                 inputs, source = self.source.inputs(), "prometheus"
             except SourceError as exc:
                 self._hold(str(exc))
+                return False
+            missing = sorted(self._reporting_ranks() - set(inputs.get("delay_per_byte_by_rank", {})))
+            if missing:
+                # The slowest rank counts: a decision without some rank's series could be too lax.
+                self._hold(f"Prometheus has no series yet for rank(s) {', '.join(missing)}")
                 return False
         else:
             inputs, source = self._worker_inputs(), "workers"

@@ -74,6 +74,7 @@ class WorkerMetrics:
     def __init__(self, run: str, job: str, rank: int):
         self.tags = {"run": run, "job": job, "rank": str(rank)}
         self.hist, self.counters, self.gauges = _worker_series()
+        self._checkpoint: tuple[float, float] | None = None
 
     def record(self, step: int, step_s: float, comm_s: float, network_s: float, bytes_sent: int,
                dense_bytes: int, loss: float) -> None:
@@ -89,10 +90,18 @@ class WorkerMetrics:
         self.gauges["compression_ratio"].set(dense_bytes / bytes_sent if bytes_sent else 1.0, tags=tags)
         self.gauges["batch_loss"].set(loss, tags=tags)
         self.gauges["step"].set(step, tags=tags)
+        if self._checkpoint is not None:
+            # Ray's metrics agent drops a gauge that is not set again within two export
+            # intervals: the last checkpoint's figures are set again every step.
+            self._set_checkpoint(*self._checkpoint)
 
     def record_checkpoint(self, stored_bytes: int, raw_bytes: int) -> None:
+        self._checkpoint = (float(stored_bytes), raw_bytes / stored_bytes if stored_bytes else 1.0)
+        self._set_checkpoint(*self._checkpoint)
+
+    def _set_checkpoint(self, stored_bytes: float, ratio: float) -> None:
         self.gauges["checkpoint_bytes"].set(stored_bytes, tags=self.tags)
-        self.gauges["checkpoint_ratio"].set(raw_bytes / stored_bytes if stored_bytes else 1.0, tags=self.tags)
+        self.gauges["checkpoint_ratio"].set(ratio, tags=self.tags)
 
 
 @lru_cache(maxsize=None)
