@@ -40,11 +40,10 @@ from ..torch import compress
 from ..torch.baselines import register_torch_hook
 from ..torch.optim import build_optimizer
 from .checkpoints import load_optimizer, load_trainer, restore_hook, unwrap
-from .records import Traffic
+from .records import Traffic, traffic_of
 
 __all__ = ["DenseExchange", "Exchange", "HookExchange", "ParameterServerExchange", "TorchHookExchange",
-           "build_exchange", "compute_time", "restore_collective",
-           "traffic_of"]
+           "build_exchange", "compute_time", "restore_collective"]
 
 
 def compute_time(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], repeats: int = 3) -> float:
@@ -163,16 +162,7 @@ class HookExchange(Exchange):
         return bool(self.state.last_step.skipped)
 
     def traffic(self, step_s: float) -> Traffic:
-        return traffic_of(self.state.last_step, dense_bytes=ring_allreduce_bytes(4 * self.numel, self.world))
-
-
-def traffic_of(stats, dense_bytes: int | None = None, source: str = "hook") -> Traffic:
-    """A :class:`Traffic` from the hook's or the ps client's ``StepStats``."""
-    return Traffic(bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
-                   dense_bytes=stats.dense_bytes if dense_bytes is None else dense_bytes,
-                   comm_s=stats.comm_s, network_s=stats.network_s, compressed=bool(stats.compressed),
-                   ratio=stats.ratio, comm_source=source, verify_max_abs_err=stats.verify_max_abs_err,
-                   verify_documented_bytes=stats.verify_documented_bytes, stop=bool(getattr(stats, "stop", False)))
+        return traffic_of(self.state.last_step)
 
 
 class ParameterServerExchange(Exchange):

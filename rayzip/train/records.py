@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-__all__ = ["StepRecord", "Totals", "Traffic"]
+__all__ = ["StepRecord", "Totals", "Traffic", "traffic_of"]
 
 
 @dataclass
@@ -30,6 +30,15 @@ class Traffic:
     verify_max_abs_err: float | None = None
     verify_documented_bytes: int | None = None
     stop: bool = False  # some rank asked every rank to stop after this step
+
+
+def traffic_of(stats, source: str = "hook") -> Traffic:
+    """A :class:`Traffic` from the hook's or the ps client's ``StepStats``, which count the
+    bytes, the dense equivalent and the timings themselves."""
+    return Traffic(bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, dense_bytes=stats.dense_bytes,
+                   comm_s=stats.comm_s, network_s=stats.network_s, compressed=bool(stats.compressed),
+                   ratio=stats.ratio, comm_source=source, verify_max_abs_err=stats.verify_max_abs_err,
+                   verify_documented_bytes=stats.verify_documented_bytes, stop=bool(getattr(stats, "stop", False)))
 
 
 @dataclass

@@ -23,6 +23,7 @@ from ..spec import JobSpec, TrainingSpec
 from .data import load_dataset, shard
 from .gpt import GPT, lm_loss
 from .models import build_model
+from .text import ShardSampler, Windows, load_python_stdlib
 
 __all__ = ["Classification", "LanguageModel", "Task", "agreed_accuracy", "build_task", "shard_plan"]
 
@@ -149,8 +150,6 @@ class LanguageModel(Task):
     higher_is_better = False
 
     def __init__(self, spec: JobSpec, rank: int, world: int, device):
-        from .text import ShardSampler, Windows, load_python_stdlib
-
         super().__init__(spec, rank, world, device)
         self.target = spec.training.target_val_loss
         data, context = spec.dataset, spec.model.context
@@ -165,8 +164,7 @@ class LanguageModel(Task):
         self.val_y = torch.stack([validation[int(i)][1] for i in mine]) if len(mine) else None
         self.steps = spec.training.steps if spec.training.steps is not None else (
             spec.training.epochs * (len(self.train) // (spec.training.batch_size * world)))
-        self._sampler_cls = ShardSampler
-        self.sampler = None
+        self.sampler: ShardSampler | None = None
         self.start_step = 0
 
     def build_model(self) -> torch.nn.Module:
@@ -186,7 +184,7 @@ class LanguageModel(Task):
             # server that ran ahead of the checkpoint) ran at this one.
             position = saved["position"] + (start_step - saved["next_step"]) * training.batch_size * self.world
         self.start_step = start_step
-        self.sampler = self._sampler_cls(len(self.train), training.batch_size, self.rank, self.world,
+        self.sampler = ShardSampler(len(self.train), training.batch_size, self.rank, self.world,
                                          seed=training.seed, start=position)
         # Its own generator: a DataLoader draws a seed from the global RNG otherwise, which a
         # resumed run (whose loader starts after the restore) would draw at another point.

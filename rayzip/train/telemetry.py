@@ -24,9 +24,8 @@ import time
 import ray
 import torch
 
-from ..comm import ring_allreduce_bytes
 from ..metrics import WorkerMetrics
-from .records import StepRecord, Traffic
+from .records import StepRecord, Traffic, traffic_of
 
 __all__ = ["Adoption", "Telemetry"]
 
@@ -108,10 +107,7 @@ class Telemetry:
 
     def _traffic(self) -> Traffic:
         if self.state is not None and self.state.last_step is not None:
-            from .exchange import traffic_of
-
-            s = self.state.last_step
-            return traffic_of(s, dense_bytes=ring_allreduce_bytes(4 * s.numel, self.state.world))
+            return traffic_of(self.state.last_step)
         return Traffic(comm_source="not measured", bytes_source="none")
 
     def record(self, record: StepRecord) -> None:
