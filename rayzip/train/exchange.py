@@ -69,6 +69,7 @@ class Exchange:
         self.optimizer, self.state = optimizer, state
         self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.compute_probe_s = 0.0  # set by the loop on DDP modes (see compute_time)
+        self.clips = True  # training.grad_clip_norm applies to what the optimizer receives
 
     @property
     def ddp(self) -> bool:
@@ -94,9 +95,8 @@ class Exchange:
             group["lr"] = lr
         if skipped:
             return
-        if self.spec.training.grad_clip_norm is not None and not self.spec.compression.adam_correction:
-            # The averaged gradient: the same on every rank. (Under Adam correction it is the
-            # averaged Adam direction, which the moments already bound.)
+        if self.spec.training.grad_clip_norm is not None and self.clips:
+            # The averaged gradient: the same on every rank.
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.training.grad_clip_norm)
         self.optimizer.step()
 
@@ -242,7 +242,11 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
                          on_nonfinite=training.on_nonfinite)
         optimizer = build_optimizer(training, model.parameters(), momentum_elsewhere=comp.momentum_correction,
                                     adam_elsewhere=comp.adam_correction)
-        return HookExchange(spec, model, rank, world, optimizer, state=state)
+        exchange = HookExchange(spec, model, rank, world, optimizer, state=state)
+        # Under Adam correction the optimizer receives the averaged Adam direction, which the
+        # moments already bound; at world size 1 (no hook) it is AdamW on the gradient, clipped.
+        exchange.clips = not comp.adam_correction
+        return exchange
     # At world size 1 there is no hook, so momentum stays in the optimizer.
     return DenseExchange(spec, model, rank, world, build_optimizer(training, model.parameters()))
 
