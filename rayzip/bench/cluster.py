@@ -324,8 +324,9 @@ def render_table(report: dict):
 
     budget = report.get("budget_steps")
     lm = report.get("metric") == "val_loss"
+    target = report.get("target", report.get("target_accuracy"))
     table = Table(title=f"rayzip bench cluster: {report['nodes']} nodes at {report['bandwidth']}, "
-                        f"target {'validation loss' if lm else 'accuracy'} {report.get('target', report.get('target_accuracy'))}"
+                        f"target {'validation loss' if lm else 'accuracy'} {target}"
                         + (f", {budget or report.get('steps')} steps each"
                            if budget or report.get("stop_at_target") is False else ", stopping at the target"))
     for col in ("method", "to target", "vs DDP", "of ideal", "final bpb" if lm else "final acc", "step ms (comm)",

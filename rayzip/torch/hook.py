@@ -81,7 +81,8 @@ class CompressionState:
 
     def __init__(self, spec: CompressionSpec, parameters: list[torch.Tensor], process_group=None,
                  device: torch.device | str = "cpu", momentum: float | None = None,
-                 adam_betas: tuple[float, float] | None = None, names: list[str] | None = None, on_nonfinite: str = "raise", grad_scaler=None):
+                 adam_betas: tuple[float, float] | None = None, names: list[str] | None = None,
+                 on_nonfinite: str = "raise", grad_scaler=None):
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}")
         if not parameters:
