@@ -10,7 +10,7 @@ SPEC ?= jobs/digits-group-topk.yaml
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py rayzip/checkpoint/_kernels.c rayzip/codecs/_kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"

@@ -279,6 +279,37 @@ def bench_codecs(
     _write_report(report, json_path)
 
 
+@bench_app.command("collectives")
+def bench_collectives(
+    workers: str = typer.Option("2,4,8", help="Worker counts, comma-separated (gloo processes on this machine)."),
+    codec: str = typer.Option("group_topk", help="A sparse codec: group_topk, topk or randomk."),
+    ratio: float = typer.Option(0.01, help="Kept fraction."),
+    steps: int = typer.Option(8, min=3, help="Training steps per collective (the first 2 are left out)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+):
+    """Bytes per worker of the ring, the allgather and auto's choice, modelled and measured."""
+    from pydantic import ValidationError
+
+    from .bench.collectives import render_table, run_collectives_bench
+    from .spec import CompressionSpec
+
+    parts = [w.strip() for w in workers.split(",") if w.strip()]
+    if not parts or not all(w.isdigit() and int(w) >= 2 for w in parts):
+        console.print(f"[red]error:[/red] --workers takes worker counts of 2 or more, got {workers}")
+        raise typer.Exit(2)
+    compression = {"codec": codec, "ratio": ratio}
+    try:
+        CompressionSpec(**compression, collective="ring")
+    except ValidationError as exc:
+        console.print(f"[red]error:[/red] {exc.errors()[0]['msg']}")
+        raise typer.Exit(2)
+    with console.status("benchmarking") as status:
+        report = run_collectives_bench([int(w) for w in parts], compression, steps=steps,
+                                       progress=lambda n: status.update(f"{n} workers"))
+    console.print(render_table(report))
+    _write_report(report, json_path)
+
+
 @bench_app.command("cluster")
 def bench_cluster(
     bandwidth: str = typer.Option("100mbit", help="Link rate of each worker node (tc rate: 100mbit, 1gbit)."),
@@ -316,21 +347,24 @@ def bench_cluster(
 
 
 @bench_app.command("table")
-def bench_table(report_json: Path = typer.Argument(..., help="A `bench cluster --json` report.")):
-    """Print a cluster report as the Markdown table the README shows (generated from the JSON)."""
+def bench_table(report_json: Path = typer.Argument(..., help="A `bench cluster` or `bench collectives` "
+                                                               "--json report.")):
+    """Print a benchmark report as the Markdown table the README shows (generated from the JSON)."""
     import json
 
-    from .bench.cluster import markdown_table
+    from .bench import markdown_table
 
     try:
         report = json.loads(report_json.read_text())
     except (OSError, ValueError) as exc:
         console.print(f"[red]error:[/red] cannot read {report_json}: {exc}")
         raise typer.Exit(2)
-    if "methods" not in report:
-        console.print(f"[red]error:[/red] {report_json} is not a `rayzip bench cluster` report (no methods)")
+    table = markdown_table(report)
+    if table is None:
+        console.print(f"[red]error:[/red] {report_json} is not a `rayzip bench cluster` or `bench collectives` report",
+                      soft_wrap=True)
         raise typer.Exit(2)
-    print(markdown_table(report))
+    print(table)
 
 
 @bench_app.command("scaling")

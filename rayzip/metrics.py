@@ -12,7 +12,7 @@ Worker series (``ray_`` + name):
 ==================================  =========  ==========================================
 ``rayzip_step_seconds``             histogram  whole training step
 ``rayzip_compute_seconds``          histogram  step minus communication
-``rayzip_comm_seconds``             histogram  hook start to averaged gradient ready
+``rayzip_comm_seconds``             histogram  what the step waited for communication
 ``rayzip_collective_delay_seconds`` histogram  end-to-end time inside the collective
 ``rayzip_bytes_sent_total``         counter    bytes this rank sent
 ``rayzip_dense_bytes_total``        counter    what a dense fp32 ring allreduce would send

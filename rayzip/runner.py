@@ -130,6 +130,7 @@ def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
         "mean_step_s": metrics.get("mean_step_s"),
         "mean_comm_s": metrics.get("mean_comm_s"),
         "mean_network_s": metrics.get("mean_network_s"),
+        "mean_busy_s": metrics.get("mean_busy_s"),
         "compute_probe_s": metrics.get("compute_probe_s"),
         "comm_source": metrics.get("comm_source"),
         "torch_hook": spec.compression.torch_hook,

@@ -21,6 +21,7 @@ from .codecs import (CODECS, AdamCorrection, CodecError, ErrorFeedback, Momentum
                      get_codec)
 from .codecs.memory import check_error_feedback
 from .comm.collectives import choose_collective
+from .comm.cost import Link
 
 __all__ = [
     "CheckpointSpec", "CompressionSpec", "DatasetSpec", "JobSpec", "MetricsSpec", "ModelSpec",
@@ -224,6 +225,14 @@ class CompressionSpec(_Strict):
                             "allreduce or allgather to fit the codec), or ps: push to parameter-server "
                             "shards and pull parameters (see the ps section).")
     warmup_steps: int = Field(0, ge=0, description="Send the first steps uncompressed.")
+    link_mbit: float = Field(1000.0, gt=0, description="The workers' link rate that collective auto assumes "
+                                                       "when it weighs bytes against messages.")
+    link_latency_ms: float = Field(0.05, ge=0, description="The link's one-way latency that collective auto assumes.")
+    overlap: bool = Field(True, description="Exchange each gradient segment on a worker thread as soon as backward "
+                                            "has produced it, under the rest of backward (rayzip's hook).")
+    segment_mb: float = Field(4.0, gt=0, description="Size of the segments the gradient is exchanged in (MiB of "
+                                                     "fp32, whole parameters, cut from the last parameter back); "
+                                                     "fixed by the model, not by DDP's buckets.")
     verify: bool = Field(False, description="Self-check each step: compare the collective's average "
                                             "with the mean of all workers' decoded payloads (extra, uncounted traffic).")
     torch_hook: Optional[Literal["powersgd", "fp16"]] = Field(
@@ -274,6 +283,10 @@ class CompressionSpec(_Strict):
         if self.codec == "qsgd":  # independent rounding noise on each worker averages out
             params["seed"] = params.get("seed", 0) + rank
         return params
+
+    def link(self) -> Link:
+        """The link ``collective: auto`` weighs its choice on."""
+        return Link(bandwidth=self.link_mbit * 1e6 / 8, latency=self.link_latency_ms / 1e3)
 
     def build_codec(self, rank: int = 0):
         return get_codec(self.codec, **self.codec_params(rank))

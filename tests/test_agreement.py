@@ -133,7 +133,7 @@ def test_fp16_ring_sum_that_overflows_on_the_wire_is_seen_by_every_rank():
     # travels on to every rank's result, and every rank raises at the same step.
     n = 4096
     values = [[[40000.0 if i % 64 == 0 else 0.001 for i in range(n)] for _ in range(3)]]
-    spec = {"codec": "group_topk", "ratio": 1 / 64, "group_size": 1024}
+    spec = {"codec": "group_topk", "ratio": 1 / 64, "group_size": 1024, "collective": "ring"}
     results = run_world(_exchange_rank, 3, spec, values, "raise", timeout_s=TIMEOUT_S)
     for r in results:
         assert r[0][0] == "error"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rayzip.bench.cluster import markdown_table
+from rayzip.bench import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"<!-- table from (\S+\.json) -->\n((?:\|.*\|\n)+)")
@@ -40,4 +40,4 @@ def test_bench_table_prints_the_markdown_and_refuses_other_files(tmp_path):
     other = tmp_path / "x.json"
     other.write_text('{"rows": []}')
     result = CliRunner().invoke(app, ["bench", "table", str(other)])
-    assert result.exit_code == 2 and "not a `rayzip bench cluster` report" in result.output
+    assert result.exit_code == 2 and "not a `rayzip bench cluster` or `bench collectives` report" in result.output

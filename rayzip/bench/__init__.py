@@ -5,7 +5,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["write_json"]
+__all__ = ["markdown_table", "write_json"]
+
+
+def markdown_table(report: dict) -> str | None:
+    """A ``bench cluster``, ``collectives`` or ``codecs`` report as the Markdown table the README
+    shows (generated from the JSON, never typed); None for other reports."""
+    if "codecs" in report and "memcpy_gbps" in report:
+        from .codecs import markdown_table as codecs_table
+
+        return codecs_table(report)
+    if report.get("bench") == "collectives" and "rows" in report:
+        from .collectives import markdown_table as collectives_table
+
+        return collectives_table(report)
+    if "methods" in report:
+        from .cluster import markdown_table as cluster_table
+
+        return cluster_table(report)
+    return None
 
 
 def write_json(report: dict, path: Path) -> None:

@@ -55,8 +55,12 @@ SCALING_SKIP = 10  # bench scaling: steps left out of the step time (start-up)
 
 def _method_base(method: str) -> tuple[str, dict[str, Any]]:
     """``group_topk@0.05`` is group_topk at a fixed ratio of 0.05 (any sparse method takes
-    @RATIO); ``dct_quant@4`` is dct_quant at 4 bits."""
+    @RATIO); ``dct_quant@4`` is dct_quant at 4 bits; a ``:serial`` suffix runs rayzip's hook
+    without overlap (the whole exchange after backward), to compare with the default."""
+    method, _, modifier = method.partition(":")
     name, _, value = method.partition("@")
+    if modifier and (modifier != "serial" or METHODS.get(name, {}).get("codec", "none") == "none" or name in PS):
+        raise ValueError(f"method {method}:{modifier}: only rayzip's hook methods take :serial")
     knob = "ratio" if "ratio" in METHODS.get(name, {}) else "bits" if "bits" in METHODS.get(name, {}) else None
     if name not in METHODS or (value and knob is None):
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)} "
@@ -67,6 +71,8 @@ def _method_base(method: str) -> tuple[str, dict[str, Any]]:
             compression[knob] = float(value) if knob == "ratio" else int(value)
         except ValueError:
             raise ValueError(f"method {method!r}: {value!r} is not a {knob}") from None
+    if modifier:
+        compression["overlap"] = False
     return name, compression
 
 
@@ -90,7 +96,7 @@ def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 1
     controller or parameter-server section."""
     spec = {**base, "name": f"bench-{slug}",
             "compression": method_compression(method, powersgd_start_iter, base.get("training"))}
-    name = method.partition("@")[0]
+    name = method.partition(":")[0].partition("@")[0]
     if name == "adaptive":
         spec["adaptive"] = dict(ADAPTIVE)
     if name in PS:
@@ -258,7 +264,9 @@ def _row(method: str, s: dict, tx_before: list[int], tx_after: list[int], run_s:
         "steps": s["steps"],
         "step_s": mean_step,
         "comm_s": mean_comm,
-        # Of comm_s, the time inside torch.distributed (wire and waiting for the slower peer);
+        # The exchange's own time: with rayzip's overlap, partly under backward, so above comm_s.
+        "busy_s": s.get("mean_busy_s"),
+        # Of busy_s, the time inside torch.distributed (wire and waiting for the slower peer);
         # the rest is the codec's CPU work. Equal to comm_s where the hook is torch's own.
         "network_s": s.get("mean_network_s"),
         "compute_s": max(0.0, mean_step - mean_comm),

@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..codecs import CodecError, get_codec
+from ..xp import keep_freed_memory
 from .timing import best_time
 
-__all__ = ["DEFAULT_CODECS", "CodecResult", "parse_codec_spec", "parse_size", "run_codec_bench"]
+__all__ = ["DEFAULT_CODECS", "CodecResult", "markdown_table", "parse_codec_spec", "parse_size", "run_codec_bench"]
 
 DEFAULT_CODECS = [
     "none", "fp16", "bf16", "topk:ratio=0.01", "randomk:ratio=0.01",
@@ -84,6 +85,7 @@ def run_codec_bench(size_bytes: int, specs: list[str], repeat: int = 3, device: 
                     seed: int = 0, progress=None) -> dict:
     """Benchmark each codec spec on ``size_bytes`` of gaussian fp32 data."""
     xp = _array_module(device)
+    keep_freed_memory()  # as in training (rayzip.torch.compress): allocations reuse memory
     numel = size_bytes // 4
     host = np.random.default_rng(seed).standard_normal(numel, dtype=np.float32)
     x = xp.asarray(host)
@@ -125,3 +127,16 @@ def render_table(report: dict):
                       f"{r['vs_memcpy']:.3f}", f"{r['decode_vs_memcpy']:.3f}", f"{r['rel_error']:.2e}")
     return table
 
+
+
+def markdown_table(report: dict) -> str:
+    """The report as a Markdown table, for the README (generated, not typed)."""
+    head = ["codec", "ratio", "encode GB/s", "decode GB/s", "encode / memcpy", "decode / memcpy", "rel. L2 error"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report["codecs"]:
+        params = ", ".join(f"{k}={v}" for k, v in r["params"].items() if k in ("ratio", "bits", "levels"))
+        name = f"{r['name']} ({params})" if params else r["name"]
+        lines.append("| " + " | ".join([
+            name, f"{r['ratio']:.2f}×", f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}", f"{r['vs_memcpy']:.3f}",
+            f"{r['decode_vs_memcpy']:.3f}", f"{r['rel_error']:.3g}"]) + " |")
+    return "\n".join(lines)

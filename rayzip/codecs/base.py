@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..xp import array_module, as_array, asnumpy, is_torch, to_torch
+from .kernels import all_finite
 
 __all__ = [
     "Codec",
@@ -143,17 +144,11 @@ def index_dtype(span: int) -> str:
 
 
 def find_nonfinite(flat, xp) -> tuple[int, int] | None:
-    """``(count, first_index)`` of NaN/Inf entries, or None. One fast sum in the common case."""
-    if flat.size == 0:
-        return None
-    # A sum is finite whenever every term is; only then is the precise scan skipped.
-    if bool(xp.isfinite(flat.sum(dtype=xp.float32))):
+    """``(count, first_index)`` of NaN/Inf entries, or None."""
+    if flat.size == 0 or all_finite(flat):  # one fast pass in the common case
         return None
     bad = ~xp.isfinite(flat)
-    count = int(bad.sum())
-    if count == 0:  # the sum overflowed on large but finite values
-        return None
-    return count, int(xp.argmax(bad))
+    return int(bad.sum()), int(xp.argmax(bad))
 
 
 class Codec:

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import numpy as np
-
 from .base import Codec, Field, Payload, WireOverflowError
+from .kernels import all_finite, bf16_bits_finite, from_bf16_bits, to_bf16_bits, to_fp16, widen
 
 __all__ = ["NoCompression", "Float16", "BFloat16"]
 
@@ -77,11 +76,13 @@ class Float16(_Narrowing):
     wire_dtype = "<f2"
 
     def _narrow(self, flat):
-        with np.errstate(over="ignore"):  # overflow is reported by _encode, not as a warning
-            return flat.astype("<f2")
+        return to_fp16(flat)  # overflow becomes Inf, which _encode reports
+
+    def _widen(self, values):
+        return widen(values)
 
     def _all_finite(self, values, xp) -> bool:
-        return bool(xp.isfinite(values.sum(dtype=xp.float32)))
+        return all_finite(values)
 
 
 class BFloat16(_Narrowing):
@@ -91,12 +92,10 @@ class BFloat16(_Narrowing):
     wire_dtype = "<u2"
 
     def _narrow(self, flat):
-        bits = flat.view("<u4")
-        rounding = ((bits >> 16) & 1) + 0x7FFF  # round half to even
-        return ((bits + rounding) >> 16).astype("<u2")
+        return to_bf16_bits(flat)  # round half to even
 
     def _widen(self, values):
-        return (values.astype("<u4") << 16).view("<f4")
+        return from_bf16_bits(values)
 
     def _all_finite(self, values, xp) -> bool:
-        return not bool(((values & 0x7F80) == 0x7F80).any())
+        return bf16_bits_finite(values)

@@ -32,6 +32,7 @@ import numpy as np
 
 from .base import Codec, CodecError, Field, Payload, check_int
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .kernels import fused, fused_for
 from ..xp import array_module
 
 __all__ = ["DCTQuant", "dct_matrix", "zigzag_order"]
@@ -51,6 +52,16 @@ def zigzag_order(n: int) -> np.ndarray:
     cells = [(i, j) for i in range(n) for j in range(n)]
     cells.sort(key=lambda ij: (ij[0] + ij[1], ij[1] if (ij[0] + ij[1]) % 2 == 0 else ij[0]))
     return np.array([i * n + j for i, j in cells])
+
+
+@lru_cache(maxsize=32)
+def _dct32(n: int) -> np.ndarray:
+    return np.ascontiguousarray(dct_matrix(n), dtype=np.float32)
+
+
+@lru_cache(maxsize=32)
+def _order(n: int, m: int) -> np.ndarray:
+    return np.ascontiguousarray(zigzag_order(n)[:m], dtype=np.int64)
 
 
 @lru_cache(maxsize=32)
@@ -100,6 +111,16 @@ class DCTQuant(Codec):
         return blocks @ self.basis(xp).T
 
     def _encode(self, flat, xp):
+        if fused_for(flat) and self.block <= 32:  # the separable transform and quantization, block by block in C
+            size = self.block**2
+            blocks = flat.size // size
+            scales = np.empty(blocks, dtype="<f4")
+            wide = self.bits > 8
+            codes = np.empty(blocks * self.kept, dtype=np.uint16 if wide else np.uint8)
+            fused.dct_quant(flat[: blocks * size], self.block, _dct32(self.block), _order(self.block, self.kept),
+                            self.bits, scales, codes, wide)
+            return {"scales": scales, "codes": codes if self.bits == 8 else pack_bits(codes, self.bits, np),
+                    "tail": flat[blocks * size:].astype("<f4")}
         coef = self.coefficients(flat, xp)
         peak = xp.abs(coef).max(axis=1) if coef.size else xp.zeros(0, xp.float32)
         top = 2**self.bits - 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from .base import Field, Payload, check_int, check_ratio, index_dtype, kept_count
 from .sparse import VALUE_DTYPES, SparseCodec, check_value_dtype
+from .kernels import top_magnitude_rows
 from .topk import top_magnitude
 from ..xp import array_module
 
@@ -50,9 +51,8 @@ class GroupTopK(SparseCodec):
     def _encode(self, flat, xp):
         full, k, tail, k_tail = self._split(flat.size)
         body = flat[: full * self.group_size].reshape(full, self.group_size)
-        offsets = top_magnitude(body, k, xp)
-        values = xp.take_along_axis(body, offsets, axis=1).reshape(-1)
-        offsets = offsets.reshape(-1)
+        offsets, values = top_magnitude_rows(body, k)
+        offsets, values = offsets.reshape(-1), values.reshape(-1)
         if tail:
             rest = flat[full * self.group_size:]
             tail_offsets = top_magnitude(rest, k_tail, xp)

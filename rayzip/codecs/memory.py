@@ -17,6 +17,7 @@ or, in one call, ``payload = memory.encode(codec, "bucket0", grad)``.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,8 @@ import numpy as np
 from .base import CodecError
 from ..xp import array_module, as_array, asnumpy, is_torch
 
-__all__ = ["AdamCorrection", "ErrorFeedback", "MomentumCorrection", "NoMemory", "check_error_feedback", "reshard_state"]
+__all__ = ["AdamCorrection", "ErrorFeedback", "MomentumCorrection", "NoMemory", "check_error_feedback",
+           "relayout_state", "reshard_state", "segment_name"]
 
 
 def check_error_feedback(codec) -> None:
@@ -329,6 +331,47 @@ def reshard_state(saved: dict[int, dict], old_world: int, new_world: int, rank: 
     for name in {k for state in moments for k in state if k.startswith(_ADAM)}:
         held = [_restored(state[name], None) for state in moments if name in state]
         out[name] = np.max(held, axis=0) if name.startswith(_ADAM + "t:") else np.mean(held, axis=0)
+    return out
+
+
+def segment_name(lo: int, hi: int, numel: int) -> str:
+    """The name a gradient segment's state is kept under: ``model`` when it is the whole
+    gradient, else ``model@lo:hi`` (flat element range)."""
+    return "model" if (lo, hi) == (0, numel) else f"model@{lo}:{hi}"
+
+
+_SEGMENT = re.compile(r"^(?P<kind>.*?)model(?:@(?P<lo>\d+):(?P<hi>\d+))?$")
+
+
+def relayout_state(state: dict[str, Any], segments: list[tuple[int, int]], numel: int) -> dict[str, Any]:
+    """A :meth:`ErrorFeedback.state_dict` saved under one cut of the flat gradient into
+    segments (:func:`segment_name`), recut to ``segments``: a job restarted with another
+    ``segment_mb`` keeps its residuals, velocities and moments, element for element."""
+    wanted = {segment_name(lo, hi, numel) for lo, hi in segments}
+    kinds: dict[str, list[tuple[int, int, Any]]] = {}
+    out: dict[str, Any] = {}
+    for key, held in state.items():
+        match = _SEGMENT.match(key)
+        if match is None:
+            out[key] = held
+            continue
+        lo, hi = (int(match["lo"]), int(match["hi"])) if match["lo"] is not None else (0, numel)
+        kinds.setdefault(match["kind"], []).append((lo, hi, held))
+    for kind, parts in kinds.items():
+        if {segment_name(lo, hi, numel) for lo, hi, _ in parts} == wanted:
+            out.update({kind + segment_name(lo, hi, numel): held for lo, hi, held in parts})
+            continue
+        if kind == _ADAM + "t:":  # a step count, the same for every segment
+            count = max(float(_restored(held, None)[0]) for _, _, held in parts)
+            out.update({kind + name: np.array([count], dtype=np.float32) for name in wanted})
+            continue
+        parts.sort(key=lambda part: part[0])
+        flat = np.concatenate([_restored(held, None) for _, _, held in parts]) if parts else np.zeros(0, np.float32)
+        covered = [(lo, hi) for lo, hi, _ in parts]
+        if flat.size != numel or covered[0][0] != 0 or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
+            raise ValueError(f"saved {kind or 'error feedback'} state covers elements {covered} of a gradient "
+                             f"of {numel}: it was saved for another model")
+        out.update({kind + segment_name(lo, hi, numel): flat[lo:hi].copy() for lo, hi in segments})
     return out
 
 

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .base import Codec, Field, Payload, check_int
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
-from .seeding import call_seed
+from .kernels import fused, fused_for
+from .seeding import call_seed, mix64
 from ..xp import array_module
 
 __all__ = ["QSGD"]
@@ -71,13 +74,25 @@ class QSGD(Codec):
         return padded.reshape(buckets, self.bucket_size)
 
     def _encode(self, flat, xp):
+        seed = call_seed(self.seed, self.calls)
+        self.calls += 1
+        if fused_for(flat):  # one pass per bucket in C, the same noise
+            norms = np.empty(-(-flat.size // self.bucket_size), dtype="<f4")
+            wide = self.bits > 8
+            codes = np.empty(flat.size, dtype=np.uint16 if wide else np.uint8)
+            fused.qsgd(flat, self.bucket_size, self.levels, seed, norms, codes, wide)
+            return {"norms": norms, "codes": codes if self.bits == 8 else pack_bits(codes, self.bits, np)}
         rows = self._buckets(flat, xp)
         norms = xp.sqrt(xp.einsum("ij,ij->i", rows, rows, dtype=xp.float32))
         scale = xp.where(norms > 0, self.levels / xp.where(norms > 0, norms, 1), 0).astype(xp.float32)
         magnitude = xp.abs(rows) * scale[:, None]
-        rng = xp.random.default_rng(call_seed(self.seed, self.calls))
-        self.calls += 1
-        noise = rng.random(magnitude.shape, dtype=xp.float32)
+        # Uniform noise in [0, 1) from a counter hash: element i takes 24 bits of
+        # mix64(seed, i // 2), the top ones for even i, the next for odd i. The C encoder
+        # draws the same, and so does cupy.
+        hashes = mix64(seed, xp.arange(-(-rows.size // 2), dtype=xp.uint64), xp)
+        pairs = xp.stack([hashes >> xp.uint64(40), (hashes >> xp.uint64(16)) & xp.uint64(0xFFFFFF)], axis=1)
+        noise = pairs.reshape(-1)[: rows.size].astype(xp.float32).reshape(rows.shape)
+        noise *= xp.float32(1.0 / (1 << 24))
         level = xp.minimum(xp.floor(magnitude + noise), self.levels)
         signed = xp.where(rows < 0, -level, level).reshape(-1)[: flat.size]
         codes = (signed + self.levels).astype(xp.uint16)

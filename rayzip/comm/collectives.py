@@ -20,6 +20,7 @@ import torch
 
 from ..codecs import Codec, CodecError, Payload
 from ..xp import array_module, as_array, to_torch
+from .cost import Cost, Link, collective_costs
 from .ring import chunk_nbytes, sparse_ring_allreduce
 from .transport import HEADER_BYTES, Transport, ring_allreduce_bytes
 
@@ -108,10 +109,20 @@ class Ring(Communicator):
 COLLECTIVES = {cls.name: cls for cls in (AllReduce, AllGather, Ring)}
 
 
-def choose_collective(requested: str, codec: Codec) -> str:
-    """The collective for ``codec``: ``auto`` picks the cheapest one that is correct."""
+def choose_collective(requested: str, codec: Codec, sizes: list[int] | None = None, world: int | None = None,
+                      link: Link | None = None) -> str:
+    """The collective for ``codec``. ``auto`` picks the one of least modelled time for
+    segments of ``sizes`` entries among ``world`` workers on ``link``
+    (:mod:`rayzip.comm.cost`); without them, the cheapest at two workers."""
     if requested == "auto":
-        return "ring" if codec.sparse else "allreduce" if codec.summable else "allgather"
+        if not sizes or world is None or world < 2:
+            sizes, world = [1 << 20], 2
+        link = link or Link()
+        totals: dict[str, Cost] = {}
+        for numel in sizes:
+            for name, cost in collective_costs(codec, numel, world).items():
+                totals[name] = totals[name] + cost if name in totals else cost
+        return min(totals, key=lambda name: (totals[name].seconds(link), totals[name].bytes, name))
     if requested == "ring" and not codec.sparse:
         raise CodecError(f"the ring collective needs a sparse codec (topk, group_topk, randomk), not {codec.name}")
     if requested == "allreduce" and not codec.summable:
@@ -121,5 +132,8 @@ def choose_collective(requested: str, codec: Codec) -> str:
     return requested
 
 
-def make_communicator(requested: str, codec: Codec, transport: Transport) -> Communicator:
-    return COLLECTIVES[choose_collective(requested, codec)](transport)
+def make_communicator(requested: str, codec: Codec, transport: Transport, sizes: list[int] | None = None,
+                      link: Link | None = None) -> Communicator:
+    """The communicator for ``codec`` on ``transport``'s workers (``auto``: by cost, for
+    segments of ``sizes`` entries)."""
+    return COLLECTIVES[choose_collective(requested, codec, sizes, transport.world, link)](transport)

@@ -10,8 +10,8 @@ Usage::
 """
 
 from ..spec import CompressionSpec
-from .hook import CompressionState, StepStats, compress, compressed_hook
+from .hook import CompressionState, StepStats, compress, compressed_hook, ddp_kwargs
 from .lr import cosine_lr, learning_rate, scaled_lr
 
-__all__ = ["CompressionSpec", "CompressionState", "StepStats", "compress", "compressed_hook", "cosine_lr", "learning_rate",
-           "scaled_lr"]
+__all__ = ["CompressionSpec", "CompressionState", "StepStats", "compress", "compressed_hook", "cosine_lr", "ddp_kwargs",
+           "learning_rate", "scaled_lr"]

@@ -31,19 +31,25 @@ With AMP's ``GradScaler``, pass it so that residuals follow the loss scale::
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
 import bisect
+import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from ..codecs import NonFiniteError, WireOverflowError, get_codec
+from ..codecs.memory import relayout_state, segment_name
 from ..comm import AllReduce, Transport, make_communicator, ring_allreduce_bytes
 from ..comm.control import ControlWord, RankDisagreement, agree, bad_key, encode_mode, proposal_key
 from ..spec import CompressionSpec
-from ..xp import to_torch
+from ..xp import keep_freed_memory, to_torch
 
-__all__ = ["CompressionState", "NonFiniteError", "RankDisagreement", "StepStats", "compress", "compressed_hook"]
+__all__ = ["CompressionState", "NonFiniteError", "RankDisagreement", "StepStats", "compress", "compressed_hook",
+           "ddp_kwargs", "plan_segments"]
 
 NONFINITE_POLICIES = ("raise", "skip")
 
@@ -59,10 +65,12 @@ class StepStats:
     bytes_received: int = 0  # ps: bytes pulled from the shards
     dense_bytes: int = 0  # an fp32 ring allreduce of the same gradient: 2(n-1)/n * 4 * numel
     control_bytes: int = 0  # of bytes_sent, the control word's all-reduce
-    comm_s: float = 0.0  # hook entry to averaged gradient
-    network_s: float = 0.0  # of comm_s, inside torch.distributed (wire and waiting for peers)
+    comm_s: float = 0.0  # what the step waited for: the copies into the flat gradient, and
+    # from the end of backward to the averaged gradient (all of the exchange without overlap)
+    busy_s: float = 0.0  # the exchange's own time, start to end, whether overlapped or not
+    network_s: float = 0.0  # of busy_s, inside torch.distributed (wire and waiting for peers)
     numel: int = 0
-    buckets: list[int] = field(default_factory=list)  # element count of each exchange (the whole gradient, once)
+    buckets: list[int] = field(default_factory=list)  # element count of each segment exchanged
     verify_max_abs_err: float | None = None
     verify_documented_bytes: int | None = None  # verify mode: bytes_sent by the wire formulas
     messages: list[int] = field(default_factory=list)
@@ -70,6 +78,26 @@ class StepStats:
     nonfinite: str | None = None  # why, when skipped
     stop: bool = False  # some rank asked every rank to stop after this step
     adopted: tuple[int, float] | None = None  # (seq, compression ratio) agreed this step, applied from the next
+
+
+def plan_segments(sizes: list[int], cap: int) -> list[tuple[int, int]]:
+    """Cut a flat gradient of parameters with ``sizes`` (in order) into ``(lo, hi)`` ranges of
+    whole parameters, each at least ``cap`` elements but the last, listed from the end of
+    the gradient to its start (backward's order).
+
+    >>> plan_segments([10, 10, 10, 10], cap=15)
+    [(20, 40), (0, 20)]
+    """
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    segments, hi, held = [], starts[-1], 0
+    for i in reversed(range(len(sizes))):
+        held += sizes[i]
+        if held >= max(cap, 1) or i == 0:
+            segments.append((starts[i], hi))
+            hi, held = starts[i], 0
+    return segments
 
 
 class CompressionState:
@@ -90,10 +118,11 @@ class CompressionState:
         self.spec = spec
         self.on_nonfinite = on_nonfinite
         self.grad_scaler = grad_scaler
-        # One gradient in parameter order, compressed once per step: what the codec sees (its
-        # groups, its top k) then does not depend on how DDP bucketed the parameters, which
-        # differs between a job's first step and the rest, so a restarted job repeats the
-        # uninterrupted one exactly.
+        # One gradient in parameter order, cut into segments of whole parameters by size
+        # alone: what the codec sees (its groups, its top k) then does not depend on how DDP
+        # bucketed the parameters, which differs between a job's first step and the rest, so
+        # a restarted job repeats the uninterrupted one exactly. Segments run from the last
+        # parameter to the first, the order in which backward produces gradients.
         starts = [0]
         for p in parameters:
             starts.append(starts[-1] + p.numel())
@@ -101,14 +130,29 @@ class CompressionState:
         self._starts = starts
         self._names = list(names) if names else [f"parameter {i}" for i in range(len(parameters))]
         self._numel = starts[-1]
+        self.segments = plan_segments([p.numel() for p in parameters], int(spec.segment_mb * 2**20) // 4)
+        self._segment_names = [segment_name(lo, hi, self._numel) for lo, hi in self.segments]
+        self._segment_of = {id(p): next(k for k, (lo, hi) in enumerate(self.segments) if lo <= starts[i] < hi)
+                            for i, p in enumerate(parameters) if p.numel()}
+        self.overlap = bool(spec.overlap)
         self._flat: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
         self._waiting: list[tuple[torch.futures.Future, list[tuple[int, int]], torch.Tensor]] = []
+        self._missing: list[int] = []
+        self._arrived: list[threading.Event] = []
+        self._copied: list = []
+        self._executor: ThreadPoolExecutor | None = None
+        self._stream = None
+        self._job = None
+        self._failure: Exception | None = None
+        self._copy_s = 0.0
+        self._last_bucket_at = 0.0
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
         self.transport = Transport(process_group, device=device)
         self.codec = spec.build_codec(rank=self.rank)
         self.memory = spec.build_memory(momentum, adam_betas)
-        self.communicator = make_communicator(spec.collective, self.codec, self.transport)
+        self.communicator = self._communicator()
         self.dense_codec = get_codec("none")  # warm-up and compression-off steps
         self.dense = AllReduce(self.transport)
         self.step = 0
@@ -120,8 +164,8 @@ class CompressionState:
         self._loss_scale: float | None = None  # the scale the residuals are in (AMP)
         self.current = StepStats(ratio=getattr(self.codec, "ratio", None))
         self.last_step: StepStats | None = None
-        self.totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "comm_s": 0.0, "network_s": 0.0,
-                       "skipped": 0}
+        self.totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "comm_s": 0.0, "busy_s": 0.0,
+                       "network_s": 0.0, "skipped": 0}
 
     # --- control, applied at step boundaries so that every rank switches together -------
     @property
@@ -153,10 +197,17 @@ class CompressionState:
         self._stop = True
 
     def _apply_ratio(self, ratio: float) -> None:
-        """Swap in the codec at ``ratio``, keeping its state (a seeded codec's call count)."""
+        """Swap in the codec at ``ratio``, keeping its state (a seeded codec's call count);
+        ``collective: auto`` weighs its choice again at the new density."""
         codec = type(self.codec)(**{**self.spec.codec_params(self.rank), "ratio": ratio})
         codec.load_state_dict(self.codec.state_dict())
         self.codec = codec
+        self.communicator = self._communicator()
+
+    def _communicator(self):
+        """The collective for this world size, segments and codec (``auto``: by their cost)."""
+        return make_communicator(self.spec.collective, self.codec, self.transport,
+                                 sizes=[hi - lo for lo, hi in self.segments], link=self.spec.link())
 
     def _begin_step(self) -> None:
         if self._pending_ratio is not None:
@@ -173,8 +224,8 @@ class CompressionState:
         self.last_step = self.current
         self.totals["steps"] += 1
         self.totals["skipped"] += int(self.current.skipped)
-        for key in ("bytes_sent", "dense_bytes", "comm_s", "network_s"):
-            self.totals[key] += getattr(self.current, key)
+        for key in ("bytes_sent", "dense_bytes", "comm_s", "busy_s", "network_s"):
+            self.totals[key] = self.totals.get(key, 0) + getattr(self.current, key)
         self.step += 1
 
     # --- checkpoints ------------------------------------------------------------------
@@ -188,7 +239,8 @@ class CompressionState:
         self.step, self.enabled = int(state["step"]), bool(state["enabled"])
         if state.get("ratio") is not None and hasattr(self.codec, "ratio"):
             self._apply_ratio(state["ratio"])
-        self.memory.load_state_dict(state["memory"], like=torch.empty(0, device=self.transport.device))
+        memory = relayout_state(state["memory"], self.segments, self._numel)  # saved with other segments, too
+        self.memory.load_state_dict(memory, like=torch.empty(0, device=self.transport.device))
         self.codec.load_state_dict(state["codec"])
         self._loss_scale = state.get("loss_scale")
         self.totals.update(state.get("totals", {}))
@@ -204,71 +256,100 @@ class CompressionState:
 
     def exchange(self, grad: torch.Tensor) -> torch.Tensor:
         """The mean over every rank of ``grad`` (this rank's whole flat gradient) through the
-        codec with error feedback; NaN-filled on every rank when the step is skipped."""
+        codec with error feedback, segment by segment; NaN-filled on every rank when the step
+        is skipped."""
+        start = time.perf_counter()
+        flat = grad.detach().reshape(-1)
+        out = torch.empty(self._numel, dtype=torch.float32, device=flat.device)
+        self._exchange_segments(flat, out)
+        self.current.comm_s += time.perf_counter() - start
+        return out.to(dtype=grad.dtype).view_as(grad)
+
+    def _exchange_segments(self, flat: torch.Tensor, out: torch.Tensor, ready=None) -> None:
+        """Average ``flat`` into ``out``, one segment after another in :attr:`segments`'
+        order (``ready(k)`` waits until segment k's gradient is in ``flat``). A skipped step
+        restores the error feedback held before it and fills ``out`` with NaN."""
         start = time.perf_counter()
         stats = self.current
         sent_before, network_before = self.transport.bytes_sent, self.transport.network_s
         self._follow_loss_scale()
-        communicator, codec = (self.communicator, self.codec) if stats.compressed else (self.dense, self.dense_codec)
         snapshot = self.memory.snapshot()
+        reason = None
+        try:
+            for k, (lo, hi) in enumerate(self.segments):
+                if ready is not None:
+                    ready(k)
+                average, reason = self._exchange_segment(self._segment_names[k], lo, flat[lo:hi])
+                if reason is not None:  # every rank has the same reason at the same segment
+                    break
+                out[lo:hi].copy_(average)
+        finally:
+            stats.bytes_sent += self.transport.bytes_sent - sent_before
+            stats.network_s += self.transport.network_s - network_before
+            stats.busy_s += time.perf_counter() - start
+        if reason is not None:
+            self.memory.restore(snapshot)
+            message = f"step {self.step}: {reason}"
+            if self.on_nonfinite == "raise":
+                raise NonFiniteError(message)
+            stats.skipped, stats.nonfinite = True, message
+            out.fill_(float("nan"))
+
+    def _exchange_segment(self, name: str, offset: int, grad: torch.Tensor):
+        """(this segment's average, None), or (None, why every rank skips the step)."""
+        stats = self.current
+        communicator, codec = (self.communicator, self.codec) if stats.compressed else (self.dense, self.dense_codec)
         payload, bad, failure = None, 0, None
         try:  # through the memory also when dense: it sends what error feedback held back
-            payload = self.memory.encode(codec, "model", grad, communicator.input_scale)
+            payload = self.memory.encode(codec, name, grad, communicator.input_scale)
         except NonFiniteError as exc:  # every codec checks its input; fp16 also its wire type
-            bad = bad_key(self.rank, self.world, getattr(exc, "first_index", None) or 0,
+            bad = bad_key(self.rank, self.world, offset + (getattr(exc, "first_index", None) or 0),
                           overflow=isinstance(exc, WireOverflowError))
         except Exception as exc:  # raised here alone, it would leave the others waiting
             failure = exc
+        # A stop or proposal rides on the next word sent; every rank reads it from the same
+        # segment's agreement.
+        stop, self._stop = self._stop, False
+        proposal, self._proposal = self._proposal, 0
         word = ControlWord(step=self.step, ratio=float(self.ratio or 0.0),
                            mode=encode_mode(self.enabled, stats.compressed, getattr(self.codec, "value_dtype", None)),
                            bad=bad, failed=self.world - self.rank if failure is not None else 0,
-                           stop=int(self._stop), proposal=self._proposal)
+                           stop=int(stop), proposal=proposal)
         control_before = self.transport.bytes_sent
         agreed = agree(self.transport, word)
-        stats.control_bytes = self.transport.bytes_sent - control_before
-        self._stop, self._proposal = False, 0
+        control = self.transport.bytes_sent - control_before
+        stats.control_bytes += control
         if failure is not None:
             raise failure
         if agreed.failed is not None:
             raise RankDisagreement(f"step {self.step}: rank {agreed.failed} failed to encode its gradient "
                                    "(its own error is in its log); every rank stops")
         agreed.check()
-        stats.stop = agreed.stop
+        stats.stop = stats.stop or agreed.stop
         self._adopt(agreed.proposal)
-        average = None
         if agreed.bad is not None:
             rank, index, overflow = agreed.bad
             what = (f"overflows the {getattr(codec, 'value_dtype', None) or codec.name} wire type" if overflow
                     else "is not finite")
-            reason = f"rank {rank}'s gradient {what} at {self._where(index)}"
-        else:
-            average = to_torch(communicator.average(codec, payload))
-            reason = None if bool(torch.isfinite(average).all()) else (
-                f"the averaged gradient is not finite after the {communicator.name} (the sum overflowed "
-                f"{getattr(codec, 'value_dtype', None) or codec.name} on the wire)")
-            if self.spec.verify and reason is None:
-                _verify(self, communicator, codec, payload, average)
-                documented = communicator.documented_bytes(codec, payload) + stats.control_bytes
-                stats.verify_documented_bytes = (stats.verify_documented_bytes or 0) + documented
-        stats.bytes_sent += self.transport.bytes_sent - sent_before
+            return None, f"rank {rank}'s gradient {what} at {self._where(index)}"
+        average = to_torch(communicator.average(codec, payload))
+        if not bool(torch.isfinite(average).all()):
+            return None, (f"the averaged gradient is not finite after the {communicator.name} (the sum "
+                          f"overflowed {getattr(codec, 'value_dtype', None) or codec.name} on the wire)")
+        if self.spec.verify:
+            _verify(self, communicator, codec, payload, average)
+            documented = communicator.documented_bytes(codec, payload) + control
+            stats.verify_documented_bytes = (stats.verify_documented_bytes or 0) + documented
         stats.dense_bytes += ring_allreduce_bytes(4 * grad.numel(), self.world)
         stats.numel += grad.numel()
         stats.buckets.append(grad.numel())
-        stats.network_s += self.transport.network_s - network_before
-        if reason is not None:  # every rank holds the same word, or the same average: all act alike
-            self.memory.restore(snapshot)
-            message = f"step {self.step}: {reason}"
-            if self.on_nonfinite == "raise":
-                raise NonFiniteError(message)
-            stats.skipped, stats.nonfinite = True, message
-            average = torch.full_like(grad, float("nan"))
-        result = average.to(device=grad.device, dtype=grad.dtype).view_as(grad)
-        stats.comm_s += time.perf_counter() - start
-        return result
+        return average, None
 
     def _adopt(self, proposal: tuple[int, float] | None) -> None:
         if proposal is None:
             return
+        if self.current.adopted is not None and self.current.adopted[0] >= proposal[0]:
+            return  # a later segment's word repeated an older proposal
         seq, compression_ratio = proposal
         self.current.adopted = proposal
         self._pending_enabled = compression_ratio > 1.0
@@ -291,51 +372,120 @@ class CompressionState:
             return f"{self._names[i]} (parameter {i} of the model), element {index - self._starts[i]}"
         return f"flat element {index}"
 
+    # --- the DDP hook's side: buckets in, segments out, overlapped with backward -----------
+    def _receive_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """Copy a bucket into the flat gradient, mark the segments it completes, and start
+        the step's exchange: on the worker thread at the first bucket with overlap, else
+        inline at the last."""
+        start = time.perf_counter()
+        buffer = bucket.buffer()
+        if bucket.index() == 0:
+            self._begin_step()
+            if self._flat is None or self._flat.device != buffer.device:
+                self._flat = torch.zeros(self._numel, dtype=torch.float32, device=buffer.device)
+                self._out = torch.empty_like(self._flat)
+            self._missing = [hi - lo for lo, hi in self.segments]
+            self._arrived = [threading.Event() for _ in self.segments]
+            self._copied = [None] * len(self.segments)
+            for k, missing in enumerate(self._missing):
+                if missing == 0:
+                    self._arrived[k].set()
+        spans, pos = [], 0
+        for p in bucket.parameters():
+            offset, n = self._offsets[id(p)]
+            self._flat[offset: offset + n].copy_(buffer[pos: pos + n])
+            spans.append((offset, n))
+            pos += n
+            if not n:
+                continue
+            k = self._segment_of[id(p)]
+            self._missing[k] -= n
+            if self._missing[k] == 0:
+                if buffer.is_cuda:  # the worker's side stream must see this stream's copies
+                    self._copied[k] = torch.cuda.Event()
+                    self._copied[k].record()
+                self._arrived[k].set()
+        future = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future()
+        self._waiting.append((future, spans, buffer))
+        if self.overlap and self._job is None:
+            self._job = self._worker().submit(self._run_exchange)
+        self._copy_s += time.perf_counter() - start
+        if bucket.is_last():
+            self._last_bucket_at = time.perf_counter()
+            if not self.overlap:
+                self._run_exchange()
+            # Runs when backward is done, before the step goes on: the step's wait.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)
+        return future
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayzip-exchange")
+        return self._executor
+
+    def _wait_for_segment(self, k: int) -> None:
+        self._arrived[k].wait()
+        if self._copied[k] is not None:
+            torch.cuda.current_stream().wait_event(self._copied[k])
+
+    def _run_exchange(self) -> None:
+        """The step's exchange, then every bucket's future: the averages, or NaN when the
+        step is skipped or failed (a failure is raised by :meth:`_finish_step`)."""
+        try:
+            with _side_stream(self):
+                self._exchange_segments(self._flat, self._out, ready=self._wait_for_segment)
+                results = [torch.cat([self._out[o: o + n] for o, n in spans]).to(buffer.dtype)
+                           for _, spans, buffer in self._waiting]
+        except Exception as exc:
+            # Raised through DDP's reducer, it would lose its type (DDP casts a future's value
+            # to a tensor): DDP gets a NaN gradient and completes, and _finish_step raises.
+            self._failure = exc
+            results = [torch.full((sum(n for _, n in spans),), float("nan"), dtype=buffer.dtype,
+                                  device=buffer.device) for _, spans, buffer in self._waiting]
+        for (future, _, _), result in zip(self._waiting, results):
+            future.set_result(result)
+
+    def _finish_step(self) -> None:
+        job, self._job = self._job, None
+        if job is not None:
+            job.result()
+        self._waiting = []
+        self.current.comm_s += self._copy_s + time.perf_counter() - self._last_bucket_at
+        self._copy_s = 0.0
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+        self._end_step()
+
+
+@contextmanager
+def _side_stream(state: CompressionState):
+    """On CUDA, the exchange runs on the state's own stream (torch's and cupy's), so that it
+    overlaps the backward kernels on the default stream; on the CPU, nothing to do."""
+    device = state._flat.device
+    if device.type != "cuda":
+        yield
+        return
+    if state._stream is None:
+        state._stream = torch.cuda.Stream(device=device)
+    with torch.cuda.device(device), torch.cuda.stream(state._stream):
+        cupy = sys.modules.get("cupy")
+        if cupy is None:
+            yield
+            return
+        with cupy.cuda.ExternalStream(state._stream.cuda_stream, device.index or 0):
+            yield
+
 
 def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's gradient averaged over workers, through the codec.
 
-    Buckets are gathered into the whole gradient, in parameter order; at the last bucket of
-    the step it is compressed and exchanged once, and every bucket's future completes.
+    Buckets are gathered into the whole gradient, in parameter order, and exchanged in
+    fixed segments of whole parameters (``spec.segment_mb``), whatever DDP's bucket layout;
+    with ``spec.overlap`` a worker thread exchanges each segment as soon as backward has
+    produced it. Every bucket's future completes when the step's exchange is done.
     """
-    if bucket.index() == 0:
-        state._begin_step()
-    start = time.perf_counter()
-    buffer = bucket.buffer()
-    if state._flat is None:
-        state._flat = torch.zeros(state._numel, dtype=torch.float32, device=buffer.device)
-    spans, pos = [], 0
-    for p in bucket.parameters():
-        offset, n = state._offsets[id(p)]
-        state._flat[offset: offset + n].copy_(buffer[pos: pos + n])
-        spans.append((offset, n))
-        pos += n
-    future = torch.futures.Future()
-    state._waiting.append((future, spans, buffer))
-    state.current.comm_s += time.perf_counter() - start
-    if bucket.is_last():
-        waiting, state._waiting = state._waiting, []
-        try:
-            average = state.exchange(state._flat)
-        except Exception as exc:
-            # Raised through DDP's reducer, it would lose its type (DDP casts a future's value
-            # to a tensor) or, raised from the hook, leave the reducer mid-bucket. DDP gets a
-            # NaN gradient and completes; the error is raised at the end of backward().
-            for future_, spans_, buffer_ in waiting:
-                future_.set_result(torch.full((sum(n for _, n in spans_),), float("nan"), dtype=buffer_.dtype,
-                                              device=buffer_.device))
-            torch.autograd.Variable._execution_engine.queue_callback(_raiser(exc))
-            return future
-        for future_, spans_, buffer_ in waiting:
-            future_.set_result(torch.cat([average[o: o + n] for o, n in spans_]).to(buffer_.dtype))
-        state._end_step()
-    return future
-
-
-def _raiser(exc: Exception):
-    def raise_it():
-        raise exc
-    return raise_it
+    return state._receive_bucket(bucket)
 
 
 def _verify(state: CompressionState, communicator, codec, payload, average) -> None:
@@ -350,6 +500,19 @@ def _verify(state: CompressionState, communicator, codec, payload, average) -> N
     state.current.verify_max_abs_err = max(prior, err)
 
 
+def ddp_kwargs(spec: CompressionSpec) -> dict:
+    """DDP's arguments for rayzip's hook: with overlap, buckets no larger than a segment, so
+    that each segment reaches the hook as soon as backward has produced it (DDP's default
+    25 MB buckets would hold most of a small model's gradient until the end of backward).
+
+    Usage::
+
+        ddp = DistributedDataParallel(model, **ddp_kwargs(spec))
+        state = compress(ddp, spec)
+    """
+    return {"bucket_cap_mb": spec.segment_mb} if spec.overlap else {}
+
+
 def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: CompressionSpec,
              process_group=None, momentum: float | None = None, on_nonfinite: str = "raise",
              grad_scaler=None, adam_betas: tuple[float, float] | None = None) -> CompressionState:
@@ -362,13 +525,21 @@ def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: Compres
     momentum, weight decay as AdamW's (:func:`rayzip.torch.optim.build_optimizer` with
     ``adam_elsewhere``): the hook sends each worker's Adam direction. ``on_nonfinite``:
     ``"raise"`` or ``"skip"`` (see the module docstring); ``grad_scaler``: AMP's
-    ``GradScaler``, whose scale the residuals then follow.
+    ``GradScaler``, whose scale the residuals then follow. With ``spec.overlap`` and no
+    ``process_group``, the hook creates its own group over every rank (``dist.new_group``):
+    call it on every rank.
     """
     if spec.adam_correction and grad_scaler is not None:
         raise ValueError("adam_correction sends a scale-free Adam direction, which GradScaler would unscale: "
                          "train in bf16 or without GradScaler")
     named = [(name, p) for name, p in ddp_model.module.named_parameters() if p.requires_grad]
     device = named[0][1].device if named else torch.device("cpu")
+    keep_freed_memory()  # every step allocates gradient-sized arrays: reuse, do not page-fault them
+    if spec.overlap and process_group is None:
+        # The worker thread's collectives get a group of their own: DDP's (the unused-
+        # parameter map, buffer broadcasts) then cannot interleave with them differently on
+        # different ranks. Every rank calls compress() at the same point, as new_group needs.
+        process_group = dist.new_group(backend=dist.get_backend())
     state = CompressionState(spec, parameters=[p for _, p in named], process_group=process_group, device=device,
                              momentum=momentum, adam_betas=adam_betas, names=[name for name, _ in named],
                              on_nonfinite=on_nonfinite,

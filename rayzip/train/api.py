@@ -38,7 +38,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..spec import CompressionSpec
-from ..torch.hook import CompressionState, compress
+from ..torch.hook import CompressionState, compress, ddp_kwargs
 from .checkpoints import load_optimizer, load_trainer, restore_hook, unwrap, write_parts
 
 __all__ = ["CompressionConfig", "compression_state", "prepare_model", "report", "restore", "save_checkpoint"]
@@ -67,6 +67,8 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | None 
     if compression is not None and compression.collective == "ps":
         raise ValueError("collective ps runs parameter-server shards, which `rayzip run` starts; "
                          "in your own loop, choose auto, ring, allreduce or allgather")
+    if compression is not None and "parallel_strategy_kwargs" not in prepare_kwargs:
+        prepare_kwargs["parallel_strategy_kwargs"] = ddp_kwargs(compression)
     prepared = ray.train.torch.prepare_model(model, **prepare_kwargs)
     state = None
     if isinstance(prepared, DistributedDataParallel) and compression is not None:

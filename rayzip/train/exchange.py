@@ -36,7 +36,7 @@ from ..codecs import NonFiniteError
 from ..comm import ring_allreduce_bytes
 from ..ps import ParameterServerClient, flat_to_parameters
 from ..spec import JobSpec
-from ..torch import compress
+from ..torch import compress, ddp_kwargs
 from ..torch.baselines import register_torch_hook
 from ..torch.optim import build_optimizer
 from .checkpoints import load_optimizer, load_trainer, restore_hook, unwrap
@@ -104,8 +104,8 @@ class Exchange:
         """Plain DDP: the ring formula's bytes, and what the step took beyond compute."""
         dense = ring_allreduce_bytes(4 * self.numel, self.world)
         comm_s = max(0.0, step_s - self.compute_probe_s) if self.ddp else 0.0
-        return Traffic(bytes_sent=dense if self.ddp else 0, dense_bytes=dense, comm_s=comm_s, network_s=comm_s,
-                       comm_source="step minus compute", bytes_source="formula")
+        return Traffic(bytes_sent=dense if self.ddp else 0, dense_bytes=dense, comm_s=comm_s, busy_s=comm_s,
+                       network_s=comm_s, comm_source="step minus compute", bytes_source="formula")
 
     def weights(self) -> tuple[dict, dict]:
         return unwrap(self.model).state_dict(), self.optimizer.state_dict()
@@ -230,13 +230,15 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
         momentum = training.momentum if comp.momentum_correction else None
         client = ParameterServerClient(ps_shards, spec, rank, world, momentum=momentum)
         return ParameterServerExchange(spec, model, rank, world, client)
-    model = ray.train.torch.prepare_model(model, parallel_strategy="ddp")
+    hooked = comp.torch_hook is None and (comp.codec != "none" or comp.verify or comp.momentum_correction)
+    model = ray.train.torch.prepare_model(model, parallel_strategy="ddp",
+                                          parallel_strategy_kwargs=ddp_kwargs(comp) if hooked else None)
     ddp = isinstance(model, DistributedDataParallel)
     if ddp and comp.torch_hook is not None:
         counter = register_torch_hook(model, comp.torch_hook, comp.powersgd_rank, comp.powersgd_start_iter)
         return TorchHookExchange(spec, model, rank, world, build_optimizer(training, model.parameters()),
                                  counter=counter)
-    if ddp and (comp.codec != "none" or comp.verify or comp.momentum_correction):
+    if ddp and hooked:
         state = compress(model, comp, momentum=training.momentum if comp.momentum_correction else None,
                          adam_betas=tuple(training.betas) if comp.adam_correction else None,
                          on_nonfinite=training.on_nonfinite)

@@ -170,7 +170,7 @@ def _after_step(spec: JobSpec, config: dict, task: Task, exchange: Exchange, tel
         "step": step, "loss": record.loss, "lr": record.lr, "world_size": world,
         "step_s": record.step_s, "comm_s": t.comm_s, "compute_probe_s": exchange.compute_probe_s,
         "mean_step_s": totals.mean("step_s"), "mean_comm_s": totals.mean("comm_s"),
-        "mean_network_s": totals.mean("network_s"), "comm_source": t.comm_source,
+        "mean_network_s": totals.mean("network_s"), "mean_busy_s": totals.mean("busy_s"), "comm_source": t.comm_source,
         "train_s": totals.train_s, "evaluated": evaluate,
         "interface_tx_bytes": (_interface_tx_bytes() - run.tx_start) if run.tx_start is not None else None,
         "bytes_sent": t.bytes_sent, "dense_bytes": t.dense_bytes,

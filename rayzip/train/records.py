@@ -21,8 +21,9 @@ class Traffic:
     bytes_sent: int = 0  # ps: pushed to the shards
     bytes_received: int = 0  # ps: pulled from the shards
     dense_bytes: int = 0  # an fp32 ring allreduce of the same gradient (ps: a dense push)
-    comm_s: float = 0.0
-    network_s: float = 0.0  # of comm_s, inside torch.distributed or waiting on the shards
+    comm_s: float = 0.0  # what the step waited for communication
+    busy_s: float = 0.0  # the exchange's own time (rayzip's hook: overlapped with backward, or not)
+    network_s: float = 0.0  # of busy_s, inside torch.distributed or waiting on the shards
     compressed: bool = False
     ratio: float | None = None
     comm_source: str = "hook"  # hook, ps, or "step minus compute" (plain DDP, torch hooks)
@@ -36,9 +37,10 @@ def traffic_of(stats, source: str = "hook") -> Traffic:
     """A :class:`Traffic` from the hook's or the ps client's ``StepStats``, which count the
     bytes, the dense equivalent and the timings themselves."""
     return Traffic(bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, dense_bytes=stats.dense_bytes,
-                   comm_s=stats.comm_s, network_s=stats.network_s, compressed=bool(stats.compressed),
-                   ratio=stats.ratio, comm_source=source, verify_max_abs_err=stats.verify_max_abs_err,
-                   verify_documented_bytes=stats.verify_documented_bytes, stop=bool(getattr(stats, "stop", False)))
+                   comm_s=stats.comm_s, busy_s=stats.busy_s or stats.comm_s, network_s=stats.network_s,
+                   compressed=bool(stats.compressed), ratio=stats.ratio, comm_source=source,
+                   verify_max_abs_err=stats.verify_max_abs_err, verify_documented_bytes=stats.verify_documented_bytes,
+                   stop=bool(getattr(stats, "stop", False)))
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Totals:
     train_s: float = 0.0
     step_s: float = 0.0
     comm_s: float = 0.0
+    busy_s: float = 0.0
     network_s: float = 0.0
     timed_steps: int = 0
     skipped_steps: int = 0
@@ -83,6 +86,7 @@ class Totals:
         t = record.traffic
         self.step_s += record.step_s
         self.comm_s += t.comm_s
+        self.busy_s += t.busy_s
         self.network_s += t.network_s
         self.timed_steps += 1
         self.skipped_steps += int(record.skipped)

@@ -1,0 +1,148 @@
+"""``rayzip bench collectives``: each collective's bytes per worker, modelled and measured.
+
+For every worker count n, n gloo processes on this machine train the same small MLP on
+their own synthetic batches with rayzip's hook, once per collective (``ring``,
+``allgather``, and ``auto``'s choice), and count the payload bytes each worker hands to
+torch.distributed per step (the control word left out). Beside them stands
+:mod:`rayzip.comm.cost`'s model of each collective for the same segments. Bytes do not
+depend on the link, so loopback measures them exactly; the model's ring assumes
+independently placed entries, an upper bound for workers whose selections overlap.
+
+Usage::
+
+    report = run_collectives_bench([2, 4, 8], {"codec": "group_topk", "ratio": 0.01}, steps=8)
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import platform
+import sys
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..comm import collective_costs
+from ..spec import CompressionSpec
+from ..torch import compress, ddp_kwargs
+
+__all__ = ["markdown_table", "render_table", "run_collectives_bench"]
+
+COLLECTIVES = ("ring", "allgather", "auto")
+WIDTH = 1024  # hidden width of the MLP: 1.9M parameters, 7.5 MB of fp32 gradient
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(784, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH),
+                               torch.nn.ReLU(), torch.nn.Linear(WIDTH, 10))
+
+
+def _rank(rank: int, world: int, init_file: str, out_dir: str, compression: dict, steps: int) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    out: dict[str, Any] = {}
+    try:
+        for collective in COLLECTIVES:
+            spec = CompressionSpec(**{**compression, "collective": collective})
+            ddp = torch.nn.parallel.DistributedDataParallel(_model(), **ddp_kwargs(spec))
+            state = compress(ddp, spec, momentum=0.9 if spec.momentum_correction else None)
+            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+            gen = torch.Generator().manual_seed(1000 + rank)
+            teacher = torch.Generator().manual_seed(7)  # one labelling rule for every worker
+            weights = torch.randn(784, 10, generator=teacher)
+            sent = []
+            for _ in range(steps):
+                x = torch.randn(64, 784, generator=gen)
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(ddp(x), (x @ weights).argmax(1)).backward()
+                optimizer.step()
+                sent.append(state.last_step.bytes_sent - state.last_step.control_bytes)
+            out[collective] = {"bytes": sent, "chosen": state.communicator.name,
+                               "segments": [hi - lo for lo, hi in state.segments]}
+        result = ("ok", out)
+    except BaseException as exc:  # the parent re-raises it
+        result = ("error", f"{type(exc).__name__}: {exc}")
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as fh:
+        pickle.dump(result, fh)
+    dist.destroy_process_group()
+
+
+def _run_world(world: int, compression: dict, steps: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank, args=(world, os.path.join(tmp, "init"), tmp, compression, steps), nprocs=world,
+                           join=True, start_method="spawn")
+        ranks = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"{rank}.pkl"), "rb") as fh:
+                status, value = pickle.load(fh)
+            if status != "ok":
+                raise RuntimeError(f"{world} workers, rank {rank}: {value}")
+            ranks.append(value)
+        return ranks
+
+
+def run_collectives_bench(worlds: list[int], compression: dict, steps: int = 8, skip: int = 2,
+                          progress=lambda world: None) -> dict[str, Any]:
+    """Bytes per worker per step of each collective at each world size: the model's and the
+    mean measured over every rank and the steps after the first ``skip`` (error feedback's
+    start-up)."""
+    rows = []
+    for world in worlds:
+        progress(world)
+        ranks = _run_world(world, compression, steps)
+        spec = CompressionSpec(**compression)
+        codec = spec.build_codec()
+        segments = ranks[0]["ring"]["segments"]
+        model = {name: sum(collective_costs(codec, n, world)[name].bytes for n in segments)
+                 for name in ("ring", "allgather")}
+        measured = {c: sum(sum(r[c]["bytes"][skip:]) for r in ranks) / (len(ranks) * (steps - skip))
+                    for c in COLLECTIVES}
+        cheaper = min(measured["ring"], measured["allgather"])
+        rows.append({"workers": world, "numel": sum(segments), "segments": len(segments),
+                     "model_ring_bytes": model["ring"], "model_allgather_bytes": model["allgather"],
+                     "measured_ring_bytes": measured["ring"], "measured_allgather_bytes": measured["allgather"],
+                     "auto_chose": ranks[0]["auto"]["chosen"], "measured_auto_bytes": measured["auto"],
+                     "auto_over_cheaper": measured["auto"] / cheaper if cheaper else None,
+                     "ring_measured_over_model": measured["ring"] / model["ring"] if model["ring"] else None,
+                     "allgather_measured_over_model": (measured["allgather"] / model["allgather"]
+                                                       if model["allgather"] else None)})
+    return {"bench": "collectives", "compression": compression, "steps": steps, "skipped_steps": skip,
+            "model": f"MLP 784-{WIDTH}-{WIDTH}-10, synthetic batches of 64 per worker, SGD",
+            "machine": platform.machine(), "python": sys.version.split()[0], "torch": torch.__version__,
+            "rows": rows}
+
+
+def render_table(report: dict):
+    from rich.table import Table
+
+    table = Table(title=f"bytes per worker per step: {report['compression']}")
+    for col in ("workers", "ring model", "ring measured", "allgather model", "allgather measured", "auto",
+                "auto measured", "auto / cheaper"):
+        table.add_column(col, justify="right")
+    for r in report["rows"]:
+        table.add_row(str(r["workers"]), f"{r['model_ring_bytes'] / 1e3:.0f} kB",
+                      f"{r['measured_ring_bytes'] / 1e3:.0f} kB", f"{r['model_allgather_bytes'] / 1e3:.0f} kB",
+                      f"{r['measured_allgather_bytes'] / 1e3:.0f} kB", r["auto_chose"],
+                      f"{r['measured_auto_bytes'] / 1e3:.0f} kB", f"{r['auto_over_cheaper']:.3f}")
+    return table
+
+
+def markdown_table(report: dict) -> str:
+    """The report as a Markdown table, for the README (generated, not typed)."""
+    head = ["workers", "ring: model", "ring: measured", "allgather: model", "allgather: measured", "auto chose",
+            "auto: measured", "auto / cheaper measured"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report["rows"]:
+        lines.append("| " + " | ".join([
+            str(r["workers"]), f"{r['model_ring_bytes'] / 1e3:.1f} kB", f"{r['measured_ring_bytes'] / 1e3:.1f} kB",
+            f"{r['model_allgather_bytes'] / 1e3:.1f} kB", f"{r['measured_allgather_bytes'] / 1e3:.1f} kB",
+            r["auto_chose"], f"{r['measured_auto_bytes'] / 1e3:.1f} kB", f"{r['auto_over_cheaper']:.3f}"]) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,102 @@
+"""The codecs' hot loops as torch ops, on numpy or cupy arrays, zero-copy both ways.
+
+torch's CPU kernels are vectorized (half and bfloat16 conversion with F16C/AVX2, top-k,
+reductions) and run on every core, where numpy converts to float16 one scalar at a time on
+one core; on CUDA the same calls are CUDA kernels. A codec calls these and stays written
+once, against ``xp``, for both devices. Where one pass beats a chain of torch ops (group
+top-k, QSGD, DCT quantization), a fused C encoder (``_kernels.c``, built by setup.py) runs
+on host arrays, and the torch/numpy path stays as the GPU path and the fallback.
+
+Usage::
+
+    half = to_fp16(flat)                 # numpy float16 (cupy on CUDA), rounded to nearest even
+    bits = to_bf16_bits(flat)            # bfloat16 as its uint16 bit pattern
+    back = from_bf16_bits(bits)          # float32
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from ..xp import as_array
+from ..xp import to_torch as _to_torch
+
+try:  # the fused C encoders (setup.py); without them the torch/numpy path does the same work
+    from . import _kernels as fused
+except ImportError:  # pragma: no cover - depends on the build
+    fused = None
+
+__all__ = ["all_finite", "bf16_bits_finite", "from_bf16_bits", "fused", "fused_for", "to_bf16_bits", "to_fp16",
+           "top_magnitude_rows", "widen"]
+
+
+def fused_for(arr) -> bool:
+    """True when the fused C encoders can take ``arr``: built, and a host (numpy) array."""
+    return fused is not None and isinstance(arr, np.ndarray)
+
+
+def _array(tensor: torch.Tensor):
+    return as_array(tensor)[0]
+
+
+def to_torch(arr) -> torch.Tensor:
+    """A zero-copy tensor of ``arr``, also of a read-only one (a payload received as bytes):
+    these kernels only read their inputs, so torch's warning about writes does not apply."""
+    if isinstance(arr, torch.Tensor):
+        return arr
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return _to_torch(arr)
+
+
+def to_fp16(flat):
+    """float32 ``flat`` as float16, round to nearest even; |x| > 65504 becomes Inf."""
+    return _array(to_torch(flat).to(torch.float16))
+
+
+def to_bf16_bits(flat):
+    """float32 ``flat`` as bfloat16, round to nearest even, carried as uint16 bits."""
+    return _array(to_torch(flat).to(torch.bfloat16).view(torch.int16)).view("<u2")
+
+
+def from_bf16_bits(bits):
+    """uint16 bfloat16 bit patterns as float32."""
+    return _array(to_torch(bits.view("<i2")).view(torch.bfloat16).float())
+
+
+def widen(values):
+    """float16 (or any float) ``values`` as a new float32 array."""
+    return _array(to_torch(values).float())
+
+
+def all_finite(values) -> bool:
+    """True when no entry is NaN or +-Inf: one pass, no temporary (NaN propagates through
+    min and max, and an Inf is one of them), exact where a float sum could overflow."""
+    tensor = to_torch(values)
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+def bf16_bits_finite(bits) -> bool:
+    """True when no uint16 bfloat16 bit pattern is NaN or +-Inf."""
+    return all_finite(to_torch(bits.view("<i2")).view(torch.bfloat16))
+
+
+def top_magnitude_rows(rows, k: int):
+    """``(columns, values)``: the column indices (int64, ascending in each row) of the k
+    largest |values| in each row of the 2-D ``rows``, and those values."""
+    if fused_for(rows):  # one pass with a k-entry heap per row; ties keep the lowest index
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        columns = np.empty((rows.shape[0], k), dtype=np.int64)
+        values = np.empty((rows.shape[0], k), dtype=np.float32)
+        fused.group_topk(rows, rows.shape[1], k, columns, values)
+        return columns, values
+    tensor = to_torch(rows)
+    picked = torch.topk(tensor.abs(), k, dim=-1, sorted=False).indices
+    columns = torch.sort(picked, dim=-1).values
+    return _array(columns), _array(torch.gather(tensor, -1, columns))
