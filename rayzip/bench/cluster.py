@@ -25,7 +25,7 @@ import yaml
 
 from ..codecs import CODECS
 from ..spec import TrainingSpec
-from .netns import NetnsCluster
+from .netns import NetnsCluster, rate_bytes
 
 __all__ = ["METHODS", "method_compression", "method_spec", "run_cluster_bench", "run_scaling_bench"]
 
@@ -42,6 +42,8 @@ METHODS: dict[str, dict[str, Any]] = {
     # The controller tunes group top-k's ratio from the workers' own reports (the Prometheus
     # path is the same policy; tests/test_adaptive.py runs it against a real Prometheus).
     "adaptive": {"codec": "group_topk", "ratio": 0.01, "collective": "ring"},
+    # Group top-k with the collective the cost model picks (allgather for 1%: rayzip.comm.cost).
+    "group_topk_auto": {"codec": "group_topk", "ratio": 0.01, "collective": "auto"},
     # Parameter-server mode: one shard per worker node, beside the worker (the nodes' one CPU
     # goes to the worker). ps pushes group top-k and pulls through the same codec; ps-dense
     # pushes and pulls fp32.
@@ -297,7 +299,11 @@ def run_scaling_bench(methods: list[str], node_counts: list[int], bandwidth: str
             if "error" not in r:
                 step_s = mean_step_s(r.get("history", []), SCALING_SKIP + 1, 10 ** 9)
                 step_s = step_s if step_s is not None else r["step_s"]
+                per_step = max(r["steps"], 1)
+                ring_bytes = r["dense_bytes"] / per_step  # 2(n-1)/n * S: a dense fp32 ring allreduce
                 row.update({"step_s": step_s, "compute_s": r["compute_s"], "comm_s": r["comm_s"],
+                            "bytes_per_step": r["wire_bytes_counted"] / per_step, "ring_formula_bytes": ring_bytes,
+                            "ring_formula_s": ring_bytes / rate_bytes(bandwidth),
                             "throughput": nodes * batch / step_s, "wire_bytes_counted": r["wire_bytes_counted"],
                             "wire_bytes_pulled": r.get("wire_bytes_pulled"), "final_accuracy": r["final_accuracy"]})
             rows.append(row)
@@ -315,15 +321,19 @@ def render_scaling_table(report: dict):
 
     table = Table(title=f"rayzip bench scaling: {report['bandwidth']} links, {report['steps']} steps, "
                         f"batch {report['batch_per_worker']} per worker, {report['cpu_cores']} CPU cores in all")
-    for col in ("method", "workers", "step ms", "compute ms", "comm ms", "examples/s", "E(N)"):
+    for col in ("method", "workers", "step ms", "compute ms", "comm ms", "MB/step", "ring formula MB (ms)",
+                "examples/s", "E(N)"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for r in report["rows"]:
         if r.get("error"):
-            table.add_row(r["name"], str(r["workers"]), "failed", "-", "-", "-", "-")
+            table.add_row(r["name"], str(r["workers"]), "failed", "-", "-", "-", "-", "-", "-")
             continue
+        ring = (f"{r['ring_formula_bytes'] / 1e6:.2f} ({r['ring_formula_s'] * 1e3:.0f})"
+                if r.get("ring_formula_bytes") is not None else "-")
         table.add_row(r["name"], str(r["workers"]), f"{r['step_s'] * 1e3:.0f}", f"{r['compute_s'] * 1e3:.0f}",
-                      f"{r['comm_s'] * 1e3:.0f}", f"{r['throughput']:.0f}",
-                      f"{r['efficiency']:.2f}" if r["efficiency"] is not None else "-")
+                      f"{r['comm_s'] * 1e3:.0f}",
+                      f"{r['bytes_per_step'] / 1e6:.2f}" if r.get("bytes_per_step") is not None else "-", ring,
+                      f"{r['throughput']:.0f}", f"{r['efficiency']:.2f}" if r["efficiency"] is not None else "-")
     return table
 
 

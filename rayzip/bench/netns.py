@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["ClusterError", "NetnsCluster", "leftover_namespaces", "preflight"]
+__all__ = ["ClusterError", "NetnsCluster", "leftover_namespaces", "preflight", "rate_bytes"]
 
 SUBNET = "10.213.77"  # private addresses, used only inside namespaces this module creates
 IFNAME = "eth0"
@@ -171,7 +171,7 @@ class NetnsCluster:
         subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", IFNAME, "root"], capture_output=True)
         tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFNAME]
         # A burst of at least rate/250 bytes (4 ms) keeps tbf from starving fast links.
-        burst = max(64 * 1024, _rate_bytes(rate) // 250)
+        burst = max(64 * 1024, rate_bytes(rate) // 250)
         tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", "200ms"]
         if self.latency:
             _run([*tc, "root", "handle", "1:", "netem", "delay", self.latency])
@@ -274,7 +274,7 @@ def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _rate_bytes(rate: str) -> int:
+def rate_bytes(rate: str) -> int:
     """Bytes per second of a tc rate such as 100mbit or 1gbit."""
     units = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "bit": 1 / 8}
     text = rate.lower()

@@ -105,9 +105,22 @@ class Payload:
             buf = xp.asarray(buf)
         arrays, offset = {}, 0
         for f in fields:
-            arrays[f.name] = buf[offset : offset + f.nbytes].view(np.dtype(f.dtype))
+            part = buf[offset : offset + f.nbytes]
+            if _address(part) % np.dtype(f.dtype).itemsize:
+                # A field behind an odd count of narrower entries (fp32 values after uint16
+                # offsets), or in a buffer that starts at an odd address, is misaligned for
+                # its type: numpy copes, a cupy kernel faults with a sticky misaligned-address
+                # error. A copy is aligned.
+                part = part.copy()
+            arrays[f.name] = part.view(np.dtype(f.dtype))
             offset += f.nbytes
         return cls(arrays=arrays, **kwargs)
+
+
+def _address(arr) -> int:
+    """Where ``arr``'s first element lives (host or device memory)."""
+    interface = getattr(arr, "__cuda_array_interface__", None) or arr.__array_interface__
+    return int(interface["data"][0])
 
 
 def check_ratio(ratio: float) -> float:

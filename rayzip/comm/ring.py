@@ -9,8 +9,10 @@ merging makes it denser than its dense form, which is then sent instead.
 Chunk wire format, for a chunk spanning ``span`` entries with ``nnz`` present and values of
 ``v`` bytes (fp16 or fp32):
 
-* sparse: ``counts`` (uint32, one per 65536-entry block of the span), ``offsets`` (uint16,
-  nnz, position inside the block), ``values`` (nnz): 4*ceil(span/65536) + nnz*(2 + v) bytes;
+* sparse: ``counts`` (uint32, one per 65536-entry block of the span), ``values`` (nnz), then
+  ``offsets`` (uint16, nnz, position inside the block): 4*ceil(span/65536) + nnz*(v + 2)
+  bytes. Values come before the offsets so that every field starts aligned for its type
+  (after an odd count of uint16 offsets, fp32 values would not be, which cupy refuses);
 * dense: ``values`` (span): span*v bytes, used when that is no larger.
 
 Every chunk is preceded by a 16-byte header (byte count, entry count or -1 when dense).
@@ -81,7 +83,7 @@ class Chunk:
         if send_dense:
             return _bytes(_narrow(self.to_dense(xp), value_dtype), xp), -1
         counts = xp.bincount(self.indices >> 16, minlength=-(-self.span // BLOCK)).astype("<u4")
-        parts = [counts, (self.indices & 0xFFFF).astype("<u2"), _narrow(self.values, value_dtype)]
+        parts = [counts, _narrow(self.values, value_dtype), (self.indices & 0xFFFF).astype("<u2")]
         return xp.concatenate([_bytes(p, xp) for p in parts]), nnz
 
     @classmethod
@@ -91,10 +93,14 @@ class Chunk:
         if entries < 0:
             return cls(span, None, buf.view(wire_dtype).astype(xp.float32))
         blocks = -(-span // BLOCK)
+        vbytes = np.dtype(wire_dtype).itemsize
         counts = buf[: 4 * blocks].view("<u4")
-        offsets = buf[4 * blocks: 4 * blocks + 2 * entries].view("<u2")
-        values = buf[4 * blocks + 2 * entries:].view(wire_dtype).astype(xp.float32)
-        block_of = xp.repeat(xp.arange(blocks, dtype=xp.int64), counts.astype(xp.int64))
+        values = buf[4 * blocks: 4 * blocks + vbytes * entries].view(wire_dtype).astype(xp.float32)
+        offsets = buf[4 * blocks + vbytes * entries:].view("<u2")
+        # The block of entry j: how many blocks end at or before it. (xp.repeat with an array
+        # of repeats, the obvious spelling, is refused by cupy before 14.1.)
+        block_of = xp.searchsorted(xp.cumsum(counts.astype(xp.int64)), xp.arange(entries, dtype=xp.int64),
+                                   side="right")
         return cls(span, block_of * BLOCK + offsets.astype(xp.int64), values)
 
 

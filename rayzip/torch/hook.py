@@ -161,6 +161,7 @@ class CompressionState:
         self._pending_enabled: bool | None = None
         self._proposal: int = 0
         self._stop = False
+        self._requests = threading.Lock()  # propose/request_stop may run while the worker sends
         self._loss_scale: float | None = None  # the scale the residuals are in (AMP)
         self.current = StepStats(ratio=getattr(self.codec, "ratio", None))
         self.last_step: StepStats | None = None
@@ -188,13 +189,15 @@ class CompressionState:
         off) from the step after the next exchange. One rank may call it alone (a controller's
         decision reaches rank 0 only); the control word carries it to the others, and the
         highest ``seq`` wins. ``last_step.adopted`` says when it was agreed."""
-        self._proposal = proposal_key(seq, compression_ratio)
+        with self._requests:
+            self._proposal = proposal_key(seq, compression_ratio)
 
     def request_stop(self) -> None:
         """Ask every rank to stop: ``last_step.stop`` is set on every rank after the next
         exchange. A rank whose data ran out, or that was told of its preemption, calls it
         while still running that step."""
-        self._stop = True
+        with self._requests:
+            self._stop = True
 
     def _apply_ratio(self, ratio: float) -> None:
         """Swap in the codec at ``ratio``, keeping its state (a seeded codec's call count);
@@ -309,8 +312,9 @@ class CompressionState:
             failure = exc
         # A stop or proposal rides on the next word sent; every rank reads it from the same
         # segment's agreement.
-        stop, self._stop = self._stop, False
-        proposal, self._proposal = self._proposal, 0
+        with self._requests:
+            stop, self._stop = self._stop, False
+            proposal, self._proposal = self._proposal, 0
         word = ControlWord(step=self.step, ratio=float(self.ratio or 0.0),
                            mode=encode_mode(self.enabled, stats.compressed, getattr(self.codec, "value_dtype", None)),
                            bad=bad, failed=self.world - self.rank if failure is not None else 0,
