@@ -28,8 +28,8 @@ def pack_bits(codes, bits: int, xp):
     """Pack unsigned integer ``codes`` (each < 2**bits) into a uint8 array."""
     _check_bits(bits)
     codes = codes.ravel()
-    if bits == 8:
-        return codes.astype(xp.uint8)
+    if bits == 8:  # uint8 codes are already the stream: no copy
+        return codes.astype(xp.uint8, copy=False)
     if bits == 16:
         return codes.astype("<u2").view(xp.uint8)
     if bits > 8:

@@ -119,7 +119,7 @@ class DCTQuant(Codec):
             codes = np.empty(blocks * self.kept, dtype=np.uint16 if wide else np.uint8)
             fused.dct_quant(flat[: blocks * size], self.block, _dct32(self.block), _order(self.block, self.kept),
                             self.bits, scales, codes, wide)
-            return {"scales": scales, "codes": codes if self.bits == 8 else pack_bits(codes, self.bits, np),
+            return {"scales": scales, "codes": pack_bits(codes, self.bits, np),
                     "tail": flat[blocks * size:].astype("<f4")}
         coef = self.coefficients(flat, xp)
         peak = xp.abs(coef).max(axis=1) if coef.size else xp.zeros(0, xp.float32)

@@ -81,7 +81,7 @@ class QSGD(Codec):
             wide = self.bits > 8
             codes = np.empty(flat.size, dtype=np.uint16 if wide else np.uint8)
             fused.qsgd(flat, self.bucket_size, self.levels, seed, norms, codes, wide)
-            return {"norms": norms, "codes": codes if self.bits == 8 else pack_bits(codes, self.bits, np)}
+            return {"norms": norms, "codes": pack_bits(codes, self.bits, np)}
         rows = self._buckets(flat, xp)
         norms = xp.sqrt(xp.einsum("ij,ij->i", rows, rows, dtype=xp.float32))
         scale = xp.where(norms > 0, self.levels / xp.where(norms > 0, norms, 1), 0).astype(xp.float32)

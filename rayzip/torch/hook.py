@@ -228,7 +228,7 @@ class CompressionState:
         self.totals["steps"] += 1
         self.totals["skipped"] += int(self.current.skipped)
         for key in ("bytes_sent", "dense_bytes", "comm_s", "busy_s", "network_s"):
-            self.totals[key] = self.totals.get(key, 0) + getattr(self.current, key)
+            self.totals[key] += getattr(self.current, key)
         self.step += 1
 
     # --- checkpoints ------------------------------------------------------------------
@@ -394,7 +394,7 @@ class CompressionState:
             for k, missing in enumerate(self._missing):
                 if missing == 0:
                     self._arrived[k].set()
-        spans, pos = [], 0
+        spans, completed, pos = [], [], 0
         for p in bucket.parameters():
             offset, n = self._offsets[id(p)]
             self._flat[offset: offset + n].copy_(buffer[pos: pos + n])
@@ -405,12 +405,16 @@ class CompressionState:
             k = self._segment_of[id(p)]
             self._missing[k] -= n
             if self._missing[k] == 0:
-                if buffer.is_cuda:  # the worker's side stream must see this stream's copies
-                    self._copied[k] = torch.cuda.Event()
-                    self._copied[k].record()
-                self._arrived[k].set()
+                completed.append(k)
         future = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future()
+        # The future is listed before its segments are marked: the worker sets the futures it
+        # sees once the last segment is done, and one it did not see would never complete.
         self._waiting.append((future, spans, buffer))
+        for k in completed:
+            if buffer.is_cuda:  # the worker's side stream must see this stream's copies
+                self._copied[k] = torch.cuda.Event()
+                self._copied[k].record()
+            self._arrived[k].set()
         if self.overlap and self._job is None:
             self._job = self._worker().submit(self._run_exchange)
         self._copy_s += time.perf_counter() - start
