@@ -15,21 +15,16 @@ Usage::
 
 from __future__ import annotations
 
-import datetime
-import os
-import pickle
 import platform
 import sys
-import tempfile
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ..comm import collective_costs
 from ..spec import CompressionSpec
 from ..torch import compress, ddp_kwargs
+from .gloo import run_world
 
 __all__ = ["markdown_table", "render_table", "run_collectives_bench"]
 
@@ -43,50 +38,27 @@ def _model() -> torch.nn.Module:
                                torch.nn.ReLU(), torch.nn.Linear(WIDTH, 10))
 
 
-def _rank(rank: int, world: int, init_file: str, out_dir: str, compression: dict, steps: int) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+def _rank(rank: int, world: int, compression: dict, steps: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
     out: dict[str, Any] = {}
-    try:
-        for collective in COLLECTIVES:
-            spec = CompressionSpec(**{**compression, "collective": collective})
-            ddp = torch.nn.parallel.DistributedDataParallel(_model(), **ddp_kwargs(spec))
-            state = compress(ddp, spec, momentum=0.9 if spec.momentum_correction else None)
-            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
-            gen = torch.Generator().manual_seed(1000 + rank)
-            teacher = torch.Generator().manual_seed(7)  # one labelling rule for every worker
-            weights = torch.randn(784, 10, generator=teacher)
-            sent = []
-            for _ in range(steps):
-                x = torch.randn(64, 784, generator=gen)
-                optimizer.zero_grad()
-                torch.nn.functional.cross_entropy(ddp(x), (x @ weights).argmax(1)).backward()
-                optimizer.step()
-                sent.append(state.last_step.bytes_sent - state.last_step.control_bytes)
-            out[collective] = {"bytes": sent, "chosen": state.communicator.name,
-                               "segments": [hi - lo for lo, hi in state.segments]}
-        result = ("ok", out)
-    except BaseException as exc:  # the parent re-raises it
-        result = ("error", f"{type(exc).__name__}: {exc}")
-    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as fh:
-        pickle.dump(result, fh)
-    dist.destroy_process_group()
-
-
-def _run_world(world: int, compression: dict, steps: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(world, os.path.join(tmp, "init"), tmp, compression, steps), nprocs=world,
-                           join=True, start_method="spawn")
-        ranks = []
-        for rank in range(world):
-            with open(os.path.join(tmp, f"{rank}.pkl"), "rb") as fh:
-                status, value = pickle.load(fh)
-            if status != "ok":
-                raise RuntimeError(f"{world} workers, rank {rank}: {value}")
-            ranks.append(value)
-        return ranks
+    for collective in COLLECTIVES:
+        spec = CompressionSpec(**{**compression, "collective": collective})
+        ddp = torch.nn.parallel.DistributedDataParallel(_model(), **ddp_kwargs(spec))
+        state = compress(ddp, spec, momentum=0.9 if spec.momentum_correction else None)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(1000 + rank)
+        teacher = torch.Generator().manual_seed(7)  # one labelling rule for every worker
+        weights = torch.randn(784, 10, generator=teacher)
+        sent = []
+        for _ in range(steps):
+            x = torch.randn(64, 784, generator=gen)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), (x @ weights).argmax(1)).backward()
+            optimizer.step()
+            sent.append(state.last_step.bytes_sent - state.last_step.control_bytes)
+        out[collective] = {"bytes": sent, "chosen": state.communicator.name,
+                           "segments": [hi - lo for lo, hi in state.segments]}
+    return out
 
 
 def run_collectives_bench(worlds: list[int], compression: dict, steps: int = 8, skip: int = 2,
@@ -97,7 +69,7 @@ def run_collectives_bench(worlds: list[int], compression: dict, steps: int = 8, 
     rows = []
     for world in worlds:
         progress(world)
-        ranks = _run_world(world, compression, steps)
+        ranks = run_world(_rank, world, compression, steps, timeout_s=600)
         spec = CompressionSpec(**compression)
         codec = spec.build_codec()
         segments = ranks[0]["ring"]["segments"]
