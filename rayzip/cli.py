@@ -313,7 +313,11 @@ def bench_collectives(
 @bench_app.command("cluster")
 def bench_cluster(
     bandwidth: str = typer.Option("100mbit", help="Link rate of each worker node (tc rate: 100mbit, 1gbit)."),
-    nodes: int = typer.Option(2, min=1, help="Worker nodes (one training worker each)."),
+    nodes: int = typer.Option(2, min=1, help="Worker nodes."),
+    workers_per_node: int = typer.Option(1, "--workers-per-node", min=1,
+                                         help="Training workers (and CPUs) per node, unshaped among themselves; "
+                                              "above 1, rayzip's hook averages each node densely first "
+                                              "(compression.hierarchy auto; a method:flat suffix turns it off)."),
     latency: Optional[str] = typer.Option(None, help="Added one-way delay, e.g. 1ms (needs netem)."),
     spec: Optional[Path] = typer.Option(None, help="Job spec (default: jobs/bench-synthetic.yaml)."),
     methods: str = typer.Option("dense,powersgd,fp16,group_topk,dct_quant", help="Comma-separated methods."),
@@ -334,7 +338,7 @@ def bench_cluster(
     chosen, spec_path = _cluster_bench_inputs(methods, spec, latency)
     report = _run_cluster(lambda log: run_cluster_bench(
         chosen, bandwidth, nodes, latency, spec_path, powersgd_start_iter, log=log, budget_steps=budget_steps,
-        drop_to=drop_to, drop_at_step=drop_at_step if drop_to else None))
+        drop_to=drop_to, drop_at_step=drop_at_step if drop_to else None, workers_per_node=workers_per_node))
     console.print(render_table(report))
     if drop_to:
         from .bench.cluster import render_drop_table

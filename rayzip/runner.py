@@ -121,6 +121,8 @@ def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
         "bytes_sent_per_worker": sent,  # ps: pushed to the shards
         "bytes_received_per_worker": metrics.get("total_bytes_received", 0),  # ps: pulled from the shards
         "dense_bytes_per_worker": dense,
+        "local_bytes_per_worker": metrics.get("total_local_bytes", 0),  # hierarchy: to workers on the node
+        "node_bytes": metrics.get("total_node_bytes"),  # hierarchy: off rank 0's node, by the counts
         "bytes_source": metrics.get("bytes_source"),
         "wire_compression_ratio": (dense / sent) if sent else None,
         "final_loss": metrics.get("loss"),

@@ -228,6 +228,10 @@ class CompressionSpec(_Strict):
     link_mbit: float = Field(1000.0, gt=0, description="The workers' link rate that collective auto assumes "
                                                        "when it weighs bytes against messages.")
     link_latency_ms: float = Field(0.05, ge=0, description="The link's one-way latency that collective auto assumes.")
+    hierarchy: Literal["auto", "node", "none"] = Field(
+        "auto", description="Workers on one node average densely among themselves and one compressed exchange "
+                            "per node crosses the network (node); auto does so when several nodes each hold "
+                            "several workers; none: every worker exchanges compressed payloads.")
     overlap: bool = Field(True, description="Exchange each gradient segment on a worker thread as soon as backward "
                                             "has produced it, under the rest of backward (rayzip's hook).")
     segment_mb: float = Field(4.0, gt=0, description="Size of the segments the gradient is exchanged in (MiB of "
@@ -251,6 +255,9 @@ class CompressionSpec(_Strict):
     def _codec_fits(self):
         if self.collective == "ps" and (self.verify or self.torch_hook is not None):
             raise ValueError("verify and torch_hook work on collectives among the workers, not with collective ps")
+        if self.hierarchy == "node" and (self.collective == "ps" or self.torch_hook is not None):
+            raise ValueError("hierarchy node works in rayzip's hook among the workers: not with collective ps "
+                             "or a torch_hook")
         if self.torch_hook is not None and (self.codec != "none" or self.verify):
             raise ValueError(f"torch_hook {self.torch_hook} replaces rayzip's hook: use codec none, verify false")
         for name in ("momentum_correction", "adam_correction"):

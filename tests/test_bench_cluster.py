@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from rayzip.bench.netns import ClusterError, _qdisc_available, leftover_namespaces, preflight
+from rayzip.spec import CompressionSpec
 
 pytestmark = pytest.mark.ray
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")
@@ -152,9 +153,15 @@ def test_methods_take_their_knob_and_adamw_jobs_get_adam_correction():
     assert method_compression("group_topk@0.05", 10, adamw)["ratio"] == 0.05
     assert "adam_correction" not in method_compression("powersgd", 10, adamw)  # torch's hook: not ours
     assert method_compression("group_topk", 10, {"optimizer": "sgd"})["momentum_correction"] is True
-    for bad in ("dct_quant@x", "powersgd@2", "nope"):
+    for bad in ("dct_quant@x", "powersgd@2", "nope", "powersgd:flat", "ps:serial", "dense:flat", "fp16:node"):
         with pytest.raises(ValueError):
             method_compression(bad, 10, adamw)
+    # Suffixes: no overlap, no hierarchy, and dense in two levels through rayzip's hook.
+    assert method_compression("dct_quant@4:serial", 10, adamw)["overlap"] is False
+    assert method_compression("group_topk:flat", 10, adamw)["hierarchy"] == "none"
+    assert method_compression("dense:node", 10, adamw) == {"codec": "none", "hierarchy": "node"}
+    for method in ("dct_quant@4:serial", "group_topk:flat", "dense:node"):
+        CompressionSpec(**method_compression(method, 10, adamw))
 
 
 def test_rows_compare_with_dense_in_the_same_run():

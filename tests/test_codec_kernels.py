@@ -34,9 +34,42 @@ def test_group_topk_keeps_the_lowest_indices_among_ties():
     rows[0, [2, 5, 9, 12]] = [1.0, -1.0, 1.0, 1.0]  # four tied for three places
     rows[1] = np.arange(16, dtype=np.float32)[::-1]  # a descending row: every entry displaces one
     rows[2] = -np.arange(16, dtype=np.float32)  # ascending magnitudes
-    columns, values = kernels.top_magnitude_rows(rows, 3)
+    columns, values, finite = kernels.top_magnitude_rows(rows, 3)
     assert columns.tolist() == [[2, 5, 9], [0, 1, 2], [13, 14, 15]]
     assert values.tolist() == [[1.0, -1.0, 1.0], [15.0, 14.0, 13.0], [-13.0, -14.0, -15.0]]
+    assert finite is True
+
+
+@pytest.mark.parametrize("k", [10, 16, 52])  # up to 16: the bounded scan; above: the heap alone
+def test_group_topk_in_long_rows_keeps_the_largest_and_the_lowest_index_among_ties(k):
+    """Rows long enough for the 16-wide scan, with ties on the heap's floor inside one vector
+    and candidates in every chunk (ascending) or in none (after a large head), against a
+    stable sort (torch.topk picks among ties as it likes)."""
+    rng = np.random.default_rng(3)
+    x = np.round(rng.standard_normal((64, 1024)), 1).astype(np.float32)  # many equal magnitudes
+    x[1] = np.arange(1024, dtype=np.float32)
+    x[2] = 0.0
+    x[2, :40] = 5.0
+    x[3, 1000:1016] = -x[3].max() - 1
+    x = np.concatenate([x, x[:, :1000:7]], axis=1)  # 1167 entries: a tail after the last 16
+    columns, values, finite = kernels.top_magnitude_rows(x, k)
+    expected = np.sort(np.argsort(-np.abs(x), axis=1, kind="stable")[:, :k], axis=1)
+    assert finite is True
+    assert np.array_equal(columns, expected)
+    assert np.array_equal(values, np.take_along_axis(x, expected, axis=1))
+
+
+@pytest.mark.parametrize("codec, params", [("group_topk", {"ratio": 0.01}), ("dct_quant", {"bits": 8}),
+                                           ("dct_quant", {"block": 4, "bits": 8}), ("dct_quant", {"keep": 0.5})])
+@pytest.mark.parametrize("where", [5, 70_001, 1024 * 100 + 3])  # first vector, middle, tail
+def test_fused_kernels_find_nan_and_inf_as_they_read(codec, params, where):
+    from rayzip.codecs import NonFiniteError
+
+    for bad in (float("nan"), float("inf")):
+        x = np.random.default_rng(0).standard_normal(1024 * 100 + 10, dtype=np.float32)
+        x[where] = bad
+        with pytest.raises(NonFiniteError, match=f"1 NaN/Inf value\\(s\\), first at flat index {where}"):
+            get_codec(codec, **params).encode(x)
 
 
 @pytest.mark.parametrize("levels, bucket", [(127, 512), (7, 512), (1000, 512), (127, 333)])
@@ -74,3 +107,30 @@ def test_dct_quant_codes_match_the_matmul_path(monkeypatch, block, bits):
     error = np.linalg.norm(a - x) / np.linalg.norm(x)
     assert error <= 1.01 * np.linalg.norm(b - x) / np.linalg.norm(x) + 1e-6
     assert np.linalg.norm(a - b) / np.linalg.norm(x) < 0.2 * error + 1e-6  # one code off, rarely
+
+
+@pytest.mark.parametrize("bits, keep", [(8, 1.0), (4, 1.0), (12, 1.0), (8, 0.25)])
+def test_dct_quant_fused_decode_matches_the_matmul_path(monkeypatch, bits, keep):
+    x = np.random.default_rng(4).standard_normal(64 * 500 + 13, dtype=np.float32)
+    codec = get_codec("dct_quant", bits=bits, keep=keep)
+    payload = codec.encode(x)
+    fused = codec.decode(payload)
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "fused", None)
+        import rayzip.codecs.dct_quant as dct
+
+        patch.setattr(dct, "fused", None)
+        fallback = codec.decode(payload)
+    np.testing.assert_allclose(fused, fallback, rtol=0, atol=2e-6 * np.abs(x).max())
+    assert np.array_equal(fused[-13:], x[-13:])
+    again = codec.decode(payload)  # deterministic: every worker decodes the same bits
+    assert np.array_equal(fused, again)
+
+
+def test_group_topk_of_a_group_of_nans_is_refused_not_read_out_of_bounds():
+    from rayzip.codecs import NonFiniteError
+
+    x = np.random.default_rng(0).standard_normal(1024 * 8, dtype=np.float32)
+    x[1024:2048] = np.nan
+    with pytest.raises(NonFiniteError, match="1024 NaN/Inf value\\(s\\), first at flat index 1024"):
+        get_codec("group_topk", ratio=0.01).encode(x)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from rayzip.codecs import CODECS, CodecError, ErrorFeedback, MomentumCorrection, NoMemory, NonFiniteError, get_codec
 from rayzip.codecs.bitpack import pack_bits, unpack_bits
-from rayzip.codecs.dct_quant import zigzag_order
+from rayzip.codecs.dct_quant import wire_order, zigzag_order
 from rayzip.codecs.randomk import random_indices
 
 LOSSY = {
@@ -127,7 +127,7 @@ def _dct_reference(x: np.ndarray, n: int, bits: int, keep: float) -> tuple[np.nd
     size = n * n
     blocks = x[: (x.size // size) * size].reshape(-1, n, n).astype(np.float64)
     m = max(1, math.ceil(keep * size - 1e-9))
-    zz = zigzag_order(n)[:m]
+    zz = zigzag_order(n)[:m] if m < size else np.arange(size)  # all kept: row-major on the wire
     coef = scipy.fft.dctn(blocks, axes=(1, 2), norm="ortho").reshape(-1, size)[:, zz]
     top = 2**bits - 1
     peak = np.abs(coef).max(axis=1, keepdims=True)
@@ -159,6 +159,8 @@ def test_dct_quant_8_bits_full_keep_error_below_one_percent():
 
 def test_zigzag_order_is_jpegs():
     assert zigzag_order(4).tolist() == [0, 1, 4, 8, 5, 2, 3, 6, 9, 12, 13, 10, 7, 11, 14, 15]
+    assert wire_order(4, 6).tolist() == [0, 1, 4, 8, 5, 2]  # a cut keeps the low frequencies
+    assert wire_order(4, 16).tolist() == list(range(16))  # nothing cut: row-major, no permutation
 
 
 @pytest.mark.parametrize("n,group", [(10_240, 1024), (10_000, 1024), (999, 100), (50, 64)])

@@ -57,12 +57,18 @@ SCALING_SKIP = 10  # bench scaling: steps left out of the step time (start-up)
 
 def _method_base(method: str) -> tuple[str, dict[str, Any]]:
     """``group_topk@0.05`` is group_topk at a fixed ratio of 0.05 (any sparse method takes
-    @RATIO); ``dct_quant@4`` is dct_quant at 4 bits; a ``:serial`` suffix runs rayzip's hook
-    without overlap (the whole exchange after backward), to compare with the default."""
+    @RATIO); ``dct_quant@4`` is dct_quant at 4 bits. Suffixes for rayzip's hook methods:
+    ``:serial`` runs without overlap (the whole exchange after backward), ``:flat`` without
+    the node hierarchy (every worker exchanges compressed), to compare with the default;
+    ``dense:node`` is the hierarchy's exchange uncompressed (dense inside and across nodes)."""
     method, _, modifier = method.partition(":")
     name, _, value = method.partition("@")
-    if modifier and (modifier != "serial" or METHODS.get(name, {}).get("codec", "none") == "none" or name in PS):
-        raise ValueError(f"method {method}:{modifier}: only rayzip's hook methods take :serial")
+    hook = METHODS.get(name, {}).get("torch_hook") is None and name not in PS
+    allowed = {"serial", "flat"} if hook and METHODS.get(name, {}).get("codec", "none") != "none" else \
+        {"node"} if name == "dense" else set()
+    if modifier and modifier not in allowed:
+        raise ValueError(f"method {method}:{modifier}: only rayzip's hook methods take :serial and :flat, "
+                         "and dense :node")
     knob = "ratio" if "ratio" in METHODS.get(name, {}) else "bits" if "bits" in METHODS.get(name, {}) else None
     if name not in METHODS or (value and knob is None):
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)} "
@@ -73,8 +79,12 @@ def _method_base(method: str) -> tuple[str, dict[str, Any]]:
             compression[knob] = float(value) if knob == "ratio" else int(value)
         except ValueError:
             raise ValueError(f"method {method!r}: {value!r} is not a {knob}") from None
-    if modifier:
+    if modifier == "serial":
         compression["overlap"] = False
+    elif modifier == "flat":
+        compression["hierarchy"] = "none"
+    elif modifier == "node":  # rayzip's hook with codec none: dense, in two levels
+        compression["hierarchy"] = "node"
     return name, compression
 
 
@@ -109,14 +119,17 @@ def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 1
 def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: str | None, spec_path: Path,
                       powersgd_start_iter: int = 10, log: Callable[[str], None] = print,
                       budget_steps: int | None = None, drop_to: str | None = None,
-                      drop_at_step: int | None = None) -> dict[str, Any]:
+                      drop_at_step: int | None = None, workers_per_node: int = 1) -> dict[str, Any]:
     """Run every method on one namespace cluster. With ``budget_steps``, each method trains
     exactly that many steps (time to target is still taken where the target is first
     reached), so final accuracies compare at the same budget. With ``drop_to``, every run
     starts at ``bandwidth`` and the links drop to ``drop_to`` once it reaches
-    ``drop_at_step``; rows then carry the step time before and after the drop."""
+    ``drop_at_step``; rows then carry the step time before and after the drop. With
+    ``workers_per_node`` above 1, each node holds that many workers (and CPUs), linked
+    unshaped inside the node: rayzip's hook then runs its node hierarchy by default."""
     base = yaml.safe_load(spec_path.read_text())
-    base.setdefault("scaling", {}).update({"min_workers": nodes, "max_workers": nodes})
+    workers = nodes * workers_per_node
+    base.setdefault("scaling", {}).update({"min_workers": workers, "max_workers": workers})
     if budget_steps is not None:
         training = base.setdefault("training", {})
         training.pop("epochs", None)
@@ -127,8 +140,9 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
     lm = training.loop == "language_model"
     target = training.target_val_loss if lm else training.target_accuracy
     rows = []
-    with NetnsCluster(nodes=nodes, bandwidth=bandwidth, latency=latency) as cluster:
-        log(f"cluster up: {nodes} worker nodes at {bandwidth}" + (f", {latency} latency" if latency else ""))
+    with NetnsCluster(nodes=nodes, bandwidth=bandwidth, latency=latency, cpus_per_node=workers_per_node) as cluster:
+        log(f"cluster up: {nodes} worker nodes at {bandwidth}" + (f", {latency} latency" if latency else "")
+            + (f", {workers_per_node} workers each" if workers_per_node > 1 else ""))
         for method in methods:
             slug = re.sub(r"[^a-z0-9]+", "-", method.lower()).strip("-")
             spec = method_spec(method, base, slug, powersgd_start_iter)
@@ -152,7 +166,7 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
                 log(f"  {method} FAILED: {error}")
                 continue
             summary = json.loads(out.read_text())
-            rows.append(_row(method, summary, tx_before, tx_after, time.time() - started))
+            rows.append(_row(method, summary, tx_before, tx_after, time.time() - started, workers_per_node))
             if drop_to is not None:
                 rows[-1].update(_drop_phases(summary, getattr(proc, "dropped_at", None)))
                 log(f"  {method}: step {rows[-1]['step_ms_before_drop']} ms before the drop, "
@@ -167,7 +181,8 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
             for r in rows:
                 mine = r.get(f"step_ms_{phase}_drop")
                 r[f"{phase}_vs_best_fixed"] = mine / min(fixed) if fixed and mine else None
-    return {"bandwidth": bandwidth, "latency": latency, "nodes": nodes, "metric": "val_loss" if lm else "test_accuracy",
+    return {"bandwidth": bandwidth, "latency": latency, "nodes": nodes, "workers_per_node": workers_per_node,
+            "metric": "val_loss" if lm else "test_accuracy",
             "target": target, "target_accuracy": None if lm else target,
             "stop_at_target": training.stop_at_target, "steps": training.steps,
             "budget_steps": budget_steps, "drop_to": drop_to, "drop_at_step": drop_at_step,
@@ -253,8 +268,10 @@ def _last_error(output: str) -> str:
     return lines[-1][:400] if lines else "no output"
 
 
-def _row(method: str, s: dict, tx_before: list[int], tx_after: list[int], run_s: float) -> dict[str, Any]:
+def _row(method: str, s: dict, tx_before: list[int], tx_after: list[int], run_s: float,
+         workers_per_node: int = 1) -> dict[str, Any]:
     mean_step, mean_comm = s.get("mean_step_s") or 0.0, s.get("mean_comm_s") or 0.0
+    network = s["bytes_sent_per_worker"] - (s.get("local_bytes_per_worker") or 0)
     return {
         "name": method,
         "time_to_target_s": s.get("time_to_target_s"),
@@ -274,15 +291,33 @@ def _row(method: str, s: dict, tx_before: list[int], tx_after: list[int], run_s:
         "compute_s": max(0.0, mean_step - mean_comm),
         "comm_source": s.get("comm_source"),
         "wire_bytes_counted": s["bytes_sent_per_worker"],  # ps: pushed
+        # Of those, what did not go to workers on the same node (the hierarchy's local sums)
+        "wire_bytes_network": network,
         "wire_bytes_pulled": s.get("bytes_received_per_worker") if s.get("ps") else None,
         "bytes_source": s["bytes_source"],
         "wire_bytes_interface": s.get("interface_tx_bytes"),  # rank 0's eth0 during training
+        "local_bytes": s.get("local_bytes_per_worker"),  # hierarchy: to workers on the same node
+        # Hierarchy: what rank 0's node sent off the node by rayzip's counts (its leader's bytes
+        # off it, and each other worker's control word), to set beside wire_bytes_interface.
+        "node_bytes": s.get("node_bytes"),
+        "interface_vs_counted": _interface_vs_counted(s, workers_per_node),
         "interface_bytes_whole_run": statistics.mean(a - b for a, b in zip(tx_after, tx_before)),
         "dense_bytes": s["dense_bytes_per_worker"],
-        "wire_compression": s["dense_bytes_per_worker"] / s["bytes_sent_per_worker"] if s["bytes_sent_per_worker"] else None,
+        # Over the bytes that leave the worker's node where the hierarchy knows them apart.
+        "wire_compression": s["dense_bytes_per_worker"] / network if network else None,
         "history": s.get("history", []),
         "run_s": run_s,
     }
+
+
+def _interface_vs_counted(s: dict, workers_per_node: int) -> float | None:
+    """Rank 0's interface bytes over what rayzip counted leaving its node: the node's count
+    with a hierarchy, rank 0's own when it is alone on its node. None where the bytes are a
+    formula (plain DDP) or the node's count is unknown (several workers, no hierarchy)."""
+    iface, counted = s.get("interface_tx_bytes"), s.get("node_bytes")
+    if counted is None and workers_per_node == 1:
+        counted = s.get("bytes_sent_per_worker")
+    return iface / counted if iface and counted and s.get("bytes_source") == "counted" else None
 
 
 def run_scaling_bench(methods: list[str], node_counts: list[int], bandwidth: str, spec_path: Path,
@@ -337,22 +372,30 @@ def render_scaling_table(report: dict):
     return table
 
 
+def _network(row: dict) -> int:
+    """Bytes a worker sent, less those to workers on its own node (reports before the
+    hierarchy have no such split)."""
+    return row.get("wire_bytes_network", row["wire_bytes_counted"])
+
+
 def render_table(report: dict):
     from rich.table import Table
 
     budget = report.get("budget_steps")
     lm = report.get("metric") == "val_loss"
     target = report.get("target", report.get("target_accuracy"))
-    table = Table(title=f"rayzip bench cluster: {report['nodes']} nodes at {report['bandwidth']}, "
+    per_node = report.get("workers_per_node", 1)
+    table = Table(title=f"rayzip bench cluster: {report['nodes']} nodes"
+                        + (f" x {per_node} workers" if per_node > 1 else "") + f" at {report['bandwidth']}, "
                         f"target {'validation loss' if lm else 'accuracy'} {target}"
                         + (f", {budget or report.get('steps')} steps each"
                            if budget or report.get("stop_at_target") is False else ", stopping at the target"))
     for col in ("method", "to target", "vs DDP", "of ideal", "final bpb" if lm else "final acc", "step ms (comm)",
-                "MB sent", "MB pulled", "MB on iface", "compression"):
+                "MB sent", "MB pulled", "MB off node", "MB on iface", "iface/counted", "compression"):
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     for r in report["methods"]:
         if "error" in r:
-            table.add_row(r["name"], "failed", "-", "-", "-", "-", "-", "-", "-", "-")
+            table.add_row(r["name"], "failed", *["-"] * 10)
             continue
         ttt = (f"{r['time_to_target_s']:.1f} s ({r.get('steps_to_target')} steps)"
                if r["time_to_target_s"] else "missed")
@@ -361,14 +404,18 @@ def render_table(report: dict):
         share = f"{r['share_of_ideal']:.0%}" if r.get("share_of_ideal") else "-"
         final = r.get("final_metric", r.get("final_accuracy"))
         table.add_row(r["name"], ttt, speed, share, f"{final:.4f}",
-                      f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})", f"{r['wire_bytes_counted'] / 1e6:.2f}",
+                      f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})", f"{_network(r) / 1e6:.2f}",
                       f"{r['wire_bytes_pulled'] / 1e6:.2f}" if r.get("wire_bytes_pulled") is not None else "-",
-                      iface, f"{r['wire_compression']:.1f}x" if r["wire_compression"] else "-")
+                      f"{r['node_bytes'] / 1e6:.2f}" if r.get("node_bytes") is not None else "-", iface,
+                      f"{r['interface_vs_counted']:.3f}" if r.get("interface_vs_counted") else "-",
+                      f"{r['wire_compression']:.1f}x" if r["wire_compression"] else "-")
     return table
 
 
 def markdown_table(report: dict) -> str:
     """The cluster report as a Markdown table, for the README (generated, not typed)."""
+    if report.get("workers_per_node", 1) > 1:
+        return _hierarchy_table(report)
     lm = report.get("metric") == "val_loss"
     head = ["method", "time to target", "vs DDP", "of ideal", "steps to target",
             "final val bpb" if lm else "final acc", "final vs DDP", "step ms (comm)", "MB sent / worker", "compression"]
@@ -384,8 +431,28 @@ def markdown_table(report: dict) -> str:
         diff = f"{r['final_vs_dense']:+.1%}" if r.get("final_vs_dense") is not None else "–"
         lines.append(" | ".join([
             f"| {r['name']}", ttt, speed, share, str(r.get("steps_to_target") or "–"), f"{final:.4f}", diff,
-            f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})", f"{r['wire_bytes_counted'] / 1e6:.1f}",
+            f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})", f"{_network(r) / 1e6:.1f}",
             f"{r['wire_compression']:.1f}×" if r.get("wire_compression") else "–"]) + " |")
+    return "\n".join(lines)
+
+
+def _hierarchy_table(report: dict) -> str:
+    """Several workers per node: what left rank 0's node, counted and on its interface."""
+    head = ["method", "final acc", "step ms (comm)", "MB sent / worker (hierarchy: off its node)",
+            "MB off rank 0's node, counted",
+            "MB on rank 0's interface", "interface / counted"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report["methods"]:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error'][:60]} |" + " |" * (len(head) - 2))
+            continue
+        flat = r.get("node_bytes") is None
+        lines.append(" | ".join([
+            f"| {r['name']}", f"{r['final_accuracy']:.4f}", f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})",
+            f"{_network(r) / 1e6:.2f}",
+            "–" if flat else f"{r['node_bytes'] / 1e6:.2f}",
+            f"{r['wire_bytes_interface'] / 1e6:.2f}" if r.get("wire_bytes_interface") else "–",
+            f"{r['interface_vs_counted']:.3f}" if r.get("interface_vs_counted") else "–"]) + " |")
     return "\n".join(lines)
 
 

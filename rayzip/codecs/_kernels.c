@@ -61,42 +61,149 @@ static void sort_by_index(Entry *h, int k) {
  * Strict IEEE semantics (no -ffast-math) keep the compiler from folding the pair away. */
 static inline float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
-/* group_topk(src f32[groups*group], group, k, offsets i64[groups*k] out, values f32[groups*k] out):
- * each group's k largest |x| (ties: lowest index), offsets ascending within a group. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* Indices i < n with |row[i]| >= bound, ascending, into hits; their count. The AVX2 version
+ * tests eight entries per compare and visits only the set bits of its mask; it is picked at
+ * run time, so the module still loads on CPUs without AVX2. */
+static Py_ssize_t scan_at_least(const float *row, Py_ssize_t n, float bound, int32_t *hits) {
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (fabsf(row[i]) >= bound) hits[count++] = (int32_t)i;
+    return count;
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_AVX2_SCAN 1
+__attribute__((target("avx2"))) static Py_ssize_t scan_at_least_avx2(const float *row, Py_ssize_t n, float bound,
+                                                                     int32_t *hits) {
+    const __m256 b = _mm256_set1_ps(bound);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    Py_ssize_t count = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 a = _mm256_and_ps(_mm256_loadu_ps(row + i), magnitude);
+        unsigned mask = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ));
+        while (mask) {
+            hits[count++] = (int32_t)(i + __builtin_ctz(mask));
+            mask &= mask - 1;
+        }
+    }
+    for (; i < n; i++)
+        if (fabsf(row[i]) >= bound) hits[count++] = (int32_t)i;
+    return count;
+}
+#endif
+
+/* The group's entries go through the heap in index order: it keeps the k largest |x| seen,
+ * a later index never displacing an equal magnitude, so ties keep the lowest indices. */
+static inline void offer(Entry *heap, int k, int *filled, float *floor_mag, float a, int32_t idx) {
+    if (*filled < k) {
+        heap[(*filled)++] = (Entry){a, idx};
+        if (*filled == k) {
+            for (int i = k / 2 - 1; i >= 0; i--) sift_down(heap, k, i);
+            *floor_mag = heap[0].mag;
+        }
+    } else if (a > *floor_mag) {
+        heap[0] = (Entry){a, idx};
+        sift_down(heap, k, 0);
+        *floor_mag = heap[0].mag;
+    }
+}
+
+/* group_topk(src f32[groups*group], group, k, offsets i64[groups*k] out, values f32[groups*k] out)
+ * -> all finite: each group's k largest |x| (ties: lowest index), offsets ascending within a
+ * group. Returns False when an entry is NaN or Inf (the outputs are then meaningless; the
+ * caller finds and reports the entry).
+ *
+ * With k <= 16, a first pass over the group (in L1) takes the largest |x| of each of 16
+ * lanes: the k-th largest of those 16 entries bounds the group's k-th largest from below, so
+ * the second pass offers the heap only entries at or above it, about k of them, and
+ * otherwise runs at vector speed. Larger k go through the heap one entry at a time. */
+WIDE static int group_topk_run(const float *x, Py_ssize_t groups, Py_ssize_t group, Py_ssize_t k, int64_t *off,
+                               float *val, Entry *heap, int32_t *hits) {
+#ifdef HAVE_AVX2_SCAN
+    const int avx2 = __builtin_cpu_supports("avx2");
+    Py_ssize_t (*scan)(const float *, Py_ssize_t, float, int32_t *) = scan_at_least_avx2;
+#else
+    const int avx2 = 0;
+    Py_ssize_t (*scan)(const float *, Py_ssize_t, float, int32_t *) = scan_at_least;
+#endif
+    v16f fin = {0};
+    float scalar_fin = 0.0f;
+    const Py_ssize_t chunks = group / 16;
+    const int bounded = k <= 16 && chunks >= 2;
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        const float *row = x + g * group;
+        int filled = 0;
+        float floor_mag = 0.0f, bound = 0.0f;
+        if (bounded) {
+            v16f most = {0};
+            for (Py_ssize_t c = 0; c < chunks; c++) {
+                v16f v;
+                memcpy(&v, row + c * 16, sizeof v);
+                fin += v - v;
+                v16f a = (v16f)((v16i)v & 0x7fffffff);
+                v16i gt = a > most;
+                most = (v16f)(((v16i)a & gt) | ((v16i)most & ~gt));
+            }
+            float lanes[16];
+            memcpy(lanes, &most, sizeof lanes);
+            for (int r = 0; r < k; r++) {  /* partial selection sort: lanes[k-1] is the k-th largest */
+                int best = r;
+                for (int l = r + 1; l < 16; l++) best = lanes[l] > lanes[best] ? l : best;
+                float t = lanes[r]; lanes[r] = lanes[best]; lanes[best] = t;
+            }
+            bound = lanes[k - 1];
+            Py_ssize_t found = avx2 ? scan(row, chunks * 16, bound, hits) : scan_at_least(row, chunks * 16, bound, hits);
+            for (Py_ssize_t h = 0; h < found; h++) offer(heap, (int)k, &filled, &floor_mag, fabsf(row[hits[h]]), hits[h]);
+        } else {
+            for (Py_ssize_t i = 0; i < chunks * 16; i++) {
+                float a = fabsf(row[i]);
+                scalar_fin += row[i] - row[i];
+                offer(heap, (int)k, &filled, &floor_mag, a, (int32_t)i);
+            }
+        }
+        for (Py_ssize_t i = chunks * 16; i < group; i++) {
+            scalar_fin += row[i] - row[i];
+            float a = fabsf(row[i]);
+            if (a >= bound) offer(heap, (int)k, &filled, &floor_mag, a, (int32_t)i);
+        }
+        while (filled < k) {  /* only when NaNs hid entries from both passes: reported, not used */
+            heap[filled] = (Entry){0.0f, (int32_t)filled};
+            filled++;
+        }
+        sort_by_index(heap, (int)k);
+        for (int e = 0; e < k; e++) {
+            off[g * k + e] = heap[e].idx;
+            val[g * k + e] = row[heap[e].idx];
+        }
+    }
+    int ok = 1;
+    for (int l = 0; l < 16; l++) ok &= fin[l] == 0.0f;
+    return ok && scalar_fin == 0.0f;
+}
+
 static PyObject *py_group_topk(PyObject *self, PyObject *args) {
     Py_buffer src, offsets, values;
     Py_ssize_t group, k;
     if (!PyArg_ParseTuple(args, "y*nnw*w*", &src, &group, &k, &offsets, &values)) return NULL;
-    const float *x = src.buf;
-    int64_t *off = offsets.buf;
-    float *val = values.buf;
     Py_ssize_t groups = group > 0 ? src.len / (Py_ssize_t)sizeof(float) / group : 0;
     Entry *heap = malloc(sizeof(Entry) * (size_t)(k > 0 ? k : 1));
-    if (!heap) { PyBuffer_Release(&src); PyBuffer_Release(&offsets); PyBuffer_Release(&values); return PyErr_NoMemory(); }
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t g = 0; g < groups; g++) {
-        const float *row = x + g * group;
-        for (int i = 0; i < k; i++) heap[i] = (Entry){fabsf(row[i]), i};
-        for (int i = k / 2 - 1; i >= 0; i--) sift_down(heap, (int)k, i);
-        float floor_mag = heap[0].mag;
-        for (Py_ssize_t i = k; i < group; i++) {
-            float a = fabsf(row[i]);
-            if (a > floor_mag) {  /* a later index never wins a tie */
-                heap[0] = (Entry){a, (int32_t)i};
-                sift_down(heap, (int)k, 0);
-                floor_mag = heap[0].mag;
-            }
-        }
-        sort_by_index(heap, (int)k);
-        for (int i = 0; i < k; i++) {
-            off[g * k + i] = heap[i].idx;
-            val[g * k + i] = row[heap[i].idx];
-        }
+    int32_t *hits = malloc(sizeof(int32_t) * (size_t)(group > 0 ? group : 1));
+    if (!heap || !hits) {
+        free(heap); free(hits);
+        PyBuffer_Release(&src); PyBuffer_Release(&offsets); PyBuffer_Release(&values);
+        return PyErr_NoMemory();
     }
+    int finite;
+    Py_BEGIN_ALLOW_THREADS
+    finite = group_topk_run(src.buf, groups, group, k, offsets.buf, values.buf, heap, hits);
     Py_END_ALLOW_THREADS
-    free(heap);
+    free(heap); free(hits);
     PyBuffer_Release(&src); PyBuffer_Release(&offsets); PyBuffer_Release(&values);
-    Py_RETURN_NONE;
+    return PyBool_FromLong(finite);
 }
 
 /* --- QSGD ----------------------------------------------------------------------------- */
@@ -180,13 +287,15 @@ static inline void quantize(const float *y, const int64_t *order, int m, int bit
 }
 
 /* dct_quant(src f32[blocks*n*n], n, c f32[n*n] (DCT-II, row k = frequency k), order i64[m]
- *           (row-major positions in zig-zag order), bits, scales f32[blocks] out,
- *           codes u8|u16[blocks*m] out, wide):
- * per block Y = C X C^T, its first m zig-zag coefficients, the block's peak |Y| as scale,
- * and codes rint((y / peak + 1) * (2^bits - 1) / 2) clipped to [0, 2^bits - 1]. */
-WIDE static void dct_run(const float *x, Py_ssize_t blocks, int n, const float *c, const int64_t *order, int m,
-                         int bits, float *scales, uint8_t *codes8, uint16_t *codes16) {
+ *           (row-major positions in the wire's order), bits, scales f32[blocks] out,
+ *           codes u8|u16[blocks*m] out, wide) -> all finite:
+ * per block Y = C X C^T, its coefficients at the first m positions of ``order``, the block's
+ * peak |Y| among them as scale, and codes rint((y / peak + 1) * (2^bits - 1) / 2) clipped to
+ * [0, 2^bits - 1]. Returns False when an input is NaN or Inf (outputs then meaningless). */
+WIDE static int dct_run(const float *x, Py_ssize_t blocks, int n, const float *c, const int64_t *order, int m,
+                        int bits, float *scales, uint8_t *codes8, uint16_t *codes16) {
     float ct[32 * 32], tmp[32 * 32], y[32 * 32];
+    float fin = 0.0f;
     for (int j = 0; j < n; j++)
         for (int l = 0; l < n; l++) ct[j * n + l] = c[l * n + j];
     const float half_top = (float)((1 << bits) - 1) / 2.0f, top = (float)((1 << bits) - 1);
@@ -198,6 +307,7 @@ WIDE static void dct_run(const float *x, Py_ssize_t blocks, int n, const float *
             for (int l = 0; l < n; l++) t[l] = 0.0f;
             for (int j = 0; j < n; j++) {
                 float v = blk[i * n + j];
+                fin += v - v;
                 const float *cr = ct + j * n;
                 for (int l = 0; l < n; l++) t[l] += v * cr[l];
             }
@@ -214,32 +324,45 @@ WIDE static void dct_run(const float *x, Py_ssize_t blocks, int n, const float *
         quantize(y, order, m, bits, half_top, top, scales + b, codes8 ? codes8 + b * m : NULL,
                  codes16 ? codes16 + b * m : NULL);
     }
+    return fin == 0.0f;
 }
 
 /* The same for 8 x 8 blocks, one row of eight floats per vector (GCC's vector extensions:
  * one AVX register in the x86-64-v3 clone, two SSE ones otherwise): 16 vector multiply-adds
- * per row and column pass, and the quantization in natural order, permuted to zig-zag order
- * only as the codes are stored. */
+ * per row and column pass. With every coefficient kept in row-major order (keep = 1, see
+ * rayzip.codecs.dct_quant) the peak, the quantization and the stores are vector operations
+ * too; a zig-zag subset is permuted as its codes are stored. */
 typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 
-WIDE static void dct8_run(const float *x, Py_ssize_t blocks, const float *c, const int64_t *order, int m, int bits,
-                          float *scales, uint8_t *codes8, uint16_t *codes16) {
+/* Macros, not functions: a vector passed by value would cross an ABI that differs by clone. */
+#define V8_ABS(v) ((v8)((v8i)(v) & 0x7fffffff))
+#define V8_MAX(a, b) ((v8)(((v8i)(a) & ((a) > (b))) | ((v8i)(b) & ~((a) > (b)))))
+
+WIDE static int dct8_run(const float *x, Py_ssize_t blocks, const float *c, const int64_t *order, int m, int bits,
+                         float *scales, uint8_t *codes8, uint16_t *codes16) {
     v8 ct[8];  /* ct[j][l] = C[l][j] */
     float cs[64];
     for (int j = 0; j < 8; j++)
         for (int l = 0; l < 8; l++) ct[j][l] = c[l * 8 + j];
     memcpy(cs, c, sizeof cs);
-    int pos[64];  /* zig-zag rank of each row-major position, -1 when not kept */
+    int pos[64];  /* rank in the wire's order of each row-major position, -1 when not kept */
     for (int q = 0; q < 64; q++) pos[q] = -1;
-    for (int q = 0; q < m; q++) pos[order[q]] = q;
+    int natural = m == 64;
+    for (int q = 0; q < m; q++) { pos[order[q]] = q; natural &= order[q] == q; }
     const float half_top = (float)((1 << bits) - 1) / 2.0f, top = (float)((1 << bits) - 1);
     const v8 zero = {0}, one = zero + 1.0f, big = zero + 12582912.0f;
+    const v8i top_i = (v8i){0} + ((1 << bits) - 1);
+    v8 fin = zero;
     for (Py_ssize_t b = 0; b < blocks; b++) {
         const float *blk = x + b * 64;
         v8 tmp[8], y[8];
         for (int i = 0; i < 8; i++) {
+            v8 row;
+            memcpy(&row, blk + i * 8, sizeof row);
+            fin += row - row;
             v8 t = zero;
-            for (int j = 0; j < 8; j++) t += blk[i * 8 + j] * ct[j];
+            for (int j = 0; j < 8; j++) t += row[j] * ct[j];
             tmp[i] = t;
         }
         for (int k = 0; k < 8; k++) {
@@ -248,20 +371,38 @@ WIDE static void dct8_run(const float *x, Py_ssize_t blocks, const float *c, con
             y[k] = o;
         }
         float peak = 0.0f;
-        for (int q = 0; q < m; q++) { float a = fabsf(y[order[q] / 8][order[q] % 8]); peak = a > peak ? a : peak; }
+        if (natural) {
+            v8 most = V8_ABS(y[0]);
+            for (int k = 1; k < 8; k++) { v8 a = V8_ABS(y[k]); most = V8_MAX(most, a); }
+            for (int l = 0; l < 8; l++) peak = most[l] > peak ? most[l] : peak;
+        } else {
+            for (int q = 0; q < m; q++) { float a = fabsf(y[order[q] / 8][order[q] % 8]); peak = a > peak ? a : peak; }
+        }
         scales[b] = peak;
         float inverse = peak > 0.0f ? 1.0f / peak : 0.0f;
         for (int k = 0; k < 8; k++) {
             v8 code = (y[k] * inverse + one) * half_top;
             code = (code + big) - big;  /* round half to even, as round_even */
+            v8i ci = __builtin_convertvector(code, v8i);
+            ci &= ~(ci < 0);  /* clip to [0, top] (a NaN converts to INT_MIN: 0) */
+            v8i over = ci > top_i;
+            ci = (ci & ~over) | (top_i & over);
+            if (natural) {
+                if (codes8) for (int l = 0; l < 8; l++) codes8[b * 64 + k * 8 + l] = (uint8_t)ci[l];
+                else for (int l = 0; l < 8; l++) codes16[b * 64 + k * 8 + l] = (uint16_t)ci[l];
+                continue;
+            }
             for (int l = 0; l < 8; l++) {
                 int q = pos[k * 8 + l];
                 if (q < 0) continue;
-                float v = code[l] < 0.0f ? 0.0f : code[l] > top ? top : code[l];
-                if (codes8) codes8[b * m + q] = (uint8_t)v; else codes16[b * m + q] = (uint16_t)v;
+                if (codes8) codes8[b * m + q] = (uint8_t)ci[l]; else codes16[b * m + q] = (uint16_t)ci[l];
             }
         }
     }
+    (void)top;
+    int ok = 1;
+    for (int l = 0; l < 8; l++) ok &= fin[l] == 0.0f;
+    return ok;
 }
 
 static PyObject *py_dct_quant(PyObject *self, PyObject *args) {
@@ -276,26 +417,88 @@ static PyObject *py_dct_quant(PyObject *self, PyObject *args) {
     }
     Py_ssize_t blocks = src.len / (Py_ssize_t)sizeof(float) / ((Py_ssize_t)n * n);
     int m = (int)(order.len / (Py_ssize_t)sizeof(int64_t));
+    int finite;
     Py_BEGIN_ALLOW_THREADS
     if (n == 8)
-        dct8_run(src.buf, blocks, c.buf, order.buf, m, bits, scales.buf, wide ? NULL : codes.buf,
-                 wide ? codes.buf : NULL);
+        finite = dct8_run(src.buf, blocks, c.buf, order.buf, m, bits, scales.buf, wide ? NULL : codes.buf,
+                          wide ? codes.buf : NULL);
     else
-        dct_run(src.buf, blocks, n, c.buf, order.buf, m, bits, scales.buf, wide ? NULL : codes.buf,
-                wide ? codes.buf : NULL);
+        finite = dct_run(src.buf, blocks, n, c.buf, order.buf, m, bits, scales.buf, wide ? NULL : codes.buf,
+                         wide ? codes.buf : NULL);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src); PyBuffer_Release(&c); PyBuffer_Release(&order);
     PyBuffer_Release(&scales); PyBuffer_Release(&codes);
+    return PyBool_FromLong(finite);
+}
+
+/* dct_dequant(scales f32[blocks], codes u8|u16[blocks*m], c f32[64] (8 x 8 DCT-II), order i64[m],
+ *             bits, out f32[blocks*64] out, wide):
+ * the inverse of dct8_run: y = (code * 2 / (2^bits - 1) - 1) * scale at each kept position
+ * (0 elsewhere), then X = C^T Y C, in the same vector layout. -std=c99 keeps the compiler
+ * from fusing multiply-adds, so every clone (and every worker) decodes the same bits. */
+WIDE static void idct8_run(const float *scales, const uint8_t *codes8, const uint16_t *codes16, Py_ssize_t blocks,
+                           const float *c, const int64_t *order, int m, int bits, float *out) {
+    v8 cr[8];  /* cr[l][j] = C[l][j] */
+    float cs[64];
+    memcpy(cs, c, sizeof cs);
+    for (int l = 0; l < 8; l++)
+        for (int j = 0; j < 8; j++) cr[l][j] = c[l * 8 + j];
+    int natural = m == 64;
+    for (int q = 0; q < m; q++) natural &= order[q] == q;
+    const float step = 2.0f / (float)((1 << bits) - 1);
+    const v8 zero = {0}, one = zero + 1.0f;
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        const float scale = scales[b];
+        v8 y[8], z[8];
+        if (natural) {
+            for (int k = 0; k < 8; k++) {
+                v8i ci;
+                for (int l = 0; l < 8; l++) ci[l] = codes8 ? codes8[b * 64 + k * 8 + l] : codes16[b * 64 + k * 8 + l];
+                y[k] = (__builtin_convertvector(ci, v8) * step - one) * scale;
+            }
+        } else {
+            for (int k = 0; k < 8; k++) y[k] = zero;
+            for (int q = 0; q < m; q++) {
+                float code = codes8 ? codes8[b * m + q] : codes16[b * m + q];
+                y[order[q] / 8][order[q] % 8] = (code * step - 1.0f) * scale;
+            }
+        }
+        for (int i = 0; i < 8; i++) {  /* Z = C^T Y: z[i] = sum_k C[k][i] y[k] */
+            v8 t = zero;
+            for (int k = 0; k < 8; k++) t += cs[k * 8 + i] * y[k];
+            z[i] = t;
+        }
+        for (int i = 0; i < 8; i++) {  /* X = Z C: x[i] = sum_l z[i][l] C[l] */
+            v8 x = zero;
+            for (int l = 0; l < 8; l++) x += z[i][l] * cr[l];
+            memcpy(out + b * 64 + i * 8, &x, sizeof x);
+        }
+    }
+}
+
+static PyObject *py_dct_dequant(PyObject *self, PyObject *args) {
+    Py_buffer scales, codes, c, order, out;
+    int bits, wide;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*iw*p", &scales, &codes, &c, &order, &bits, &out, &wide)) return NULL;
+    Py_ssize_t blocks = scales.len / (Py_ssize_t)sizeof(float);
+    int m = (int)(order.len / (Py_ssize_t)sizeof(int64_t));
+    Py_BEGIN_ALLOW_THREADS
+    idct8_run(scales.buf, wide ? NULL : codes.buf, wide ? codes.buf : NULL, blocks, c.buf, order.buf, m, bits, out.buf);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&scales); PyBuffer_Release(&codes); PyBuffer_Release(&c); PyBuffer_Release(&order);
+    PyBuffer_Release(&out);
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"group_topk", py_group_topk, METH_VARARGS,
-     "group_topk(src, group, k, offsets, values): each group's k largest |x|, offsets ascending."},
+     "group_topk(src, group, k, offsets, values) -> all finite: each group's k largest |x|, offsets ascending."},
     {"qsgd", py_qsgd, METH_VARARGS,
      "qsgd(src, bucket, levels, seed, norms, codes, wide): norms and codes; codes uint16 when wide."},
     {"dct_quant", py_dct_quant, METH_VARARGS,
-     "dct_quant(src, n, c, order, bits, scales, codes, wide): block scales and codes; uint16 when wide."},
+     "dct_quant(src, n, c, order, bits, scales, codes, wide) -> all finite: block scales and codes; uint16 when wide."},
+    {"dct_dequant", py_dct_dequant, METH_VARARGS,
+     "dct_dequant(scales, codes, c, order, bits, out, wide): 8 x 8 blocks back from scales and codes."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,8 +3,9 @@
 The flat gradient is cut, in order, into K = numel // n^2 blocks of n x n; the last
 r = numel mod n^2 entries (the tail) travel raw as fp32. Each block gets an orthonormal
 2-D DCT-II (as ``scipy.fft.dctn(block, norm="ortho")``), keeps the first m = max(1,
-ceil(keep * n^2)) coefficients in JPEG zig-zag order (all of them at keep = 1), and
-quantizes them uniformly over [-M, M], M the block's largest |coefficient|, to 2^b levels.
+ceil(keep * n^2)) coefficients in JPEG zig-zag order (at keep = 1 all of them, in row-major
+order: with nothing cut, zig-zag order would only cost a permutation), and quantizes them
+uniformly over [-M, M], M the block's largest |coefficient|, to 2^b levels.
 
 The transform and the zig-zag selection are one matrix product with the kept rows of the
 Kronecker product C (x) C of the DCT matrix: one GEMM per direction on any device.
@@ -32,10 +33,10 @@ import numpy as np
 
 from .base import Codec, CodecError, Field, Payload, check_int
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
-from .kernels import fused, fused_for
+from .kernels import all_finite, fused, fused_for
 from ..xp import array_module
 
-__all__ = ["DCTQuant", "dct_matrix", "zigzag_order"]
+__all__ = ["DCTQuant", "dct_matrix", "wire_order", "zigzag_order"]
 
 
 def dct_matrix(n: int) -> np.ndarray:
@@ -60,15 +61,18 @@ def _dct32(n: int) -> np.ndarray:
 
 
 @lru_cache(maxsize=32)
-def _order(n: int, m: int) -> np.ndarray:
-    return np.ascontiguousarray(zigzag_order(n)[:m], dtype=np.int64)
+def wire_order(n: int, m: int) -> np.ndarray:
+    """Row-major positions of the m coefficients a block sends, in the order they travel:
+    the first m in zig-zag order, or every position in row-major order when m = n^2."""
+    order = np.arange(n * n) if m == n * n else zigzag_order(n)[:m]
+    return np.ascontiguousarray(order, dtype=np.int64)
 
 
 @lru_cache(maxsize=32)
 def _basis(n: int, m: int) -> np.ndarray:
-    """(m, n^2) float32: kept rows of C (x) C in zig-zag order; forward is x @ B.T."""
+    """(m, n^2) float32: kept rows of C (x) C in wire order; forward is x @ B.T."""
     c = dct_matrix(n)
-    return np.ascontiguousarray(np.kron(c, c)[zigzag_order(n)[:m]]).astype(np.float32)
+    return np.ascontiguousarray(np.kron(c, c)[wire_order(n, m)]).astype(np.float32)
 
 
 class DCTQuant(Codec):
@@ -110,17 +114,26 @@ class DCTQuant(Codec):
         blocks = flat[: (flat.size // size) * size].reshape(-1, size)
         return blocks @ self.basis(xp).T
 
+    def _fused(self, flat) -> bool:
+        return fused_for(flat) and self.block <= 32
+
+    def _check_finite(self, flat, xp) -> None:
+        if not self._fused(flat):  # the fused kernel checks as it reads
+            super()._check_finite(flat, xp)
+
     def _encode(self, flat, xp):
-        if fused_for(flat) and self.block <= 32:  # the separable transform and quantization, block by block in C
+        if self._fused(flat):  # the separable transform and quantization, block by block in C
             size = self.block**2
             blocks = flat.size // size
             scales = np.empty(blocks, dtype="<f4")
             wide = self.bits > 8
             codes = np.empty(blocks * self.kept, dtype=np.uint16 if wide else np.uint8)
-            fused.dct_quant(flat[: blocks * size], self.block, _dct32(self.block), _order(self.block, self.kept),
-                            self.bits, scales, codes, wide)
-            return {"scales": scales, "codes": pack_bits(codes, self.bits, np),
-                    "tail": flat[blocks * size:].astype("<f4")}
+            tail = flat[blocks * size:].astype("<f4")
+            if not fused.dct_quant(flat[: blocks * size], self.block, _dct32(self.block),
+                                   wire_order(self.block, self.kept), self.bits, scales, codes, wide) \
+                    or not all_finite(tail):
+                super()._check_finite(flat, xp)  # raises, with the count and the first index
+            return {"scales": scales, "codes": pack_bits(codes, self.bits, np), "tail": tail}
         coef = self.coefficients(flat, xp)
         peak = xp.abs(coef).max(axis=1) if coef.size else xp.zeros(0, xp.float32)
         top = 2**self.bits - 1
@@ -135,6 +148,15 @@ class DCTQuant(Codec):
         scales = payload.arrays["scales"]
         xp = array_module(scales)
         top = 2**self.bits - 1
+        if self.block == 8 and fused_for(scales) and hasattr(fused, "dct_dequant"):
+            codes = payload.arrays["codes"]  # read only: at 8 bits the packed bytes are the codes
+            codes = codes if self.bits == 8 else unpack_bits(codes, self.bits, scales.size * self.kept, xp)
+            out = np.empty(payload.numel, dtype=np.float32)
+            body = scales.size * 64
+            fused.dct_dequant(np.ascontiguousarray(scales, dtype=np.float32), np.ascontiguousarray(codes),
+                              _dct32(8), wire_order(8, self.kept), self.bits, out[:body], codes.dtype == np.uint16)
+            out[body:] = payload.arrays["tail"]
+            return out
         codes = unpack_bits(payload.arrays["codes"], self.bits, scales.size * self.kept, xp)
         coef = (codes.astype(xp.float32).reshape(scales.size, self.kept) * (2 / top) - 1) * scales[:, None]
         blocks = (coef @ self.basis(xp)).reshape(-1)

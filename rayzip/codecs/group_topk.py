@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .base import Field, Payload, check_int, check_ratio, index_dtype, kept_count
 from .sparse import VALUE_DTYPES, SparseCodec, check_value_dtype
-from .kernels import top_magnitude_rows
+from .kernels import all_finite, fused_for, top_magnitude_rows
 from .topk import top_magnitude
 from ..xp import array_module
 
@@ -48,13 +48,19 @@ class GroupTopK(SparseCodec):
         return [Field("indices", index_dtype(self.group_size), count),
                 Field("values", VALUE_DTYPES[self.value_dtype], count)]
 
+    def _check_finite(self, flat, xp) -> None:
+        if not fused_for(flat):  # the fused kernel checks as it reads
+            super()._check_finite(flat, xp)
+
     def _encode(self, flat, xp):
         full, k, tail, k_tail = self._split(flat.size)
         body = flat[: full * self.group_size].reshape(full, self.group_size)
-        offsets, values = top_magnitude_rows(body, k)
+        rest = flat[full * self.group_size:]
+        offsets, values, finite = top_magnitude_rows(body, k)
+        if finite is False or (finite and not all_finite(rest)):
+            super()._check_finite(flat, xp)  # raises, with the count and the first index
         offsets, values = offsets.reshape(-1), values.reshape(-1)
         if tail:
-            rest = flat[full * self.group_size:]
             tail_offsets = top_magnitude(rest, k_tail, xp)
             offsets = xp.concatenate([offsets, tail_offsets])
             values = xp.concatenate([values, rest[tail_offsets]])

@@ -88,15 +88,17 @@ def bf16_bits_finite(bits) -> bool:
 
 
 def top_magnitude_rows(rows, k: int):
-    """``(columns, values)``: the column indices (int64, ascending in each row) of the k
-    largest |values| in each row of the 2-D ``rows``, and those values."""
+    """``(columns, values, finite)``: the column indices (int64, ascending in each row) of the
+    k largest |values| in each row of the 2-D ``rows``, those values, and whether every entry
+    was finite: False or True where the fused kernel checked as it read, None where not
+    checked (the torch path; columns and values are then meaningless when it is False)."""
     if fused_for(rows):  # one pass with a k-entry heap per row; ties keep the lowest index
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         columns = np.empty((rows.shape[0], k), dtype=np.int64)
         values = np.empty((rows.shape[0], k), dtype=np.float32)
-        fused.group_topk(rows, rows.shape[1], k, columns, values)
-        return columns, values
+        finite = fused.group_topk(rows, rows.shape[1], k, columns, values)
+        return columns, values, finite
     tensor = to_torch(rows)
     picked = torch.topk(tensor.abs(), k, dim=-1, sorted=False).indices
     columns = torch.sort(picked, dim=-1).values
-    return _array(columns), _array(torch.gather(tensor, -1, columns))
+    return _array(columns), _array(torch.gather(tensor, -1, columns)), None

@@ -68,6 +68,16 @@ class Transport:
         self._count(nbytes)
         return out
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Group rank ``src``'s ``tensor`` on every worker, in place. Counted as the root
+        sending it to each of the others (what a small group's broadcast does)."""
+        nbytes = (self.world - 1) * tensor.numel() * tensor.element_size() if self.rank == src else 0
+        with self._on_network(nbytes):
+            dist.broadcast(tensor, src=self._global(src), group=self.group)
+        if nbytes:
+            self._count(nbytes)
+        return tensor
+
     def shift(self, payload: torch.Tensor, entries: int) -> tuple[torch.Tensor, int]:
         """Send uint8 ``payload`` to the next rank, receive the previous rank's.
 

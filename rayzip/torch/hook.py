@@ -5,7 +5,9 @@ parameter order. At the last bucket it adds the error-feedback residual, encodes
 codec, agrees with every other rank on one small control word (step, config, all-finite,
 stop; see :mod:`rayzip.comm.control`), exchanges payloads with the collective that fits
 the codec (ring, allgather or allreduce), decodes and averages. It counts the bytes this
-worker sends and what an fp32 ring allreduce would have sent, per step.
+worker sends and what an fp32 ring allreduce would have sent, per step. With a node
+hierarchy (``spec.hierarchy``, :mod:`rayzip.comm.hierarchy`) a node's workers sum densely
+first and only the node's leader exchanges compressed payloads, with the other leaders.
 
 A NaN or Inf on any rank (a bad batch, an fp16 AMP overflow, an fp16 sum that overflowed on
 the wire) is seen by every rank at the same step. With ``on_nonfinite="skip"`` every rank
@@ -42,11 +44,13 @@ import torch
 import torch.distributed as dist
 
 from ..codecs import NonFiniteError, WireOverflowError, get_codec
+from ..codecs.base import find_nonfinite
 from ..codecs.memory import relayout_state, segment_name
 from ..comm import AllReduce, Transport, make_communicator, ring_allreduce_bytes
+from ..comm.hierarchy import build_hierarchy
 from ..comm.control import ControlWord, RankDisagreement, agree, bad_key, encode_mode, proposal_key
 from ..spec import CompressionSpec
-from ..xp import keep_freed_memory, to_torch
+from ..xp import as_array, keep_freed_memory, to_torch
 
 __all__ = ["CompressionState", "NonFiniteError", "RankDisagreement", "StepStats", "compress", "compressed_hook",
            "ddp_kwargs", "plan_segments"]
@@ -62,6 +66,10 @@ class StepStats:
     compressed: bool = True
     ratio: float | None = None
     bytes_sent: int = 0  # bytes this worker handed to torch.distributed to send (ps: pushed)
+    local_bytes: int = 0  # of bytes_sent, those to workers on its own node (hierarchy)
+    # hierarchy: what this worker's node sends off the node, by the counts: this worker's
+    # bytes off it, and the control word of each other worker there (all they send off it)
+    node_bytes: int | None = None
     bytes_received: int = 0  # ps: bytes pulled from the shards
     dense_bytes: int = 0  # an fp32 ring allreduce of the same gradient: 2(n-1)/n * 4 * numel
     control_bytes: int = 0  # of bytes_sent, the control word's all-reduce
@@ -150,11 +158,15 @@ class CompressionState:
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
         self.transport = Transport(process_group, device=device)
+        # With a hierarchy, each node's leader exchanges its node's sum with the other
+        # leaders; the other workers exchange nothing across nodes but the control word.
+        self.hierarchy = build_hierarchy(spec.hierarchy, process_group, device=device)
+        self._exchanging = self.transport if self.hierarchy is None else self.hierarchy.leaders
         self.codec = spec.build_codec(rank=self.rank)
         self.memory = spec.build_memory(momentum, adam_betas)
         self.communicator = self._communicator()
         self.dense_codec = get_codec("none")  # warm-up and compression-off steps
-        self.dense = AllReduce(self.transport)
+        self.dense = AllReduce(self._exchanging) if self._exchanging is not None else None
         self.step = 0
         self.enabled = True
         self._pending_ratio: float | None = None
@@ -165,8 +177,8 @@ class CompressionState:
         self._loss_scale: float | None = None  # the scale the residuals are in (AMP)
         self.current = StepStats(ratio=getattr(self.codec, "ratio", None))
         self.last_step: StepStats | None = None
-        self.totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "comm_s": 0.0, "busy_s": 0.0,
-                       "network_s": 0.0, "skipped": 0}
+        self.totals = {"steps": 0, "bytes_sent": 0, "local_bytes": 0, "dense_bytes": 0, "comm_s": 0.0,
+                       "busy_s": 0.0, "network_s": 0.0, "skipped": 0}
 
     # --- control, applied at step boundaries so that every rank switches together -------
     @property
@@ -208,8 +220,11 @@ class CompressionState:
         self.communicator = self._communicator()
 
     def _communicator(self):
-        """The collective for this world size, segments and codec (``auto``: by their cost)."""
-        return make_communicator(self.spec.collective, self.codec, self.transport,
+        """The collective for this world size (with a hierarchy: the number of nodes),
+        segments and codec (``auto``: by their cost); None on a node's other workers."""
+        if self._exchanging is None:
+            return None
+        return make_communicator(self.spec.collective, self.codec, self._exchanging,
                                  sizes=[hi - lo for lo, hi in self.segments], link=self.spec.link())
 
     def _begin_step(self) -> None:
@@ -227,7 +242,7 @@ class CompressionState:
         self.last_step = self.current
         self.totals["steps"] += 1
         self.totals["skipped"] += int(self.current.skipped)
-        for key in ("bytes_sent", "dense_bytes", "comm_s", "busy_s", "network_s"):
+        for key in ("bytes_sent", "local_bytes", "dense_bytes", "comm_s", "busy_s", "network_s"):
             self.totals[key] += getattr(self.current, key)
         self.step += 1
 
@@ -274,7 +289,10 @@ class CompressionState:
         restores the error feedback held before it and fills ``out`` with NaN."""
         start = time.perf_counter()
         stats = self.current
-        sent_before, network_before = self.transport.bytes_sent, self.transport.network_s
+        transports = self._transports()
+        sent_before = [t.bytes_sent for t in transports]
+        network_before = [t.network_s for t in transports]
+        local_before = self.hierarchy.bytes_sent if self.hierarchy is not None else 0
         self._follow_loss_scale()
         snapshot = self.memory.snapshot()
         reason = None
@@ -287,8 +305,12 @@ class CompressionState:
                     break
                 out[lo:hi].copy_(average)
         finally:
-            stats.bytes_sent += self.transport.bytes_sent - sent_before
-            stats.network_s += self.transport.network_s - network_before
+            stats.bytes_sent += sum(t.bytes_sent for t in transports) - sum(sent_before)
+            stats.network_s += sum(t.network_s for t in transports) - sum(network_before)
+            if self.hierarchy is not None:
+                stats.local_bytes += self.hierarchy.bytes_sent - local_before
+                others = (self.hierarchy.local_world - 1) * stats.control_bytes
+                stats.node_bytes = stats.bytes_sent - stats.local_bytes + others
             stats.busy_s += time.perf_counter() - start
         if reason is not None:
             self.memory.restore(snapshot)
@@ -298,13 +320,29 @@ class CompressionState:
             stats.skipped, stats.nonfinite = True, message
             out.fill_(float("nan"))
 
+    def _transports(self) -> list[Transport]:
+        """Every transport this rank sends on, each counted once."""
+        if self.hierarchy is None:
+            return [self.transport]
+        return [t for t in (self.transport, self.hierarchy.local, self.hierarchy.leaders) if t is not None]
+
     def _exchange_segment(self, name: str, offset: int, grad: torch.Tensor):
         """(this segment's average, None), or (None, why every rank skips the step)."""
         stats = self.current
         communicator, codec = (self.communicator, self.codec) if stats.compressed else (self.dense, self.dense_codec)
+        hierarchy = self.hierarchy
         payload, bad, failure = None, 0, None
-        try:  # through the memory also when dense: it sends what error feedback held back
-            payload = self.memory.encode(codec, name, grad, communicator.input_scale)
+        try:
+            if hierarchy is not None:
+                # Each worker checks its own gradient, so that a bad one is named, not the
+                # node's sum; the leader then encodes the sum only if every part is finite.
+                found = find_nonfinite(*as_array(grad.reshape(-1)))
+                bad = bad_key(self.rank, self.world, offset + found[1]) if found else 0
+                grad = hierarchy.node_share(grad)
+                bad = hierarchy.first_bad(bad)
+            if bad == 0 and communicator is not None and (hierarchy is None or hierarchy.nodes > 1):
+                # through the memory also when dense: it sends what error feedback held back
+                payload = self.memory.encode(codec, name, grad, communicator.input_scale)
         except NonFiniteError as exc:  # every codec checks its input; fp16 also its wire type
             bad = bad_key(self.rank, self.world, offset + (getattr(exc, "first_index", None) or 0),
                           overflow=isinstance(exc, WireOverflowError))
@@ -336,13 +374,22 @@ class CompressionState:
             what = (f"overflows the {getattr(codec, 'value_dtype', None) or codec.name} wire type" if overflow
                     else "is not finite")
             return None, f"rank {rank}'s gradient {what} at {self._where(index)}"
-        average = to_torch(communicator.average(codec, payload))
+        if hierarchy is None:
+            average = to_torch(communicator.average(codec, payload))
+        else:  # one node alone: its sum is already everyone's mean
+            average = to_torch(communicator.average(codec, payload)) if payload is not None else grad
+            average = hierarchy.broadcast(average.to(torch.float32).contiguous())
         if not bool(torch.isfinite(average).all()):
-            return None, (f"the averaged gradient is not finite after the {communicator.name} (the sum "
+            via = communicator.name if communicator is not None else "node's broadcast"
+            return None, (f"the averaged gradient is not finite after the {via} (the sum "
                           f"overflowed {getattr(codec, 'value_dtype', None) or codec.name} on the wire)")
         if self.spec.verify:
-            _verify(self, communicator, codec, payload, average)
-            documented = communicator.documented_bytes(codec, payload) + control
+            documented = control
+            if payload is not None:
+                _verify(self, communicator, codec, payload, average)
+                documented += communicator.documented_bytes(codec, payload)
+            if hierarchy is not None:
+                documented += hierarchy.documented_bytes(grad.numel())
             stats.verify_documented_bytes = (stats.verify_documented_bytes or 0) + documented
         stats.dense_bytes += ring_allreduce_bytes(4 * grad.numel(), self.world)
         stats.numel += grad.numel()
@@ -498,9 +545,10 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
 
 def _verify(state: CompressionState, communicator, codec, payload, average) -> None:
     """Compare the collective's average with the mean of every worker's decoded payload."""
-    mine = to_torch(codec.decode_flat(payload)).float().to(state.transport.device) / communicator.input_scale
-    everyone = [torch.empty_like(mine) for _ in range(state.world)]
-    dist.all_gather(everyone, mine, group=state.transport.group)  # not counted: a self-check
+    transport = communicator.transport  # with a hierarchy, the node leaders'
+    mine = to_torch(codec.decode_flat(payload)).float().to(transport.device) / communicator.input_scale
+    everyone = [torch.empty_like(mine) for _ in range(transport.world)]
+    dist.all_gather(everyone, mine, group=transport.group)  # not counted: a self-check
     reference = torch.stack(everyone).mean(dim=0)
     got = average.float().to(reference.device)
     err = float((got - reference).abs().max()) if got.numel() else 0.0

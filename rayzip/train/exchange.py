@@ -230,7 +230,8 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
         momentum = training.momentum if comp.momentum_correction else None
         client = ParameterServerClient(ps_shards, spec, rank, world, momentum=momentum)
         return ParameterServerExchange(spec, model, rank, world, client)
-    hooked = comp.torch_hook is None and (comp.codec != "none" or comp.verify or comp.momentum_correction)
+    hooked = comp.torch_hook is None and (comp.codec != "none" or comp.verify or comp.momentum_correction
+                                          or comp.hierarchy == "node")
     model = ray.train.torch.prepare_model(model, parallel_strategy="ddp",
                                           parallel_strategy_kwargs=ddp_kwargs(comp) if hooked else None)
     ddp = isinstance(model, DistributedDataParallel)

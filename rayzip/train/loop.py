@@ -175,7 +175,8 @@ def _after_step(spec: JobSpec, config: dict, task: Task, exchange: Exchange, tel
         "interface_tx_bytes": (_interface_tx_bytes() - run.tx_start) if run.tx_start is not None else None,
         "bytes_sent": t.bytes_sent, "dense_bytes": t.dense_bytes,
         "total_bytes_sent": totals.bytes_sent, "total_dense_bytes": totals.dense_bytes,
-        "total_bytes_received": totals.bytes_received, "collective": "ps" if exchange.name == "ps" else None,
+        "total_bytes_received": totals.bytes_received, "total_local_bytes": totals.local_bytes,
+        "total_node_bytes": totals.node_bytes, "collective": "ps" if exchange.name == "ps" else None,
         "bytes_source": t.bytes_source, "compressed": t.compressed, "ratio": t.ratio,
         "verify_max_abs_err": totals.verify_max_abs_err,  # worst step so far
         "verify_documented_bytes": totals.verify_documented_bytes,

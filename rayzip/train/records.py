@@ -20,6 +20,8 @@ class Traffic:
 
     bytes_sent: int = 0  # ps: pushed to the shards
     bytes_received: int = 0  # ps: pulled from the shards
+    local_bytes: int = 0  # of bytes_sent, those to workers on the same node (hierarchy)
+    node_bytes: int | None = None  # hierarchy: what this worker's node sends off the node
     dense_bytes: int = 0  # an fp32 ring allreduce of the same gradient (ps: a dense push)
     comm_s: float = 0.0  # what the step waited for communication
     busy_s: float = 0.0  # the exchange's own time (rayzip's hook: overlapped with backward, or not)
@@ -37,6 +39,7 @@ def traffic_of(stats, source: str = "hook") -> Traffic:
     """A :class:`Traffic` from the hook's or the ps client's ``StepStats``, which count the
     bytes, the dense equivalent and the timings themselves."""
     return Traffic(bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, dense_bytes=stats.dense_bytes,
+                   local_bytes=getattr(stats, "local_bytes", 0), node_bytes=getattr(stats, "node_bytes", None),
                    comm_s=stats.comm_s, busy_s=stats.busy_s or stats.comm_s, network_s=stats.network_s,
                    compressed=bool(stats.compressed), ratio=stats.ratio, comm_source=source,
                    verify_max_abs_err=stats.verify_max_abs_err, verify_documented_bytes=stats.verify_documented_bytes,
@@ -60,6 +63,8 @@ class Totals:
 
     bytes_sent: int = 0
     bytes_received: int = 0
+    local_bytes: int = 0
+    node_bytes: int | None = None
     dense_bytes: int = 0
     train_s: float = 0.0
     step_s: float = 0.0
@@ -92,6 +97,9 @@ class Totals:
         self.skipped_steps += int(record.skipped)
         self.bytes_sent += t.bytes_sent
         self.bytes_received += t.bytes_received
+        self.local_bytes += t.local_bytes
+        if t.node_bytes is not None:
+            self.node_bytes = (self.node_bytes or 0) + t.node_bytes
         self.dense_bytes += t.dense_bytes
         if t.verify_max_abs_err is not None:
             self.verify_max_abs_err = max(self.verify_max_abs_err or 0.0, t.verify_max_abs_err)
