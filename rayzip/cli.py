@@ -36,7 +36,10 @@ def _load_or_exit(path: Path):
 
 @app.command()
 def validate(spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec (YAML).")):
-    """Check a job spec: exit 0 when valid, 2 naming each bad field."""
+    """Check a job spec: exit 0 when valid, 2 naming each bad field.
+
+    Example: rayzip validate jobs/digits-group-topk.yaml
+    """
     from .spec import ALLOWED_MODULES_ENV, code_references
 
     spec = _load_or_exit(spec_path)
@@ -63,7 +66,10 @@ def _allowed_or_exit(spec, spec_path: Path) -> None:
 
 @app.command()
 def schema():
-    """Print the job spec's JSON schema."""
+    """Print the job spec's JSON schema.
+
+    Example: rayzip schema > spec.schema.json
+    """
     from .spec import JobSpec
 
     print(json.dumps(JobSpec.model_json_schema(), indent=2))
@@ -77,8 +83,14 @@ def run(
                                                           "(default: $RAYZIP_STORAGE_PATH or ~/ray_results)."),
     progress_file: Optional[Path] = typer.Option(None, "--progress-file",
                                                  help="Keep the latest step's metrics here as JSON (for tools)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's and the workers' output here too "
+                                                                 "(by default it goes to Ray's log folder, "
+                                                                 "printed at the start)."),
 ):
-    """Train a job spec on Ray ($RAY_ADDRESS, or an embedded local Ray)."""
+    """Train a job spec on Ray ($RAY_ADDRESS, or an embedded local Ray).
+
+    Example: rayzip run jobs/digits-group-topk.yaml --summary-json out/summary.json
+    """
     spec = _load_or_exit(spec_path)
     _allowed_or_exit(spec, spec_path)
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -102,7 +114,9 @@ def run(
                        status=f"loss {m['loss']:.3f}  {metric}  wire {ratio:.1f}x  workers {m.get('world_size', '-')}")
 
         try:
-            summary = run_job(spec, storage_path=storage_path, on_progress=show)
+            summary = run_job(spec, storage_path=storage_path, on_progress=show, verbose=verbose,
+                              on_logs=lambda logs: console.print(f"Ray's and the workers' logs: {logs}",
+                                                                 highlight=False, soft_wrap=True))
         except Exception as exc:  # training failed on the cluster: say so, exit non-zero
             console.print(f"[red]training failed:[/red] {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
@@ -124,7 +138,10 @@ def submit(
                                                           ".gitignore and .rayignore are honoured, symlinks out "
                                                           "of it left out, credential files refused."),
 ):
-    """Run a job spec on a Ray cluster via the Jobs API; exit with the job's status."""
+    """Run a job spec on a Ray cluster via the Jobs API; exit with the job's status.
+
+    Example: rayzip submit jobs/digits-group-topk.yaml --address http://head:8265
+    """
     spec = _load_or_exit(spec_path)
     from .package import SecretFileError
     from .submit import submit_job
@@ -152,7 +169,10 @@ def prometheus_config_command(
     service_discovery: str = typer.Option("/tmp/ray/prom_metrics_service_discovery.json",
                                           help="Ray's service-discovery file (on the head node)."),
 ):
-    """A prometheus.yml that scrapes every Ray node's metrics, rayzip's included."""
+    """A prometheus.yml that scrapes every Ray node's metrics, rayzip's included.
+
+    Example: rayzip prometheus-config > prometheus.yml
+    """
     import yaml
 
     from .metrics import prometheus_config
@@ -262,7 +282,10 @@ def bench_codecs(
     device: str = typer.Option("cpu", help="cpu (numpy) or cuda (cupy)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
-    """Encode/decode GB/s, wire ratio and error of every codec, against memcpy."""
+    """Encode/decode GB/s, wire ratio and error of every codec, against memcpy.
+
+    Example: rayzip bench codecs --size 64M --json out/bench-codecs.json
+    """
     from .bench.codecs import DEFAULT_CODECS, parse_size, render_table, run_codec_bench
     from .codecs import CodecError
 
@@ -287,7 +310,10 @@ def bench_collectives(
     steps: int = typer.Option(8, min=3, help="Training steps per collective (the first 2 are left out)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
-    """Bytes per worker of the ring, the allgather and auto's choice, modelled and measured."""
+    """Bytes per worker of the ring, the allgather and auto's choice, modelled and measured.
+
+    Example: rayzip bench collectives --workers 2,4,8 --json out/bench-collectives.json
+    """
     from pydantic import ValidationError
 
     from .bench.collectives import render_table, run_collectives_bench
@@ -329,16 +355,22 @@ def bench_cluster(
     drop_to: Optional[str] = typer.Option(None, "--drop-to", help="Drop the links to this rate mid-run "
                                                                   "(e.g. 100mbit), at --drop-at-step."),
     drop_at_step: int = typer.Option(100, "--drop-at-step", min=1, help="Step at which the links drop."),
+    repeat: int = typer.Option(3, "--repeat", min=1, help="Runs per method, interleaved; the table shows "
+                                                         "medians with [min–max]."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write accuracy-vs-time PNG here."),
 ):
-    """Time-to-accuracy on a real Ray cluster in network namespaces with shaped links (root)."""
+    """Time-to-accuracy on a real Ray cluster in network namespaces with shaped links (root).
+
+    Example: sudo rayzip bench cluster --bandwidth 100mbit --methods dense,group_topk --json out/cluster.json
+    """
     from .bench.cluster import plot, render_table, run_cluster_bench
 
     chosen, spec_path = _cluster_bench_inputs(methods, spec, latency)
     report = _run_cluster(lambda log: run_cluster_bench(
         chosen, bandwidth, nodes, latency, spec_path, powersgd_start_iter, log=log, budget_steps=budget_steps,
-        drop_to=drop_to, drop_at_step=drop_at_step if drop_to else None, workers_per_node=workers_per_node))
+        drop_to=drop_to, drop_at_step=drop_at_step if drop_to else None, workers_per_node=workers_per_node,
+        repeat=repeat))
     console.print(render_table(report))
     if drop_to:
         from .bench.cluster import render_drop_table
@@ -353,7 +385,10 @@ def bench_cluster(
 @bench_app.command("table")
 def bench_table(report_json: Path = typer.Argument(..., help="A `bench cluster` or `bench collectives` "
                                                                "--json report.")):
-    """Print a benchmark report as the Markdown table the README shows (generated from the JSON)."""
+    """Print a benchmark report as the Markdown table the README shows (generated from the JSON).
+
+    Example: rayzip bench table docs/bench-codecs.json
+    """
     import json
 
     from .bench import markdown_table
@@ -380,7 +415,10 @@ def bench_scaling(
     spec: Optional[Path] = typer.Option(None, help="Job spec (default: jobs/bench-synthetic.yaml)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
-    """Scaling efficiency E(N) = T_N / (N * T_1) of each method, T the examples per second (root)."""
+    """Scaling efficiency E(N) = T_N / (N * T_1) of each method, T the examples per second (root).
+
+    Example: sudo rayzip bench scaling --nodes 1,2,4,8 --methods dense,group_topk_auto
+    """
     from .bench.cluster import render_scaling_table, run_scaling_bench
 
     parts = [n.strip() for n in nodes.split(",") if n.strip()]
@@ -406,7 +444,10 @@ def bench_checkpoint(
                                     help="Comma-separated compressors (rayzip-1t: rayzip on one thread)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
-    """Checkpoint ratio and speed: rayzip against zstd and ZipNN on a real training run's state."""
+    """Checkpoint ratio and speed: rayzip against zstd and ZipNN on a real training run's state.
+
+    Example: rayzip bench checkpoint --json out/bench-checkpoint.json
+    """
     from .bench.checkpoint import render_table, run_checkpoint_bench
     from .bench.cluster import DEFAULT_SPEC
 
@@ -446,7 +487,10 @@ def k8s_render(
                                                           "(s3://..., gs://... or a shared volume)."),
     ttl: int = typer.Option(3600, min=0, help="Seconds the RayJob's cluster stays after the job ends."),
 ):
-    """ConfigMap, RayJob and RayCluster for SPEC: name, workers and GPUs come from the spec."""
+    """ConfigMap, RayJob and RayCluster for SPEC: name, workers and GPUs come from the spec.
+
+    Example: rayzip k8s render jobs/synthetic-gpu.yaml > rayjob.yaml
+    """
     import yaml
 
     from .k8s import render
@@ -481,7 +525,10 @@ def _checkpoint_or_exit(action):
 @checkpoint_app.command("inspect")
 def checkpoint_inspect(path: Path = typer.Argument(..., help="Checkpoint directory."),
                        as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")):
-    """Per-tensor codec, dtype, shape and compression, without decompressing."""
+    """Per-tensor codec, dtype, shape and compression, without decompressing.
+
+    Example: rayzip checkpoint inspect ~/ray_results/RUN/checkpoint_000001/trainer
+    """
     from rich.table import Table
 
     from .checkpoint import inspect
@@ -504,7 +551,10 @@ def checkpoint_inspect(path: Path = typer.Argument(..., help="Checkpoint directo
 
 @checkpoint_app.command("verify")
 def checkpoint_verify(path: Path = typer.Argument(..., help="Checkpoint directory.")):
-    """Restore every tensor, base chain included, and check every checksum. Exit 1 on any fault."""
+    """Restore every tensor, base chain included, and check every checksum. Exit 1 on any fault.
+
+    Example: rayzip checkpoint verify ~/ray_results/RUN/checkpoint_000001/trainer
+    """
     from .checkpoint import verify
 
     summary = _checkpoint_or_exit(lambda: verify(path))
@@ -519,7 +569,10 @@ def checkpoint_decompress(path: Path = typer.Argument(..., help="Checkpoint dire
                               False, "--allow-pickle", help="Unpickle objects stored with allow_pickle=True: "
                                                             "this runs code from the checkpoint, so only for files "
                                                             "you trust.")):
-    """Write the restored state as a plain torch.save file."""
+    """Write the restored state as a plain torch.save file.
+
+    Example: rayzip checkpoint decompress ~/ray_results/RUN/checkpoint_000001/trainer --out state.pt
+    """
     import torch
 
     from .checkpoint import load

@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -87,17 +88,25 @@ def _scaling(spec: JobSpec) -> ScalingConfig:
                          resources_per_worker={"CPU": s.cpus_per_worker, **s.resources_per_worker})
 
 
-def init_ray() -> None:
+def init_ray(verbose: bool = True) -> str | None:
+    """Join $RAY_ADDRESS's cluster, or start an embedded one; the folder of Ray's logs (None
+    when Ray was already up). Not ``verbose``: the workers' output (Ray Train's per-report
+    lines, checkpoint lines) and Ray's start-up lines stay in that folder, off the console.
+    Errors still reach it: a failed worker's traceback comes back in the exception that
+    ``fit`` raises."""
     if ray.is_initialized():
-        return
+        return None
+    quiet = {} if verbose else {"log_to_driver": False, "logging_level": logging.WARNING}
     # RAY_ADDRESS (set by users, and by Ray Jobs for an entrypoint) joins that cluster;
     # otherwise start an embedded Ray, never silently joining some other local cluster.
     if os.environ.get("RAY_ADDRESS"):
-        ray.init()
+        context = ray.init(**quiet)
     else:
         # Metrics reach Prometheus every 2 s instead of Ray's default 10 s, so that the
         # adaptive controller's rate() windows hold several points.
-        ray.init(address="local", _system_config={"metrics_report_interval_ms": 2000})
+        context = ray.init(address="local", _system_config={"metrics_report_interval_ms": 2000}, **quiet)
+    session = getattr(context, "address_info", {}).get("session_dir")
+    return os.path.join(session, "logs") if session else None
 
 
 def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
@@ -150,10 +159,14 @@ def _chain_dir(storage: str, run_id: str) -> str | None:
 
 
 def run_job(spec: JobSpec, storage_path: str | None = None,
-            on_progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
-    """Train ``spec`` to completion; returns the summary (see :func:`summarize`)."""
+            on_progress: Callable[[dict], None] | None = None, verbose: bool = True,
+            on_logs: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Train ``spec`` to completion; returns the summary (see :func:`summarize`). Not
+    ``verbose``: the workers' output goes to Ray's log folder only, which ``on_logs`` is told."""
     check_allowed_modules(spec)  # $RAYZIP_ALLOWED_MODULES, before any worker imports the spec's code
-    init_ray()
+    logs = init_ray(verbose)
+    if logs and on_logs is not None:
+        on_logs(logs)
     run_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     storage = storage_path or os.environ.get("RAYZIP_STORAGE_PATH") or os.path.expanduser("~/ray_results")
     progress_name = f"rayzip-progress-{run_id}"

@@ -46,7 +46,7 @@ def test_two_methods_on_a_namespace_cluster_and_nothing_left_behind(tmp_path):
     out = tmp_path / "bench.json"
     before = _ray_pids()
     result = subprocess.run([sys.executable, "-m", "rayzip", "bench", "cluster", "--bandwidth", "1gbit",
-                             "--nodes", "2", "--spec", str(spec), "--methods", "dense,group_topk",
+                             "--nodes", "2", "--spec", str(spec), "--methods", "dense,group_topk", "--repeat", "1",
                              "--json", str(out), "--plot", str(tmp_path / "bench.png")],
                             capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -178,3 +178,28 @@ def test_rows_compare_with_dense_in_the_same_run():
     assert x["final_vs_dense"] == pytest.approx(0.01)
     assert y["speedup_vs_dense"] is None and y["share_of_ideal"] is None  # never reached the target
     assert "speedup_vs_dense" not in rows[3]
+
+
+def test_repeated_runs_give_medians_with_their_spread():
+    from rayzip.bench.cluster import aggregate_runs, markdown_table
+
+    def run(step_s, ttt, final):
+        return {"name": "m", "step_s": step_s, "comm_s": step_s / 2, "time_to_target_s": ttt, "final_metric": final,
+                "final_accuracy": final, "wire_bytes_counted": 100, "wire_compression": 4.0, "metric": "test_accuracy",
+                "steps_to_target": 7, "history": [{"step": 0}], "compressed": True}
+
+    row = aggregate_runs([run(0.3, 10.0, 0.9), run(0.1, None, 0.8), run(0.2, 12.0, 0.85)])
+    assert row["step_s"] == 0.2 and row["spread"]["step_s"] == [0.1, 0.3]
+    assert row["final_metric"] == 0.85 and row["wire_bytes_counted"] == 100
+    assert row["time_to_target_s"] == 12.0  # the missed run counts as the slowest
+    assert row["spread"]["time_to_target_s"] == [10.0, 12.0] and row["reached_runs"] == 2
+    assert row["history"] == [{"step": 0}] and all("history" not in r for r in row["runs"])
+    assert row["compressed"] is True and row["repeats"] == 3 and row["failed_runs"] == 0
+    # Missed by two of three: the median missed too.
+    assert aggregate_runs([run(0.1, None, 0.8), run(0.2, None, 0.8), run(0.3, 5.0, 0.9)])["time_to_target_s"] is None
+    assert aggregate_runs([run(0.1, 4.0, 0.8), run(0.2, 6.0, 0.8)])["time_to_target_s"] == 5.0
+    failed = aggregate_runs([run(0.1, 4.0, 0.8), {"name": "m", "error": "boom"}, run(0.3, 8.0, 0.8)])
+    assert failed["failed_runs"] == 1 and failed["repeats"] == 2 and failed["time_to_target_s"] == 6.0
+    row.update({"speedup_vs_dense": None, "final_vs_dense": None})
+    line = markdown_table({"methods": [row]}).splitlines()[2]
+    assert "12.0 s [10.0–12.0], 2 of 3 runs reached it" in line and "200 (100) [100–300]" in line

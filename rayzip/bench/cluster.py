@@ -119,14 +119,19 @@ def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 1
 def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: str | None, spec_path: Path,
                       powersgd_start_iter: int = 10, log: Callable[[str], None] = print,
                       budget_steps: int | None = None, drop_to: str | None = None,
-                      drop_at_step: int | None = None, workers_per_node: int = 1) -> dict[str, Any]:
+                      drop_at_step: int | None = None, workers_per_node: int = 1, repeat: int = 1) -> dict[str, Any]:
     """Run every method on one namespace cluster. With ``budget_steps``, each method trains
     exactly that many steps (time to target is still taken where the target is first
     reached), so final accuracies compare at the same budget. With ``drop_to``, every run
     starts at ``bandwidth`` and the links drop to ``drop_to`` once it reaches
     ``drop_at_step``; rows then carry the step time before and after the drop. With
     ``workers_per_node`` above 1, each node holds that many workers (and CPUs), linked
-    unshaped inside the node: rayzip's hook then runs its node hierarchy by default."""
+    unshaped inside the node: rayzip's hook then runs its node hierarchy by default.
+
+    With ``repeat`` above 1 every method runs that many times, interleaved (round r runs the
+    methods rotated by r, so that no method always runs first or last), and each row holds
+    the medians, with every run's figures under ``runs`` and each figure's min and max under
+    ``spread`` (see :func:`aggregate_runs`)."""
     base = yaml.safe_load(spec_path.read_text())
     workers = nodes * workers_per_node
     base.setdefault("scaling", {}).update({"min_workers": workers, "max_workers": workers})
@@ -139,40 +144,16 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
     training = TrainingSpec.model_validate(base.get("training", {}))
     lm = training.loop == "language_model"
     target = training.target_val_loss if lm else training.target_accuracy
-    rows = []
+    runs: dict[str, list[dict]] = {method: [] for method in methods}
     with NetnsCluster(nodes=nodes, bandwidth=bandwidth, latency=latency, cpus_per_node=workers_per_node) as cluster:
         log(f"cluster up: {nodes} worker nodes at {bandwidth}" + (f", {latency} latency" if latency else "")
             + (f", {workers_per_node} workers each" if workers_per_node > 1 else ""))
-        for method in methods:
-            slug = re.sub(r"[^a-z0-9]+", "-", method.lower()).strip("-")
-            spec = method_spec(method, base, slug, powersgd_start_iter)
-            spec_file = cluster.tmp / f"{slug}.yaml"
-            spec_file.write_text(yaml.safe_dump(spec))
-            out, progress = cluster.tmp / f"{slug}.json", cluster.tmp / f"{slug}.progress.json"
-            if drop_to is not None:
-                cluster.set_bandwidth(bandwidth)
-            tx_before = cluster.tx_bytes()
-            started = time.time()
-            log(f"running {method} ...")
-            proc = cluster.run_in_head([cluster.python, "-m", "rayzip", "run", str(spec_file), "--summary-json", str(out),
-                                        "--storage-path", str(cluster.tmp / "results"), "--progress-file", str(progress)],
-                                       capture_output=True, text=True, timeout=3600,
-                                       on_poll=_dropper(cluster, progress, drop_to, drop_at_step, log)
-                                       if drop_to is not None else None)
-            tx_after = cluster.tx_bytes()
-            if proc.returncode != 0 or not out.exists():
-                error = _last_error(proc.stdout + proc.stderr)
-                rows.append({"name": method, "error": error, "run_s": time.time() - started})
-                log(f"  {method} FAILED: {error}")
-                continue
-            summary = json.loads(out.read_text())
-            rows.append(_row(method, summary, tx_before, tx_after, time.time() - started, workers_per_node))
-            if drop_to is not None:
-                rows[-1].update(_drop_phases(summary, getattr(proc, "dropped_at", None)))
-                log(f"  {method}: step {rows[-1]['step_ms_before_drop']} ms before the drop, "
-                    f"{rows[-1]['step_ms_after_drop']} ms after")
-            log(f"  {method}: {rows[-1]['time_to_target_s']} s to target, final {rows[-1]['metric']} "
-                f"{rows[-1]['final_metric']:.4f}")
+        for round_ in range(repeat):
+            for method in methods[round_ % len(methods):] + methods[: round_ % len(methods)]:
+                label = method if repeat == 1 else f"{method} (run {round_ + 1} of {repeat})"
+                runs[method].append(_run_method(cluster, method, label, base, powersgd_start_iter, drop_to,
+                                                drop_at_step, workers_per_node, bandwidth, log))
+    rows = [aggregate_runs(runs[method]) for method in methods]
     _compare_with_dense(rows)
     if drop_to is not None:
         for phase in ("before", "after"):
@@ -182,12 +163,87 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
                 mine = r.get(f"step_ms_{phase}_drop")
                 r[f"{phase}_vs_best_fixed"] = mine / min(fixed) if fixed and mine else None
     return {"bandwidth": bandwidth, "latency": latency, "nodes": nodes, "workers_per_node": workers_per_node,
+            "repeat": repeat,
             "metric": "val_loss" if lm else "test_accuracy",
             "target": target, "target_accuracy": None if lm else target,
             "stop_at_target": training.stop_at_target, "steps": training.steps,
             "budget_steps": budget_steps, "drop_to": drop_to, "drop_at_step": drop_at_step,
             "spec": str(spec_path), "powersgd_start_iter": powersgd_start_iter,
             "python": sys.version.split()[0], "methods": rows}
+
+
+def _run_method(cluster: NetnsCluster, method: str, label: str, base: dict, powersgd_start_iter: int,
+                drop_to: str | None, drop_at_step: int | None, workers_per_node: int, bandwidth: str,
+                log: Callable[[str], None]) -> dict[str, Any]:
+    """One `rayzip run` of ``method`` on the cluster: its row, or ``{name, error}``."""
+    slug = re.sub(r"[^a-z0-9]+", "-", method.lower()).strip("-")
+    spec = method_spec(method, base, slug, powersgd_start_iter)
+    spec_file = cluster.tmp / f"{slug}.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    out, progress = cluster.tmp / f"{slug}.json", cluster.tmp / f"{slug}.progress.json"
+    out.unlink(missing_ok=True)
+    progress.unlink(missing_ok=True)
+    if drop_to is not None:
+        cluster.set_bandwidth(bandwidth)
+    tx_before = cluster.tx_bytes()
+    started = time.time()
+    log(f"running {label} ...")
+    proc = cluster.run_in_head([cluster.python, "-m", "rayzip", "run", str(spec_file), "--summary-json", str(out),
+                                "--storage-path", str(cluster.tmp / "results"), "--progress-file", str(progress)],
+                               capture_output=True, text=True, timeout=3600,
+                               on_poll=_dropper(cluster, progress, drop_to, drop_at_step, log)
+                               if drop_to is not None else None)
+    tx_after = cluster.tx_bytes()
+    if proc.returncode != 0 or not out.exists():
+        error = _last_error(proc.stdout + proc.stderr)
+        log(f"  {label} FAILED: {error}")
+        return {"name": method, "error": error, "run_s": time.time() - started}
+    summary = json.loads(out.read_text())
+    row = _row(method, summary, tx_before, tx_after, time.time() - started, workers_per_node)
+    if drop_to is not None:
+        row.update(_drop_phases(summary, getattr(proc, "dropped_at", None)))
+        log(f"  {label}: step {row['step_ms_before_drop']} ms before the drop, {row['step_ms_after_drop']} ms after")
+    log(f"  {label}: {row['time_to_target_s']} s to target, final {row['metric']} {row['final_metric']:.4f}, "
+        f"step {row['step_s'] * 1e3:.0f} ms")
+    return row
+
+
+def aggregate_runs(runs: list[dict]) -> dict[str, Any]:
+    """One row for a method's runs: each numeric figure's median, its [min, max] under
+    ``spread``, and the runs themselves under ``runs`` (without their histories). A run that
+    missed the target counts as slower than every run that reached it, so the median time to
+    target is None ("missed") when half the runs or more missed. The history (for plots) is
+    the run of median step time's. Failed runs are counted in ``failed_runs``; with none
+    left, the row is the first failure."""
+    if len(runs) == 1:
+        return runs[0]
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {**runs[0], "failed_runs": len(runs)}
+    by_step = sorted(ok, key=lambda r: r["step_s"])
+    row = dict(by_step[(len(by_step) - 1) // 2])
+    row["spread"] = {}
+    for key, value in ok[0].items():
+        values = [r.get(key) for r in ok]
+        if key == "time_to_target_s" or isinstance(value, bool):
+            continue
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            row[key] = statistics.median(values)
+            row["spread"][key] = [min(values), max(values)]
+    times = [r.get("time_to_target_s") for r in ok]
+    ordered = sorted(times, key=lambda t: (t is None, t or 0.0))
+    median = ordered[(len(ordered) - 1) // 2] if len(ordered) % 2 else None
+    if len(ordered) % 2 == 0:  # even count: the mean of the middle two, when both reached it
+        a, b = ordered[len(ordered) // 2 - 1], ordered[len(ordered) // 2]
+        median = (a + b) / 2 if a is not None and b is not None else None
+    row["time_to_target_s"] = median
+    reached = [t for t in times if t is not None]
+    row["spread"]["time_to_target_s"] = [min(reached), max(reached)] if reached else None
+    row["reached_runs"] = len(reached)
+    row["repeats"] = len(ok)
+    row["failed_runs"] = len(runs) - len(ok)
+    row["runs"] = [{k: v for k, v in r.items() if k != "history"} for r in ok]
+    return row
 
 
 def _compare_with_dense(rows: list[dict]) -> None:
@@ -372,6 +428,14 @@ def render_scaling_table(report: dict):
     return table
 
 
+def _spread(row: dict, key: str, fmt: str, scale: float = 1.0) -> str:
+    """' [min–max]' of a repeated figure, or '' for a single run."""
+    bounds = row.get("spread", {}).get(key)
+    if not bounds:
+        return ""
+    return " [" + fmt.format(bounds[0] * scale) + "–" + fmt.format(bounds[1] * scale) + "]"
+
+
 def _network(row: dict) -> int:
     """Bytes a worker sent, less those to workers on its own node (reports before the
     hierarchy have no such split)."""
@@ -397,14 +461,15 @@ def render_table(report: dict):
         if "error" in r:
             table.add_row(r["name"], "failed", *["-"] * 10)
             continue
-        ttt = (f"{r['time_to_target_s']:.1f} s ({r.get('steps_to_target')} steps)"
+        ttt = (f"{r['time_to_target_s']:.1f} s " + (_spread(r, "time_to_target_s", "{:.1f}") or
+                                                     f"({r.get('steps_to_target')} steps)")
                if r["time_to_target_s"] else "missed")
         speed = f"{r['speedup_vs_dense']:.2f}x" if r["speedup_vs_dense"] else "-"
         iface = f"{r['wire_bytes_interface'] / 1e6:.2f}" if r["wire_bytes_interface"] is not None else "-"
         share = f"{r['share_of_ideal']:.0%}" if r.get("share_of_ideal") else "-"
         final = r.get("final_metric", r.get("final_accuracy"))
         table.add_row(r["name"], ttt, speed, share, f"{final:.4f}",
-                      f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})", f"{_network(r) / 1e6:.2f}",
+                      f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})" + _spread(r, "step_s", "{:.0f}", 1e3), f"{_network(r) / 1e6:.2f}",
                       f"{r['wire_bytes_pulled'] / 1e6:.2f}" if r.get("wire_bytes_pulled") is not None else "-",
                       f"{r['node_bytes'] / 1e6:.2f}" if r.get("node_bytes") is not None else "-", iface,
                       f"{r['interface_vs_counted']:.3f}" if r.get("interface_vs_counted") else "-",
@@ -424,15 +489,18 @@ def markdown_table(report: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['name']} | failed: {r['error'][:60]} |" + " |" * (len(head) - 2))
             continue
-        ttt = f"{r['time_to_target_s']:.1f} s" if r.get("time_to_target_s") else "not reached"
+        ttt = (f"{r['time_to_target_s']:.1f} s" + _spread(r, "time_to_target_s", "{:.1f}")
+               if r.get("time_to_target_s") else "not reached")
+        if r.get("repeats") and r.get("reached_runs", r["repeats"]) < r["repeats"]:
+            ttt += f", {r['reached_runs']} of {r['repeats']} runs reached it"
         speed = f"{r['speedup_vs_dense']:.2f}×" if r.get("speedup_vs_dense") else "–"
         share = f"{r['share_of_ideal']:.0%}" if r.get("share_of_ideal") else "–"
         final = r.get("final_metric", r.get("final_accuracy"))
         diff = f"{r['final_vs_dense']:+.1%}" if r.get("final_vs_dense") is not None else "–"
         lines.append(" | ".join([
             f"| {r['name']}", ttt, speed, share, str(r.get("steps_to_target") or "–"), f"{final:.4f}", diff,
-            f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})", f"{_network(r) / 1e6:.1f}",
-            f"{r['wire_compression']:.1f}×" if r.get("wire_compression") else "–"]) + " |")
+            f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})" + _spread(r, "step_s", "{:.0f}", 1e3),
+            f"{_network(r) / 1e6:.1f}", f"{r['wire_compression']:.1f}×" if r.get("wire_compression") else "–"]) + " |")
     return "\n".join(lines)
 
 
