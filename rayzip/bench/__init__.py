@@ -9,8 +9,9 @@ __all__ = ["markdown_table", "write_json"]
 
 
 def markdown_table(report: dict) -> str | None:
-    """A ``bench cluster``, ``collectives`` or ``codecs`` report as the Markdown table the README
-    shows (generated from the JSON, never typed); None for other reports."""
+    """A ``bench cluster``, ``scaling``, ``collectives``, ``codecs`` or ``checkpoint`` report as
+    the Markdown table the README shows (generated from the JSON, never typed); None for
+    other reports."""
     if "codecs" in report and "memcpy_gbps" in report:
         from .codecs import markdown_table as codecs_table
 
@@ -23,6 +24,14 @@ def markdown_table(report: dict) -> str | None:
         from .cluster import markdown_table as cluster_table
 
         return cluster_table(report)
+    if "rows" in report and "node_counts" in report:
+        from .cluster import scaling_markdown_table
+
+        return scaling_markdown_table(report)
+    if "results" in report and "comparisons" in report:
+        from .checkpoint import markdown_table as checkpoint_table
+
+        return checkpoint_table(report)
     return None
 
 

@@ -239,3 +239,15 @@ def render_table(report: dict):
         table.add_row(r["data"], r["compressor"], f"{r['ratio']:.3f}", f"{r['compress_gbps']:.3f}",
                       f"{r['decompress_gbps']:.3f}")
     return table
+
+
+def markdown_table(report: dict) -> str:
+    """The checkpoint report as the README's Markdown table (generated, not typed)."""
+    head = ["data", "compressor", "ratio", "compress GB/s", "decompress GB/s", "save / load GB/s (tmpfs)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report["results"]:
+        io = (f"{r['save_gbps']:.3f} / {r['load_gbps']:.3f}" if r.get("save_gbps") is not None
+              and r.get("load_gbps") is not None else "–")
+        lines.append(f"| {r['data']} | {r['compressor']} | {r['ratio']:.3f} | {r['compress_gbps']:.3f} | "
+                     f"{r['decompress_gbps']:.3f} | {io} |")
+    return "\n".join(lines)

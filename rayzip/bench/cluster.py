@@ -481,9 +481,16 @@ def markdown_table(report: dict) -> str:
     """The cluster report as a Markdown table, for the README (generated, not typed)."""
     if report.get("workers_per_node", 1) > 1:
         return _hierarchy_table(report)
+    if report.get("drop_to"):
+        return _drop_table(report)
     lm = report.get("metric") == "val_loss"
+    rows = [r for r in report["methods"] if "error" not in r]
+    pulled = any(r.get("wire_bytes_pulled") is not None for r in rows)
+    iface = any(r.get("wire_bytes_interface") for r in rows)
     head = ["method", "time to target", "vs DDP", "of ideal", "steps to target",
-            "final val bpb" if lm else "final acc", "final vs DDP", "step ms (comm)", "MB sent / worker", "compression"]
+            "final val bpb" if lm else "final acc", "final vs DDP", "step ms (comm)",
+            "MB pushed / worker" if pulled else "MB sent / worker"] + (["MB pulled / worker"] if pulled else []) \
+        + (["MB on rank 0's eth0"] if iface else []) + ["compression"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report["methods"]:
         if "error" in r:
@@ -500,7 +507,57 @@ def markdown_table(report: dict) -> str:
         lines.append(" | ".join([
             f"| {r['name']}", ttt, speed, share, str(r.get("steps_to_target") or "–"), f"{final:.4f}", diff,
             f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})" + _spread(r, "step_s", "{:.0f}", 1e3),
-            f"{_network(r) / 1e6:.1f}", f"{r['wire_compression']:.1f}×" if r.get("wire_compression") else "–"]) + " |")
+            f"{_network(r) / 1e6:.1f}"]
+            + ([_mb(r.get("wire_bytes_pulled"))] if pulled else []) + ([_mb(r.get("wire_bytes_interface"))] if iface else [])
+            + [f"{r['wire_compression']:.1f}×" if r.get("wire_compression") else "–"]) + " |")
+    return "\n".join(lines)
+
+
+def _mb(nbytes) -> str:
+    return f"{nbytes / 1e6:.1f}" if nbytes is not None else "–"
+
+
+def _drop_table(report: dict) -> str:
+    """A run whose links dropped mid-way: step time before and after, against the best fixed
+    method in the same phase."""
+    head = ["method", "to target", "vs DDP", f"final acc ({report.get('budget_steps') or report.get('steps')} steps)",
+            "step ms before the drop", "vs best fixed", "step ms after", "vs best fixed", "MB sent"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def ms(value):
+        return f"{value:.0f}" if value is not None else "–"
+
+    def ratio(value):
+        return f"{value:.2f}×" if value is not None else "–"
+
+    for r in report["methods"]:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error'][:60]} |" + " |" * (len(head) - 2))
+            continue
+        ttt = f"{r['time_to_target_s']:.1f} s ({r.get('steps_to_target')} steps)" if r.get("time_to_target_s") \
+            else "not reached"
+        lines.append(" | ".join([
+            f"| {r['name']}", ttt, ratio(r.get("speedup_vs_dense")), f"{r['final_accuracy']:.4f}",
+            ms(r.get("step_ms_before_drop")), ratio(r.get("before_vs_best_fixed")), ms(r.get("step_ms_after_drop")),
+            ratio(r.get("after_vs_best_fixed")), _mb(_network(r))]) + " |")
+    return "\n".join(lines)
+
+
+def scaling_markdown_table(report: dict) -> str:
+    """A ``bench scaling`` report as the README's Markdown table."""
+    head = ["method", "workers", "step ms", "compute ms", "comm ms", "MB / step", "ring formula MB",
+            "examples/s", "E(N)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report["rows"]:
+        if r.get("error"):
+            lines.append(f"| {r['name']} | {r['workers']} | failed |" + " |" * (len(head) - 3))
+            continue
+        lines.append(" | ".join([
+            f"| {r['name']}", str(r["workers"]), f"{r['step_s'] * 1e3:.0f}", f"{r['compute_s'] * 1e3:.0f}",
+            f"{r['comm_s'] * 1e3:.0f}", _mb(r.get("bytes_per_step")) if r.get("bytes_per_step") is None
+            else f"{r['bytes_per_step'] / 1e6:.2f}",
+            f"{r['ring_formula_bytes'] / 1e6:.2f}" if r.get("ring_formula_bytes") is not None else "–",
+            f"{r['throughput']:.0f}", f"{r['efficiency']:.2f}" if r.get("efficiency") is not None else "–"]) + " |")
     return "\n".join(lines)
 
 
