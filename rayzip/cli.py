@@ -11,13 +11,18 @@ import typer
 from rich.console import Console
 
 app = typer.Typer(help="Elastic PyTorch training on Ray that compresses what crosses the network.",
-                  no_args_is_help=True, add_completion=False)
+                  epilog="Example: rayzip run jobs/digits-group-topk.yaml", no_args_is_help=True,
+                  add_completion=False)
 bench_app = typer.Typer(help="Benchmarks: each prints a table, writes JSON with --json, and "
-                             "compares against its baseline in the same run.", no_args_is_help=True)
+                             "compares against its baseline in the same run.",
+                        epilog="Example: rayzip bench codecs --json out/bench-codecs.json", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
-checkpoint_app = typer.Typer(help="Inspect, verify and decompress rayzip checkpoints.", no_args_is_help=True)
+checkpoint_app = typer.Typer(help="Inspect, verify and decompress rayzip checkpoints.",
+                             epilog="Example: rayzip checkpoint verify ~/ray_results/RUN/checkpoint_000001/trainer",
+                             no_args_is_help=True)
 app.add_typer(checkpoint_app, name="checkpoint")
-k8s_app = typer.Typer(help="KubeRay manifests for a job spec.", no_args_is_help=True)
+k8s_app = typer.Typer(help="KubeRay manifests for a job spec.",
+                      epilog="Example: rayzip k8s render jobs/synthetic-gpu.yaml -o k8s", no_args_is_help=True)
 app.add_typer(k8s_app, name="k8s")
 # Tables are read in logs and CI output too: do not squeeze them to 80 columns there.
 console = Console(width=None if sys.stdout.isatty() else 120)
