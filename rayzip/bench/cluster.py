@@ -498,7 +498,7 @@ def markdown_table(report: dict) -> str:
             continue
         ttt = (f"{r['time_to_target_s']:.1f} s" + _spread(r, "time_to_target_s", "{:.1f}")
                if r.get("time_to_target_s") else "not reached")
-        if r.get("repeats") and r.get("reached_runs", r["repeats"]) < r["repeats"]:
+        if r.get("repeats") and 0 < r.get("reached_runs", r["repeats"]) < r["repeats"]:
             ttt += f", {r['reached_runs']} of {r['repeats']} runs reached it"
         speed = f"{r['speedup_vs_dense']:.2f}×" if r.get("speedup_vs_dense") else "–"
         share = f"{r['share_of_ideal']:.0%}" if r.get("share_of_ideal") else "–"
