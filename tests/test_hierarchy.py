@@ -173,3 +173,32 @@ def test_ddp_hook_with_overlap_runs_the_hierarchy_on_its_worker_thread():
     for weights, hierarchical, segments, local in results:
         assert hierarchical and segments > 1 and local > 0
         assert np.array_equal(weights, results[0][0]) and np.isfinite(weights).all()
+
+
+def test_error_feedback_moves_between_holders_keeping_the_pending_mean():
+    """Pending update = the mean of the holders' residuals. Re-sharding between layouts keeps
+    it: four flat workers into two nodes' leaders, two leaders into three flat workers, and
+    two leaders into three (a resize under the hierarchy)."""
+    from rayzip.codecs.memory import reshard_state
+    from rayzip.train.checkpoints import holder_parts
+
+    def move(residuals: dict[int, np.ndarray], old_holders, new_holders):
+        out = {}
+        for rank, holder in new_holders.items():
+            parts = holder_parts(old_holders, holder)
+            saved = {index: {"residual:model": residuals[r]} for r, index in parts.items()}
+            out[rank] = reshard_state(saved, next(iter(old_holders.values()))[1], holder[1], holder[0])
+        return {rank: state.get("residual:model", np.zeros(3, np.float32)) for rank, state in out.items()}
+
+    rng = np.random.default_rng(0)
+    flat4 = {r: (r, 4) for r in range(4)}
+    nodes2 = {0: (0, 2), 2: (1, 2)}  # leaders of nodes {0, 1} and {2, 3}
+    flat3 = {r: (r, 3) for r in range(3)}
+    nodes3 = {0: (0, 3), 2: (1, 3), 4: (2, 3)}
+    for old, new in ((flat4, nodes2), (nodes2, flat3), (nodes2, nodes3), (nodes3, nodes2)):
+        residuals = {r: rng.standard_normal(3).astype(np.float32) for r in old}
+        moved = move(residuals, old, new)
+        assert set(moved) == set(new)
+        np.testing.assert_allclose(np.mean(list(moved.values()), axis=0), np.mean(list(residuals.values()), axis=0),
+                                   rtol=1e-5, atol=1e-6)
+    assert holder_parts(nodes2, None) == {}  # a node's other workers hold nothing

@@ -247,6 +247,17 @@ class CompressionState:
         self.step += 1
 
     # --- checkpoints ------------------------------------------------------------------
+    @property
+    def holders(self) -> dict[int, tuple[int, int]]:
+        """The ranks that hold error feedback, each with (its index, their count): every rank
+        without a hierarchy; with one, each node's leader, indexed by node. A checkpoint keeps
+        this map so that a restart on another layout re-shards between holders
+        (:func:`rayzip.train.checkpoints.restore_hook`)."""
+        if self.hierarchy is None:
+            return {r: (r, self.world) for r in range(self.world)}
+        groups = self.hierarchy.topology.groups
+        return {ranks[0]: (k, len(groups)) for k, ranks in enumerate(groups)}
+
     def state_dict(self) -> dict:
         return {"step": self.step, "enabled": self.enabled, "ratio": self.ratio,
                 "memory": self.memory.state_dict(), "codec": self.codec.state_dict(),

@@ -24,7 +24,7 @@ from ..checkpoint import load as load_checkpoint
 from ..checkpoint import save as save_checkpoint
 from ..codecs.memory import reshard_state
 
-__all__ = ["load_optimizer", "load_trainer", "restore_hook", "unwrap", "write_parts"]
+__all__ = ["holder_parts", "load_optimizer", "load_trainer", "restore_hook", "unwrap", "write_parts"]
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -38,6 +38,9 @@ def write_parts(directory: Path, rank: int, world: int, trainer: Callable[[], di
     ``index`` being the checkpoint's number); every rank with a hook writes ``rank{r}/``."""
     if rank == 0:
         content = {**trainer(), "world_size": world, "torch_rng": torch.get_rng_state()}
+        holders = getattr(state, "holders", None)  # the hook's: every rank, or each node's leader
+        if holders is not None:
+            content["hook_holders"] = {str(r): list(held) for r, held in holders.items()}
         if chain is None:
             save_checkpoint(directory / "trainer", content)
         else:
@@ -68,29 +71,46 @@ def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
             group["momentum"] = value
 
 
+def holder_parts(old_holders: dict[int, tuple[int, int]], new_holder: tuple[int, int] | None) -> dict[int, int]:
+    """{old rank: its holder index} of the saved states that a new holder (index, count)
+    takes: those whose index is its own modulo the new count (none for a non-holder)."""
+    if new_holder is None:
+        return {}
+    index, count = new_holder
+    return {r: i for r, (i, _) in old_holders.items() if i % count == index}
+
+
 def restore_hook(path: Path, rank: int, world: int, trainer: dict, state) -> None:
     """The hook's state for this rank. Every rank, new ones included, resumes at the
     checkpoint's step (``trainer["step"]`` + 1; a new rank at step 0 would send dense warm-up
-    steps while the others ran the ring). The residuals and velocities do not depend on the
-    world size: after a resize they are re-sharded (:func:`reshard_state`) so their mean over
-    the workers, the update still pending, is kept."""
+    steps while the others ran the ring).
+
+    Error feedback is held by every rank, or with a node hierarchy by each node's leader
+    (:attr:`CompressionState.holders`, saved in rank 0's part). Restarted on the same layout,
+    each rank loads its own state. Otherwise the holders' states are re-sharded
+    (:func:`reshard_state`) from the old holders to the new ones, so that their mean, the
+    update still pending, is kept: across a resize, and into or out of a hierarchy."""
     old_world = int(trainer["world_size"])
-    saved = {}
-    for old_rank in range(old_world):
-        if old_rank == rank or (old_world != world and old_rank % world == rank):
-            part = path / f"rank{old_rank}"
-            if part.exists():
-                saved[old_rank] = load_checkpoint(part)["hook"]
-    if old_world == world and rank in saved:
-        state.load_state_dict(saved[rank])
+    saved_map = trainer.get("hook_holders") or {str(r): [r, old_world] for r in range(old_world)}
+    old_holders = {int(r): (int(i), int(c)) for r, (i, c) in saved_map.items()}
+    new_holders = state.holders
+    own = path / f"rank{rank}"
+    if old_world == world and old_holders == new_holders and own.exists():
+        state.load_state_dict(load_checkpoint(own)["hook"])
     else:
+        parts = holder_parts(old_holders, new_holders.get(rank))
+        saved = {index: load_checkpoint(path / f"rank{r}")["hook"] for r, index in parts.items()
+                 if (path / f"rank{r}").exists()}
         # The codec's state (a seeded codec's call count) is the same on every rank.
-        template = saved.get(rank) or next(iter(saved.values()), None)
+        template = next(iter(saved.values()), None)
         if template is None and (path / "rank0").exists():
             template = load_checkpoint(path / "rank0")["hook"]
         if template is not None:
-            memory = reshard_state({r: h["memory"] for r, h in saved.items()}, old_world, world, rank)
+            old_count = next(iter(old_holders.values()))[1]
+            index, count = new_holders.get(rank, (0, 0))
+            memory = reshard_state({i: h["memory"] for i, h in saved.items()}, old_count, count, index) \
+                if rank in new_holders else {}
             state.load_state_dict({**template, "memory": memory})
         print(f"rayzip: rank {rank}: world size {old_world} -> {world}: error feedback re-sharded from "
-              f"rank(s) {sorted(saved) or 'none'}")
+              f"rank(s) {sorted(parts) or 'none'}")
     state.step = trainer["step"] + 1
