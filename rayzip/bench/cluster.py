@@ -13,6 +13,7 @@ interface during training.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import statistics
@@ -231,12 +232,8 @@ def aggregate_runs(runs: list[dict]) -> dict[str, Any]:
             row[key] = statistics.median(values)
             row["spread"][key] = [min(values), max(values)]
     times = [r.get("time_to_target_s") for r in ok]
-    ordered = sorted(times, key=lambda t: (t is None, t or 0.0))
-    median = ordered[(len(ordered) - 1) // 2] if len(ordered) % 2 else None
-    if len(ordered) % 2 == 0:  # even count: the mean of the middle two, when both reached it
-        a, b = ordered[len(ordered) // 2 - 1], ordered[len(ordered) // 2]
-        median = (a + b) / 2 if a is not None and b is not None else None
-    row["time_to_target_s"] = median
+    median = statistics.median(math.inf if t is None else t for t in times)  # a miss: slower than any time
+    row["time_to_target_s"] = None if math.isinf(median) else median
     reached = [t for t in times if t is not None]
     row["spread"]["time_to_target_s"] = [min(reached), max(reached)] if reached else None
     row["reached_runs"] = len(reached)
@@ -436,6 +433,24 @@ def _spread(row: dict, key: str, fmt: str, scale: float = 1.0) -> str:
     return " [" + fmt.format(bounds[0] * scale) + "–" + fmt.format(bounds[1] * scale) + "]"
 
 
+def _number(value, fmt: str, missing: str = "–") -> str:
+    """``fmt`` of ``value``, or ``missing`` for None."""
+    return missing if value is None else fmt.format(value)
+
+
+def _markdown(head: list[str], rows: list[dict], cells, failed=lambda r: [r["name"], f"failed: {r['error'][:60]}"]) -> str:
+    """A Markdown table: ``cells(row)`` for each row, ``failed(row)``'s leading cells (the
+    rest left empty) for a row that holds an error."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r.get("error"):
+            lead = failed(r)
+            lines.append("| " + " | ".join(lead) + " |" + " |" * (len(head) - len(lead)))
+        else:
+            lines.append("| " + " | ".join(cells(r)) + " |")
+    return "\n".join(lines)
+
+
 def _network(row: dict) -> int:
     """Bytes a worker sent, less those to workers on its own node (reports before the
     hierarchy have no such split)."""
@@ -491,30 +506,25 @@ def markdown_table(report: dict) -> str:
             "final val bpb" if lm else "final acc", "final vs DDP", "step ms (comm)",
             "MB pushed / worker" if pulled else "MB sent / worker"] + (["MB pulled / worker"] if pulled else []) \
         + (["MB on rank 0's eth0"] if iface else []) + ["compression"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in report["methods"]:
-        if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error'][:60]} |" + " |" * (len(head) - 2))
-            continue
+
+    def cells(r: dict) -> list[str]:
         ttt = (f"{r['time_to_target_s']:.1f} s" + _spread(r, "time_to_target_s", "{:.1f}")
                if r.get("time_to_target_s") else "not reached")
         if r.get("repeats") and 0 < r.get("reached_runs", r["repeats"]) < r["repeats"]:
             ttt += f", {r['reached_runs']} of {r['repeats']} runs reached it"
-        speed = f"{r['speedup_vs_dense']:.2f}×" if r.get("speedup_vs_dense") else "–"
-        share = f"{r['share_of_ideal']:.0%}" if r.get("share_of_ideal") else "–"
-        final = r.get("final_metric", r.get("final_accuracy"))
-        diff = f"{r['final_vs_dense']:+.1%}" if r.get("final_vs_dense") is not None else "–"
-        lines.append(" | ".join([
-            f"| {r['name']}", ttt, speed, share, str(r.get("steps_to_target") or "–"), f"{final:.4f}", diff,
-            f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})" + _spread(r, "step_s", "{:.0f}", 1e3),
-            f"{_network(r) / 1e6:.1f}"]
-            + ([_mb(r.get("wire_bytes_pulled"))] if pulled else []) + ([_mb(r.get("wire_bytes_interface"))] if iface else [])
-            + [f"{r['wire_compression']:.1f}×" if r.get("wire_compression") else "–"]) + " |")
-    return "\n".join(lines)
+        return ([r["name"], ttt, _number(r.get("speedup_vs_dense") or None, "{:.2f}×"),
+                 _number(r.get("share_of_ideal") or None, "{:.0%}"), str(r.get("steps_to_target") or "–"),
+                 f"{r.get('final_metric', r.get('final_accuracy')):.4f}", _number(r.get("final_vs_dense"), "{:+.1%}"),
+                 f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})" + _spread(r, "step_s", "{:.0f}", 1e3),
+                 f"{_network(r) / 1e6:.1f}"]
+                + ([_mb(r.get("wire_bytes_pulled"))] if pulled else [])
+                + ([_mb(r.get("wire_bytes_interface"))] if iface else [])
+                + [_number(r.get("wire_compression") or None, "{:.1f}×")])
+    return _markdown(head, report["methods"], cells)
 
 
 def _mb(nbytes) -> str:
-    return f"{nbytes / 1e6:.1f}" if nbytes is not None else "–"
+    return _number(None if nbytes is None else nbytes / 1e6, "{:.1f}")
 
 
 def _drop_table(report: dict) -> str:
@@ -522,63 +532,43 @@ def _drop_table(report: dict) -> str:
     method in the same phase."""
     head = ["method", "to target", "vs DDP", f"final acc ({report.get('budget_steps') or report.get('steps')} steps)",
             "step ms before the drop", "vs best fixed", "step ms after", "vs best fixed", "MB sent"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
-    def ms(value):
-        return f"{value:.0f}" if value is not None else "–"
-
-    def ratio(value):
-        return f"{value:.2f}×" if value is not None else "–"
-
-    for r in report["methods"]:
-        if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error'][:60]} |" + " |" * (len(head) - 2))
-            continue
+    def cells(r: dict) -> list[str]:
         ttt = f"{r['time_to_target_s']:.1f} s ({r.get('steps_to_target')} steps)" if r.get("time_to_target_s") \
             else "not reached"
-        lines.append(" | ".join([
-            f"| {r['name']}", ttt, ratio(r.get("speedup_vs_dense")), f"{r['final_accuracy']:.4f}",
-            ms(r.get("step_ms_before_drop")), ratio(r.get("before_vs_best_fixed")), ms(r.get("step_ms_after_drop")),
-            ratio(r.get("after_vs_best_fixed")), _mb(_network(r))]) + " |")
-    return "\n".join(lines)
+        return [r["name"], ttt, _number(r.get("speedup_vs_dense"), "{:.2f}×"), f"{r['final_accuracy']:.4f}",
+                _number(r.get("step_ms_before_drop"), "{:.0f}"), _number(r.get("before_vs_best_fixed"), "{:.2f}×"),
+                _number(r.get("step_ms_after_drop"), "{:.0f}"), _number(r.get("after_vs_best_fixed"), "{:.2f}×"),
+                _mb(_network(r))]
+    return _markdown(head, report["methods"], cells)
 
 
 def scaling_markdown_table(report: dict) -> str:
     """A ``bench scaling`` report as the README's Markdown table."""
     head = ["method", "workers", "step ms", "compute ms", "comm ms", "MB / step", "ring formula MB",
             "examples/s", "E(N)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in report["rows"]:
-        if r.get("error"):
-            lines.append(f"| {r['name']} | {r['workers']} | failed |" + " |" * (len(head) - 3))
-            continue
-        lines.append(" | ".join([
-            f"| {r['name']}", str(r["workers"]), f"{r['step_s'] * 1e3:.0f}", f"{r['compute_s'] * 1e3:.0f}",
-            f"{r['comm_s'] * 1e3:.0f}", _mb(r.get("bytes_per_step")) if r.get("bytes_per_step") is None
-            else f"{r['bytes_per_step'] / 1e6:.2f}",
-            f"{r['ring_formula_bytes'] / 1e6:.2f}" if r.get("ring_formula_bytes") is not None else "–",
-            f"{r['throughput']:.0f}", f"{r['efficiency']:.2f}" if r.get("efficiency") is not None else "–"]) + " |")
-    return "\n".join(lines)
+
+    def cells(r: dict) -> list[str]:
+        per_step, ring = r.get("bytes_per_step"), r.get("ring_formula_bytes")
+        return [r["name"], str(r["workers"]), f"{r['step_s'] * 1e3:.0f}", f"{r['compute_s'] * 1e3:.0f}",
+                f"{r['comm_s'] * 1e3:.0f}", _number(None if per_step is None else per_step / 1e6, "{:.2f}"),
+                _number(None if ring is None else ring / 1e6, "{:.2f}"), f"{r['throughput']:.0f}",
+                _number(r.get("efficiency"), "{:.2f}")]
+    return _markdown(head, report["rows"], cells, failed=lambda r: [r["name"], str(r["workers"]), "failed"])
 
 
 def _hierarchy_table(report: dict) -> str:
     """Several workers per node: what left rank 0's node, counted and on its interface."""
     head = ["method", "final acc", "step ms (comm)", "MB sent / worker (hierarchy: off its node)",
-            "MB off rank 0's node, counted",
-            "MB on rank 0's interface", "interface / counted"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in report["methods"]:
-        if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error'][:60]} |" + " |" * (len(head) - 2))
-            continue
-        flat = r.get("node_bytes") is None
-        lines.append(" | ".join([
-            f"| {r['name']}", f"{r['final_accuracy']:.4f}", f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})",
-            f"{_network(r) / 1e6:.2f}",
-            "–" if flat else f"{r['node_bytes'] / 1e6:.2f}",
-            f"{r['wire_bytes_interface'] / 1e6:.2f}" if r.get("wire_bytes_interface") else "–",
-            f"{r['interface_vs_counted']:.3f}" if r.get("interface_vs_counted") else "–"]) + " |")
-    return "\n".join(lines)
+            "MB off rank 0's node, counted", "MB on rank 0's interface", "interface / counted"]
+
+    def cells(r: dict) -> list[str]:
+        node, iface = r.get("node_bytes"), r.get("wire_bytes_interface") or None
+        return [r["name"], f"{r['final_accuracy']:.4f}", f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})",
+                f"{_network(r) / 1e6:.2f}", _number(None if node is None else node / 1e6, "{:.2f}"),
+                _number(None if iface is None else iface / 1e6, "{:.2f}"),
+                _number(r.get("interface_vs_counted") or None, "{:.3f}")]
+    return _markdown(head, report["methods"], cells)
 
 
 def render_drop_table(report: dict):
@@ -589,17 +579,13 @@ def render_drop_table(report: dict):
     for col in ("method", "step ms before", "vs best fixed", "step ms after", "vs best fixed ", "final acc"):
         table.add_column(col, justify="left" if col == "method" else "right")
 
-    def ms(value):
-        return f"{value:.0f}" if value is not None else "-"
-
-    def ratio(value):
-        return f"{value:.2f}x" if value is not None else "-"
-
     for r in report["methods"]:
         if "error" in r:
             continue
-        table.add_row(r["name"], ms(r.get("step_ms_before_drop")), ratio(r.get("before_vs_best_fixed")),
-                      ms(r.get("step_ms_after_drop")), ratio(r.get("after_vs_best_fixed")), f"{r['final_accuracy']:.4f}")
+        table.add_row(r["name"], _number(r.get("step_ms_before_drop"), "{:.0f}", "-"),
+                      _number(r.get("before_vs_best_fixed"), "{:.2f}x", "-"),
+                      _number(r.get("step_ms_after_drop"), "{:.0f}", "-"),
+                      _number(r.get("after_vs_best_fixed"), "{:.2f}x", "-"), f"{r['final_accuracy']:.4f}")
     return table
 
 

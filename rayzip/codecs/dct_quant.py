@@ -117,9 +117,8 @@ class DCTQuant(Codec):
     def _fused(self, flat) -> bool:
         return fused_for(flat) and self.block <= 32
 
-    def _check_finite(self, flat, xp) -> None:
-        if not self._fused(flat):  # the fused kernel checks as it reads
-            super()._check_finite(flat, xp)
+    def _kernel_checks_finite(self, flat) -> bool:
+        return self._fused(flat)
 
     def _encode(self, flat, xp):
         if self._fused(flat):  # the separable transform and quantization, block by block in C
@@ -132,7 +131,7 @@ class DCTQuant(Codec):
             if not fused.dct_quant(flat[: blocks * size], self.block, _dct32(self.block),
                                    wire_order(self.block, self.kept), self.bits, scales, codes, wide) \
                     or not all_finite(tail):
-                super()._check_finite(flat, xp)  # raises, with the count and the first index
+                self._check_finite(flat, xp)  # raises, with the count and the first index
             return {"scales": scales, "codes": pack_bits(codes, self.bits, np), "tail": tail}
         coef = self.coefficients(flat, xp)
         peak = xp.abs(coef).max(axis=1) if coef.size else xp.zeros(0, xp.float32)

@@ -48,9 +48,8 @@ class GroupTopK(SparseCodec):
         return [Field("indices", index_dtype(self.group_size), count),
                 Field("values", VALUE_DTYPES[self.value_dtype], count)]
 
-    def _check_finite(self, flat, xp) -> None:
-        if not fused_for(flat):  # the fused kernel checks as it reads
-            super()._check_finite(flat, xp)
+    def _kernel_checks_finite(self, flat) -> bool:
+        return fused_for(flat)
 
     def _encode(self, flat, xp):
         full, k, tail, k_tail = self._split(flat.size)
@@ -58,7 +57,7 @@ class GroupTopK(SparseCodec):
         rest = flat[full * self.group_size:]
         offsets, values, finite = top_magnitude_rows(body, k)
         if finite is False or (finite and not all_finite(rest)):
-            super()._check_finite(flat, xp)  # raises, with the count and the first index
+            self._check_finite(flat, xp)  # raises, with the count and the first index
         offsets, values = offsets.reshape(-1), values.reshape(-1)
         if tail:
             tail_offsets = top_magnitude(rest, k_tail, xp)

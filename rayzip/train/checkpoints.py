@@ -98,7 +98,8 @@ def restore_hook(path: Path, rank: int, world: int, trainer: dict, state) -> Non
     if old_world == world and old_holders == new_holders and own.exists():
         state.load_state_dict(load_checkpoint(own)["hook"])
     else:
-        parts = holder_parts(old_holders, new_holders.get(rank))
+        mine = new_holders.get(rank)  # (index, count), or None on a node's other workers
+        parts = holder_parts(old_holders, mine)
         saved = {index: load_checkpoint(path / f"rank{r}")["hook"] for r, index in parts.items()
                  if (path / f"rank{r}").exists()}
         # The codec's state (a seeded codec's call count) is the same on every rank.
@@ -107,9 +108,8 @@ def restore_hook(path: Path, rank: int, world: int, trainer: dict, state) -> Non
             template = load_checkpoint(path / "rank0")["hook"]
         if template is not None:
             old_count = next(iter(old_holders.values()))[1]
-            index, count = new_holders.get(rank, (0, 0))
-            memory = reshard_state({i: h["memory"] for i, h in saved.items()}, old_count, count, index) \
-                if rank in new_holders else {}
+            memory = {} if mine is None else \
+                reshard_state({i: h["memory"] for i, h in saved.items()}, old_count, mine[1], mine[0])
             state.load_state_dict({**template, "memory": memory})
         print(f"rayzip: rank {rank}: world size {old_world} -> {world}: error feedback re-sharded from "
               f"rank(s) {sorted(parts) or 'none'}")
