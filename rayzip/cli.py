@@ -389,7 +389,9 @@ def bench_cluster(
 
 @bench_app.command("table")
 def bench_table(report_json: Path = typer.Argument(..., help="A `bench cluster` or `bench collectives` "
-                                                               "--json report.")):
+                                                               "--json report."),
+                part: Optional[str] = typer.Option(None, help="A second table of the report (stall: a "
+                                                             "checkpoint report's stall table).")):
     """Print a benchmark report as the Markdown table the README shows (generated from the JSON).
 
     Example: rayzip bench table docs/bench-codecs.json
@@ -403,7 +405,7 @@ def bench_table(report_json: Path = typer.Argument(..., help="A `bench cluster` 
     except (OSError, ValueError) as exc:
         console.print(f"[red]error:[/red] cannot read {report_json}: {exc}")
         raise typer.Exit(2)
-    table = markdown_table(report)
+    table = markdown_table(report, part)
     if table is None:
         console.print(f"[red]error:[/red] {report_json} is not a `rayzip bench cluster` or `bench collectives` report",
                       soft_wrap=True)
@@ -440,41 +442,56 @@ def bench_scaling(
 
 @bench_app.command("checkpoint")
 def bench_checkpoint(
-    spec: Optional[Path] = typer.Option(None, help="Job spec whose model and data to train (default: "
+    model: str = typer.Option("mlp,gpt", help="Comma-separated models: mlp (the spec's), gpt (jobs/bench-gpt.yaml's), "
+                                              "or module:function returning (model, loss(model, generator))."),
+    spec: Optional[Path] = typer.Option(None, help="Job spec whose MLP and data to train (default: "
                                                      "jobs/bench-synthetic.yaml)."),
-    steps: int = typer.Option(200, min=1, help="Adam steps before the full checkpoint."),
+    steps: int = typer.Option(200, min=1, help="AdamW steps before the full checkpoint."),
     repeat: int = typer.Option(5, min=1, help="Timed rounds, every compressor once per round; the fastest "
                                                "of each counts."),
-    compressors: str = typer.Option("rayzip,rayzip-1t,zstd-3,zstd-19,zipnn",
-                                    help="Comma-separated compressors (rayzip-1t: rayzip on one thread)."),
+    compressors: Optional[str] = typer.Option(None, help="Comma-separated compressors (default: rayzip, "
+                                                         "rayzip-1t, zipnn-1t, zipnn, zstd-3; -1t: one thread; "
+                                                         "also zstd-19)."),
+    stall_model: str = typer.Option("gpt", help="Model whose training stall per checkpoint is measured "
+                                                "('none': skip)."),
+    stall_rounds: int = typer.Option(5, min=1, help="Checkpoints per method in the stall measurement."),
+    stall_every: int = typer.Option(5, min=1, help="Training steps between checkpoints there."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
-    """Checkpoint ratio and speed: rayzip against zstd and ZipNN on a real training run's state.
+    """Checkpoint ratio and speed (rayzip against zstd and ZipNN) on real training state, and the
+    training stall per checkpoint (rayzip in the background, rayzip sync, torch.save).
 
     Example: rayzip bench checkpoint --json out/bench-checkpoint.json
     """
-    from .bench.checkpoint import render_table, run_checkpoint_bench
-    from .bench.cluster import DEFAULT_SPEC
+    from .bench.checkpoint import COMPRESSORS, DEFAULT_COMPRESSORS, render_table, run_checkpoint_bench
 
-    chosen = tuple(c.strip() for c in compressors.split(",") if c.strip())
-    known = ("rayzip", "rayzip-1t", "zstd-3", "zstd-19", "zipnn")
-    unknown = [c for c in chosen if c not in known]
+    chosen = tuple(c.strip() for c in compressors.split(",") if c.strip()) if compressors else DEFAULT_COMPRESSORS
+    models = tuple(m.strip() for m in model.split(",") if m.strip())
+    unknown = [c for c in chosen if c not in COMPRESSORS]
     if unknown:
         console.print(f"[red]error:[/red] unknown compressor(s) {', '.join(unknown)}; "
-                      f"choose from {', '.join(known)}", highlight=False)
+                      f"choose from {', '.join(COMPRESSORS)}", highlight=False)
         raise typer.Exit(2)
-    if "zipnn" in chosen:
+    bad = [m for m in models + (stall_model,) if m not in ("mlp", "gpt", "none") and ":" not in m]
+    if bad:
+        console.print(f"[red]error:[/red] --model/--stall-model {', '.join(bad)}: use mlp, gpt or module:function",
+                      highlight=False)
+        raise typer.Exit(2)
+    if any(c.startswith("zipnn") for c in chosen):
         try:
             import zipnn  # noqa: F401
         except ImportError:
             console.print("[red]error:[/red] the zipnn baseline needs `pip install zipnn` "
                           "(or leave it out with --compressors)", highlight=False)
             raise typer.Exit(2)
-    report = run_checkpoint_bench(spec or DEFAULT_SPEC, steps, repeat, chosen,
+    report = run_checkpoint_bench(spec, steps, repeat, chosen, models,
+                                  stall_model=None if stall_model == "none" else stall_model,
+                                  stall_rounds=stall_rounds, stall_every=stall_every,
                                   log=lambda line: console.print(line, highlight=False))
     console.print(render_table(report))
-    for key, value in report["comparisons"].items():
-        console.print(f"{key}: {value:.3f}", highlight=False)
+    for name, values in report["comparisons"].items():
+        for key, value in values.items():
+            console.print(f"{name} {key}: {value:.3f}", highlight=False)
     _write_report(report, json_path)
 
 

@@ -8,6 +8,8 @@ Usage::
 
 from __future__ import annotations
 
+import importlib
+
 import os
 import re
 from pathlib import Path
@@ -48,6 +50,12 @@ class SpecError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+def import_callable(path: str):
+    """The object that ``module:function`` names (the module imported on first use)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _builtin_or_import_path(value: str, builtins: tuple[str, ...], what: str) -> str:
@@ -320,6 +328,10 @@ class CheckpointSpec(_Strict):
     full_every: int = Field(10, ge=1, description="Write a full base of the weights every K checkpoints; "
                                                   "the checkpoints store weights as XOR deltas against it "
                                                   "(1: every checkpoint self-contained).")
+    background: bool = Field(True, description="Snapshot the state to host memory at the step, then compress "
+                                               "and write it on a thread while training goes on; it is "
+                                               "reported to Ray Train once every rank's write is complete. "
+                                               "false: write it before the next step.")
 
 
 class ParameterServerSpec(_Strict):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -18,22 +19,51 @@ def test_bench_checkpoint_compares_rayzip_zstd_and_zipnn_on_the_same_data(tmp_pa
     spec.write_text(yaml.safe_dump({"name": "tiny", "model": {"name": "mlp", "hidden": [256, 256]},
                                     "dataset": {"name": "digits"}}))
     out = tmp_path / "ckpt.json"
-    result = runner.invoke(app, ["bench", "checkpoint", "--spec", str(spec), "--steps", "3", "--repeat", "2",
-                                 "--compressors", "rayzip,rayzip-1t,zstd-3,zipnn", "--json", str(out)])
+    user = "rayzip.bench.checkpoint:user_workload"  # a module:function model (a small CNN)
+    result = runner.invoke(app, ["bench", "checkpoint", "--spec", str(spec), "--model", f"mlp,{user}",
+                                 "--steps", "3", "--repeat", "2", "--compressors", "rayzip,rayzip-1t,zstd-3,zipnn-1t",
+                                 "--stall-model", "mlp", "--stall-rounds", "1", "--stall-every", "1",
+                                 "--json", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     rows = report["results"]
-    assert {(r["data"], r["compressor"]) for r in rows} == {
-        (d, c) for d in ("full", "delta-1", "delta-10", "delta-100") for c in ("rayzip", "rayzip-1t", "zstd-3", "zipnn")}
+    data = ("weights", "m", "v", "all", "bf16-weights", "delta-1", "delta-10", "delta-100")
+    assert {(r["model"], r["data"], r["compressor"]) for r in rows} == {
+        (m, d, c) for m in ("mlp", user) for d in data for c in ("rayzip", "rayzip-1t", "zstd-3", "zipnn-1t")}
     for r in rows:
-        assert {"data", "compressor", "ratio", "compress_gbps", "decompress_gbps"} <= set(r)
         assert r["ratio"] == pytest.approx(r["raw_bytes"] / r["stored_bytes"])
         assert r["compress_gbps"] > 0 and r["decompress_gbps"] > 0
-    # Each data set is the same bytes for every compressor.
-    for data in ("full", "delta-1"):
-        assert len({r["raw_bytes"] for r in rows if r["data"] == data}) == 1
-    assert report["comparisons"]["full_ratio_vs_zipnn"] > 0
-    assert "zipnn" in result.output
+        # The entropy bound of coding sign and exponent is given for every data set that is
+        # not a delta, and no exponent coder with a raw mantissa can beat it by much.
+        assert (r["bound_order0"] is None) == r["data"].startswith("delta")
+    # Each data set is the same bytes for every compressor; bf16 is half of fp32.
+    for model in ("mlp", user):
+        size = {d: {r["raw_bytes"] for r in rows if r["model"] == model and r["data"] == d} for d in data}
+        assert all(len(v) == 1 for v in size.values())
+        assert size["all"] == {next(iter(size["weights"])) + next(iter(size["m"])) + next(iter(size["v"]))}
+        assert size["bf16-weights"] == {next(iter(size["weights"])) // 2}
+    comparisons = report["comparisons"]["mlp"]
+    assert comparisons["all_ratio_vs_zipnn"] > 0 and comparisons["threads_compress_speedup_min"] > 0
+    stall = report["stall"]
+    assert stall["model"] == "mlp" and [r["method"] for r in stall["rows"]] == ["rayzip-background", "rayzip-sync",
+                                                                                "torch.save"]
+    assert all(r["stall_s"] > 0 for r in stall["rows"])
+    assert next(r for r in stall["rows"] if r["method"] == "rayzip-sync")["vs_rayzip_sync"] == 1.0
+    assert "zipnn-1t" in result.output
+
+
+def test_the_entropy_bound_is_exact_on_a_known_distribution():
+    from rayzip.bench.checkpoint import entropy_bound
+
+    # Half the values in [1, 2), half in [2, 4), mantissas random: one bit of sign and
+    # exponent per value, order 0; each half in a run of its own, so order 1 needs almost none.
+    mantissa = torch.randint(0, 1 << 23, (1 << 16,), dtype=torch.int32)
+    exponent = torch.cat([torch.full((1 << 15,), 127), torch.full((1 << 15,), 128)]).to(torch.int32)
+    values = (exponent << 23 | mantissa).view(torch.float32)
+    bound = entropy_bound([values])
+    assert bound["order0"] == pytest.approx(32 / 24)
+    assert bound["order1"] == pytest.approx(32 / 23, rel=1e-3)
+    assert entropy_bound([torch.arange(10)]) is None  # integers: no float exponent to code
 
 
 def test_bench_checkpoint_refuses_unknown_compressors():

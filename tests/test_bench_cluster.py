@@ -144,13 +144,14 @@ def test_mean_step_time_comes_from_the_training_clock_between_evaluations():
     assert mean_step_s(history, 25, 10 ** 9) is None  # one point only
 
 
-def test_methods_take_their_knob_and_adamw_jobs_get_adam_correction():
+def test_methods_take_their_knob_and_adamw_jobs_get_adam_correction_for_sparse_codecs():
     from rayzip.bench.cluster import method_compression
 
     adamw = {"optimizer": "adamw"}
-    assert method_compression("dct_quant@4", 10, adamw) == {"codec": "dct_quant", "bits": 4, "collective": "allgather",
-                                                           "adam_correction": True}
+    # A dense quantizer sends the gradient with error feedback; AdamW runs on the mean.
+    assert method_compression("dct_quant@4", 10, adamw) == {"codec": "dct_quant", "bits": 4, "collective": "allgather"}
     assert method_compression("group_topk@0.05", 10, adamw)["ratio"] == 0.05
+    assert method_compression("group_topk@0.05", 10, adamw)["adam_correction"] is True
     assert "adam_correction" not in method_compression("powersgd", 10, adamw)  # torch's hook: not ours
     assert method_compression("group_topk", 10, {"optimizer": "sgd"})["momentum_correction"] is True
     for bad in ("dct_quant@x", "powersgd@2", "nope", "powersgd:flat", "ps:serial", "dense:flat", "fp16:node"):

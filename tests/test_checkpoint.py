@@ -387,3 +387,58 @@ def test_delta_chain_keeps_the_registered_checkpoints_base_until_a_newer_one_is_
     chain.history = chain.save(tmp_path / "checkpoint_002", advance(1), 2, chain.history)
     assert sorted(p.name for p in (tmp_path / "bases").iterdir()) == ["base-000001", "base-000002"]
     checkpoint.verify(tmp_path / "checkpoint_001")
+
+
+def test_hundreds_of_small_tensors_round_trip_in_batches_each_with_its_own_entry(tmp_path, monkeypatch):
+    """Biases and norms are coded a batch per task, not a task each (issue 21)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rayzip.checkpoint import store
+
+    submitted = []
+    original = ThreadPoolExecutor.submit
+
+    def counting(self, fn, *args, **kwargs):
+        submitted.append(fn)
+        return original(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", counting)
+    gen = torch.Generator().manual_seed(0)
+    state = {"model": {f"layer{i}.{kind}": torch.randn(384, generator=gen) for i in range(150)
+                       for kind in ("weight", "bias")},
+             "big": torch.randn(1 << 18, generator=gen)}
+    checkpoint.save(tmp_path / "c", state, threads=2)
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert len(manifest["tensors"]) == 301
+    # 300 small tensors: a handful of batch tasks, not 300 (plus the big one's own tasks).
+    assert len(submitted) < 30, len(submitted)
+    submitted.clear()
+    back = checkpoint.load(tmp_path / "c", threads=2)
+    assert len(submitted) < 30, len(submitted)
+    for name, value in state["model"].items():
+        assert torch.equal(back["model"][name].view(torch.int32), value.view(torch.int32))
+    assert torch.equal(back["big"], state["big"])
+
+
+def test_a_family_of_layers_is_planned_once(tmp_path, monkeypatch):
+    """The trial encodings that pick a codec run for the largest tensor of a family (same
+    dtype, delta or not, weights or optimizer state, last name part) and serve the rest."""
+    from rayzip.checkpoint import store
+
+    calls = []
+    original = store.choose
+
+    def counting(words, base, dtype, xp, optimizer_state=False):
+        calls.append(words.size)
+        return original(words, base, dtype, xp, optimizer_state)
+
+    monkeypatch.setattr(store, "choose", counting)
+    gen = torch.Generator().manual_seed(0)
+    state = {"model": {f"blocks.{i}.mlp.weight": torch.randn(40_000 + i, generator=gen) for i in range(6)},
+             "optimizer": {i: {"exp_avg": torch.randn(40_000 + i, generator=gen) * 1e-3} for i in range(6)}}
+    checkpoint.save(tmp_path / "c", state, threads=1)
+    assert sorted(calls) == [40_005, 40_005]  # one per family: the largest of each
+    back = checkpoint.load(tmp_path / "c")
+    for i in range(6):
+        assert torch.equal(back["model"][f"blocks.{i}.mlp.weight"], state["model"][f"blocks.{i}.mlp.weight"])
+        assert torch.equal(back["optimizer"][i]["exp_avg"], state["optimizer"][i]["exp_avg"])

@@ -1,18 +1,36 @@
 """The language-model task and a spec-named user loop under `rayzip run` on a local Ray
 (issue 17): a GPT on the standard library's source trains, and a killed worker resumes the
-data stream, the weights and the compression state exactly."""
+data stream, the weights and the compression state exactly, from the last complete checkpoint
+when it dies while the next one is being written in the background (issue 21)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 
 import pytest
 
+from rayzip.checkpoint.background import SLOW_WRITE_ENV
 from rayzip.runner import run_job
 from rayzip.spec import JobSpec
 
 pytestmark = pytest.mark.ray
+
+SLOW_WRITE_S = 8
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """conftest's local Ray, with every background checkpoint write slowed by SLOW_WRITE_S
+    (fault injection), so that a kill can land during one."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, runtime_env={"env_vars": {
+        "PYTHONPATH": str(Path(__file__).parent), SLOW_WRITE_ENV: str(SLOW_WRITE_S)}})
+    yield
+    ray.shutdown()
 
 
 def _lm_spec(name: str) -> JobSpec:
@@ -38,20 +56,31 @@ def test_a_killed_language_model_worker_resumes_data_weights_and_residuals_exact
     assert reference["reached_target"], history
     assert reference["wire_compression_ratio"] > 5 and reference["bytes_source"] == "counted"
 
+    # Kill rank 0 while a background checkpoint write is in flight (every write here first
+    # sleeps SLOW_WRITE_S), once the checkpoint before it has been reported and Ray Train's
+    # controller (which polls every 2 s) has had time to register it.
     killed: dict = {}
+    reported_at: dict = {}
 
-    def kill_once(metrics: dict) -> None:
-        if not killed and metrics["step"] >= 30:
-            killed["step"] = metrics["step"]
+    def kill_during_a_write(metrics: dict) -> None:
+        reported, pending = metrics.get("checkpoint_reported_step"), metrics.get("checkpoint_pending_step")
+        if killed or reported is None or pending is None or pending <= reported:
+            return
+        if time.time() - reported_at.setdefault(reported, time.time()) >= 4.0:
+            killed.update(step=metrics["step"], reported=reported, pending=pending)
             os.kill(metrics["pid"], signal.SIGKILL)
 
-    summary = run_job(_lm_spec("lm-killed"), storage_path=str(tmp_path / "killed"), on_progress=kill_once)
-    assert killed and summary["restarts"] >= 1 and 0 < summary["steps_redone"] <= 20, summary
+    summary = run_job(_lm_spec("lm-killed"), storage_path=str(tmp_path / "killed"), on_progress=kill_during_a_write)
+    assert killed and summary["restarts"] >= 1, (killed, summary)
+    # It resumed from the last complete checkpoint, not from the one being written.
+    assert summary["metrics"]["resumed_from"] == killed["reported"] + 1, (killed, summary["metrics"])
     # Same world size after the restart: the data stream position, weights, AdamW moments,
     # residuals and RNG came back bit-exactly, so the run ends exactly where the reference did.
     assert summary["world_size"] == reference["world_size"] == 2
     assert summary["final_val_loss"] == reference["final_val_loss"]
     assert summary["final_loss"] == reference["final_loss"]
+    # The loop waited on checkpoints only for snapshots and for the slowed writes.
+    assert summary["metrics"]["checkpoint_stall_s"] > 0
 
 
 def test_a_spec_named_user_loop_trains_through_the_context(local_ray, tmp_path):

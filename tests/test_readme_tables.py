@@ -12,7 +12,7 @@ import pytest
 from rayzip.bench import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKER = re.compile(r"<!-- table from (\S+\.json) -->\n((?:\|.*\|\n)+)")
+MARKER = re.compile(r"<!-- table from (\S+\.json)(?:#(\w+))? -->\n((?:\|.*\|\n)+)")
 
 
 def _tables():
@@ -23,10 +23,11 @@ def test_the_readme_has_generated_tables():
     assert len(_tables()) >= 2
 
 
-@pytest.mark.parametrize("source, table", _tables())
-def test_a_generated_table_matches_its_json(source, table):
+@pytest.mark.parametrize("source, part, table", _tables())
+def test_a_generated_table_matches_its_json(source, part, table):
     report = json.loads((ROOT / source).read_text())
-    assert table.strip() == markdown_table(report).strip(), f"regenerate with: rayzip bench table {source}"
+    assert table.strip() == markdown_table(report, part or None).strip(), \
+        f"regenerate with: rayzip bench table {source}" + (f" --part {part}" if part else "")
 
 
 def test_bench_table_prints_the_markdown_and_refuses_other_files(tmp_path):
@@ -34,7 +35,7 @@ def test_bench_table_prints_the_markdown_and_refuses_other_files(tmp_path):
 
     from rayzip.cli import app
 
-    source, table = _tables()[0]
+    source, _, table = _tables()[0]
     result = CliRunner().invoke(app, ["bench", "table", str(ROOT / source)])
     assert result.exit_code == 0 and result.output.strip() == table.strip()
     other = tmp_path / "x.json"

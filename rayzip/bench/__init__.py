@@ -8,10 +8,17 @@ from pathlib import Path
 __all__ = ["markdown_table", "write_json"]
 
 
-def markdown_table(report: dict) -> str | None:
+def markdown_table(report: dict, part: str | None = None) -> str | None:
     """A ``bench cluster``, ``scaling``, ``collectives``, ``codecs`` or ``checkpoint`` report as
     the Markdown table the README shows (generated from the JSON, never typed); None for
-    other reports."""
+    other reports, or for a ``part`` the report does not have (``stall``: a checkpoint
+    report's stall table)."""
+    if part is not None:
+        if part == "stall" and report.get("stall"):
+            from .checkpoint import stall_markdown_table
+
+            return stall_markdown_table(report["stall"])
+        return None
     if "codecs" in report and "memcpy_gbps" in report:
         from .codecs import markdown_table as codecs_table
 

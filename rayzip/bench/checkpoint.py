@@ -1,57 +1,140 @@
-"""``rayzip bench checkpoint``: rayzip's checkpoint compression against zstd and ZipNN.
+"""``rayzip bench checkpoint``: rayzip's checkpoint compression against zstd and ZipNN, and the
+training stall per checkpoint, on real training state.
 
-The data come from a real training run: the cluster benchmark's 4.35M-parameter MLP trained
-with Adam for ``steps`` steps. ``full`` is weights plus Adam's two moments (fp32) at that
-step; ``delta-k`` is the state k steps later, stored by rayzip as an XOR delta against the
-``full`` checkpoint. Every compressor runs on the same bytes in the same run:
+Each model (``--model``: ``mlp``, the cluster benchmark's MLP; ``gpt``, the language-model
+benchmark's 7.25M-parameter GPT on Python's source; or ``module:function``, see
+:func:`user_workload`) is trained with AdamW for ``steps`` steps. The data sets, all from
+that run and all measured on the same bytes by every compressor:
 
-* ``rayzip``: :func:`rayzip.checkpoint.encode` / ``decode`` in memory, checksums and codec
-  choice included, on as many threads as there are usable cores (at most 8);
-  ``save_gbps`` / ``load_gbps`` add the writes and reads of a tmpfs directory;
-* ``rayzip-1t``: the same on one thread;
-* ``zstd-3``, ``zstd-19``: zstandard on the tensors' raw bytes;
-* ``zipnn``: ZipNN (PyPI ``zipnn``) on each tensor's raw bytes, as fp32, one thread.
+* ``weights``: the model's parameters (fp32; tied ones once); ``bf16-weights``: the same cast
+  to bf16, as mixed-precision training checkpoints them;
+* ``m``, ``v``: AdamW's first and second moments;
+* ``all``: weights, m and v together, the whole checkpoint;
+* ``delta-k``: ``all`` k steps later, stored by rayzip as an XOR delta against ``all``
+  (zstd and ZipNN keep no base and see the raw bytes).
+
+Compressors: ``rayzip`` (:func:`rayzip.checkpoint.encode` / ``decode`` in memory, codec
+choice and checksums included, on the usable cores, at most 8; ``save_gbps`` / ``load_gbps``
+add the writes and reads of a tmpfs directory), ``rayzip-1t`` (one thread), ``zipnn-1t`` and
+``zipnn`` (ZipNN, PyPI ``zipnn``, on each tensor's raw bytes with its dtype, one thread and
+its default threads), ``zstd-3`` and ``zstd-19`` (on the raw bytes).
 
 Ratios are raw bytes over stored bytes; speeds are raw GB per second. The compressors take
 turns: each round runs every one of them once, so that a slow spell on a shared machine
 falls on all of them; the fastest of ``repeat`` rounds (after a warm-up round) counts.
+
+The stall (``stall``, GPT by default): a training loop on the same model checkpoints every
+few steps, in turn with rayzip in the background (:class:`rayzip.checkpoint.background.
+BackgroundWriter`, as ``rayzip run`` does), rayzip written before the next step, and
+``torch.save``; per checkpoint it reports the time the loop waited and how much slower the
+steps ran while a background write was in flight.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 
-__all__ = ["collect_states", "run_checkpoint_bench"]
+__all__ = ["COMPRESSORS", "DEFAULT_COMPRESSORS", "MODELS", "Workload", "build_workload", "collect_states",
+           "measure_stall", "run_checkpoint_bench", "user_workload"]
 
 SPACINGS = (1, 10, 100)
+MODELS = ("mlp", "gpt")
+COMPRESSORS = ("rayzip", "rayzip-1t", "zipnn-1t", "zipnn", "zstd-3", "zstd-19")
+DEFAULT_COMPRESSORS = ("rayzip", "rayzip-1t", "zipnn-1t", "zipnn", "zstd-3")
+JOBS = Path(__file__).resolve().parents[2] / "jobs"
 
 
-def collect_states(spec_path: Path, steps: int, seed: int = 0) -> dict[str, dict]:
-    """{'full': state at ``steps``, 'delta-k': state k steps later} from a real Adam run."""
-    from ..spec import load_spec
-    from ..train.data import load_dataset
-    from ..train.models import build_model
+@dataclass
+class Workload:
+    """A model and how to train it: ``loss(model, generator)`` draws a batch and returns its
+    loss; ``optimizer`` builds the AdamW it is trained with."""
 
-    spec = load_spec(spec_path)
+    name: str
+    model: torch.nn.Module
+    loss: Callable[[torch.nn.Module, torch.Generator], torch.Tensor]
+    optimizer: Callable[[Any], torch.optim.Optimizer]
+
+
+def _adamw(lr: float = 1e-3, betas=(0.9, 0.999), weight_decay: float = 0.01):
+    return lambda params: torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+
+
+def build_workload(model: str, spec_path: Path | None = None, seed: int = 0) -> Workload:
+    """``mlp`` (the spec's model and data, default jobs/bench-synthetic.yaml), ``gpt``
+    (jobs/bench-gpt.yaml's model, optimizer settings and text, 8 windows a step), or a
+    ``module:function`` (:func:`user_workload`)."""
+    from ..spec import import_callable, load_spec
+
     torch.manual_seed(seed)
-    x, y, _, _ = load_dataset(spec.dataset, seed)
-    model = build_model(spec.model, x.shape[1], int(y.max()) + 1)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if model == "mlp":
+        from ..train.data import load_dataset
+        from ..train.models import build_model
+
+        spec = load_spec(spec_path or JOBS / "bench-synthetic.yaml")
+        x, y, _, _ = load_dataset(spec.dataset, seed)
+        net = build_model(spec.model, x.shape[1], int(y.max()) + 1)
+        batch = spec.training.batch_size
+
+        def loss(m, generator):
+            idx = torch.randint(0, len(x), (batch,), generator=generator)
+            return torch.nn.functional.cross_entropy(m(x[idx]), y[idx])
+
+        return Workload("mlp", net, loss, _adamw())
+    if model == "gpt":
+        from ..train.gpt import GPT, lm_loss
+        from ..train.text import Windows, load_python_stdlib
+
+        spec = load_spec(JOBS / "bench-gpt.yaml")
+        m, training = spec.model, spec.training
+        text = load_python_stdlib(spec.dataset.validation_fraction, spec.dataset.max_bytes)
+        windows = Windows(text.train, m.context)
+        net = GPT(vocab=256, layers=m.layers, width=m.width, heads=m.heads, context=m.context)
+
+        def loss(model_, generator):
+            idx = torch.randint(0, len(windows), (8,), generator=generator)
+            x, y = zip(*(windows[int(i)] for i in idx))
+            return lm_loss(model_(torch.stack(x)), torch.stack(y))
+
+        return Workload("gpt", net, loss, _adamw(training.lr, training.betas, training.weight_decay))
+    net, loss = import_callable(model)()
+    return Workload(model, net, loss, _adamw())
+
+
+def user_workload():
+    """What ``--model module:function`` calls: ``function()`` returns ``(model, loss)``, where
+    ``loss(model, generator)`` draws a batch with the torch generator and returns its loss.
+    This one is an example: a small convolutional network on random images."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Conv2d(16, 32, 3),
+                              torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(10))
+    net(torch.zeros(1, 3, 16, 16))
+
+    def loss(model, generator):
+        x = torch.randn(16, 3, 16, 16, generator=generator)
+        return torch.nn.functional.cross_entropy(model(x), torch.randint(0, 10, (16,), generator=generator))
+
+    return net, loss
+
+
+def collect_states(workload: Workload, steps: int, seed: int = 0) -> dict[str, dict]:
+    """{'full': state at ``steps``, 'delta-k': state k steps later} from an AdamW run."""
+    model = workload.model
+    optimizer = workload.optimizer(model.parameters())
     generator = torch.Generator().manual_seed(seed)
     marks = {steps: "full", **{steps + k: f"delta-{k}" for k in SPACINGS}}
     states = {}
     for step in range(1, max(marks) + 1):
-        idx = torch.randint(0, len(x), (spec.training.batch_size,), generator=generator)
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        workload.loss(model, generator).backward()
         optimizer.step()
         if step in marks:
             states[marks[step]] = _snapshot(model, optimizer)
@@ -60,20 +143,79 @@ def collect_states(spec_path: Path, steps: int, seed: int = 0) -> dict[str, dict
 
 def _snapshot(model, optimizer) -> dict:
     opt = optimizer.state_dict()
-    return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    return {"model": {k: v.detach().clone() for k, v in _parameters(model).items()},
             "optimizer": {"state": {i: {k: v.clone() for k, v in s.items()} for i, s in opt["state"].items()},
                           "param_groups": opt["param_groups"]}}
 
 
+def _parameters(model) -> dict:
+    """The state dict with tied tensors once (a tied GPT's head is its token embedding)."""
+    seen, out = set(), {}
+    for name, value in model.state_dict().items():
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        if key not in seen:
+            seen.add(key)
+            out[name] = value
+    return out
+
+
 def _bench_view(state: dict) -> dict:
-    """What every compressor is measured on: the weights and Adam's moments (not the step
-    counters)."""
+    """The weights and AdamW's moments (not the step counters)."""
     return {"model": state["model"],
             "optimizer": {i: {k: v for k, v in s.items() if v.numel() > 1} for i, s in state["optimizer"]["state"].items()}}
 
 
+def data_sets(states: dict) -> dict[str, tuple[dict, str | None]]:
+    """{name: (state, the data set it is a delta against, or None)}."""
+    full = _bench_view(states["full"])
+    moments = full["optimizer"]
+    sets = {
+        "weights": ({"model": full["model"]}, None),
+        "m": ({"optimizer": {i: {"exp_avg": s["exp_avg"]} for i, s in moments.items()}}, None),
+        "v": ({"optimizer": {i: {"exp_avg_sq": s["exp_avg_sq"]} for i, s in moments.items()}}, None),
+        "all": (full, None),
+        "bf16-weights": ({"model": {k: v.to(torch.bfloat16) for k, v in full["model"].items()}}, None),
+    }
+    for k in SPACINGS:
+        sets[f"delta-{k}"] = (_bench_view(states[f"delta-{k}"]), "all")
+    return sets
+
+
+def entropy_bound(tensors: list[torch.Tensor]) -> dict[str, float] | None:
+    """What an ideal coder of each float tensor's sign and exponent, with the mantissa stored
+    as it is, would reach: raw bytes over its bits, with each tensor's own empirical entropy
+    of those bits, order 0 (each value alone) and order 1 (given the value before). The
+    mantissa of trained weights and moments is near-random, so a lossless float coder that
+    codes exponents, as rayzip and ZipNN do, lands near this. None for other dtypes."""
+    import numpy as np
+
+    raw = order0 = order1 = 0.0
+    for tensor in tensors:
+        if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
+        width, top = {torch.float32: (32, 9), torch.bfloat16: (16, 9), torch.float16: (16, 6)}[tensor.dtype]
+        words = tensor.contiguous().view({32: torch.int32, 16: torch.int16}[width]).numpy().view(f"u{width // 8}")
+        prefix = (words.ravel() >> (width - top)).astype(np.int64)
+        h0 = _entropy(np.bincount(prefix, minlength=1 << top))
+        h1 = h0
+        if prefix.size > 1:
+            pairs = np.bincount(prefix[:-1] << top | prefix[1:], minlength=1 << (2 * top))
+            h1 = min(h0, _entropy(pairs) - _entropy(np.bincount(prefix[:-1], minlength=1 << top)))
+        raw += width * prefix.size
+        order0 += prefix.size * (h0 + width - top)
+        order1 += prefix.size * (h1 + width - top)
+    return {"order0": raw / order0, "order1": raw / order1}
+
+
+def _entropy(counts) -> float:
+    import numpy as np
+
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
 def _tensors(view: dict) -> list[torch.Tensor]:
-    return [*view["model"].values(), *(v for s in view["optimizer"].values() for v in s.values())]
+    return [*view.get("model", {}).values(), *(v for s in view.get("optimizer", {}).values() for v in s.values())]
 
 
 class _Runner:
@@ -109,9 +251,10 @@ class _Rayzip(_Runner):
         manifest, blobs = self._time("compress", lambda: checkpoint.encode(self.state, base=self.base,
                                                                            threads=self.threads))
         restored = self._time("decompress", lambda: checkpoint.decode(manifest, blobs, threads=self.threads))
-        for name, value in self.state["model"].items():  # the benchmark refuses to report a lossy result
-            if not torch.equal(value.view(torch.int32), restored["model"][name].view(torch.int32)):
-                raise AssertionError(f"rayzip restored {name} inexactly")
+        for n, (value, back) in enumerate(zip(_tensors(self.state), _tensors(restored), strict=True)):
+            words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[value.element_size()]
+            if not torch.equal(value.view(words), back.view(words)):  # the benchmark refuses a lossy result
+                raise AssertionError(f"rayzip restored tensor {n} inexactly")
         if self.target.exists():
             shutil.rmtree(self.target)
         self._time("save", lambda: checkpoint.save(self.target, self.state, base=self.base, threads=self.threads))
@@ -145,109 +288,231 @@ def _zstd(level: int):
             lambda blobs: [decompressor.decompress(b) for b in blobs])
 
 
-def _zipnn():
+def _zipnn(dtype: str, threads: int):
     from zipnn import ZipNN
 
-    codec = ZipNN(input_format="byte", bytearray_dtype="float32", threads=1)
+    codec = ZipNN(input_format="byte", bytearray_dtype=dtype, threads=threads)
     return (lambda raws: [codec.compress(r) for r in raws],
             lambda blobs: [codec.decompress(b) for b in blobs])
 
 
-def run_checkpoint_bench(spec_path: Path, steps: int = 200, repeat: int = 5,
-                         compressors: tuple[str, ...] = ("rayzip", "rayzip-1t", "zstd-3", "zstd-19", "zipnn"),
+def _runner(name: str, view: dict, raws: list[bytes], base: Path | None, target: Path, dtype: str) -> _Runner:
+    if name.startswith("rayzip"):
+        return _Rayzip(view, base, target, 1 if name == "rayzip-1t" else None)
+    if name.startswith("zipnn"):
+        return _Baseline(lambda: _zipnn(dtype, 1 if name == "zipnn-1t" else 0), raws)
+    level = int(name.split("-")[1])  # zstd-19 is slow: one timed pass is enough to place it
+    return _Baseline(lambda: _zstd(level), raws, 1 if level >= 19 else None)
+
+
+def run_checkpoint_bench(spec_path: Path | None = None, steps: int = 200, repeat: int = 5,
+                         compressors: tuple[str, ...] = DEFAULT_COMPRESSORS, models: tuple[str, ...] = MODELS,
+                         stall_model: str | None = "gpt", stall_rounds: int = 5, stall_every: int = 5,
                          log: Callable[[str], None] = print) -> dict:
     """Every compressor runs once per round, in turn, on the same bytes: one warm-up round,
     then ``repeat`` timed rounds, the fastest time of each counting. Interleaving the
-    compressors lets a slow spell on a shared machine fall on all of them, not on one."""
+    compressors lets a slow spell on a shared machine fall on all of them, not on one. Then,
+    unless ``stall_model`` is None, :func:`measure_stall` on that model."""
     torch.set_num_threads(1)
-    log(f"training {spec_path.name} with Adam for {steps + max(SPACINGS)} steps ...")
-    states = collect_states(spec_path, steps)
     results = []
     tmp = Path(tempfile.mkdtemp(prefix="rayzip-bench-ckpt-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     try:
         from .. import checkpoint
 
-        views = {data: _bench_view(state) for data, state in states.items()}
-        for data, view in views.items():
-            raws = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in _tensors(view)]
-            raw_bytes = sum(len(r) for r in raws)
-            base = None
-            if data != "full":
-                base = tmp / "base"
-                checkpoint.save(base, views["full"])
-            runners: dict[str, _Runner] = {}
-            for name in compressors:
-                if name.startswith("rayzip"):
-                    runners[name] = _Rayzip(view, base, tmp / f"ckpt-{name}", 1 if name == "rayzip-1t" else None)
-                elif name == "zipnn":
-                    runners[name] = _Baseline(_zipnn, raws)
-                else:
-                    # zstd-19 is slow: one pass, timed, is enough to place it.
-                    level = int(name.split("-")[1])
-                    runners[name] = _Baseline(lambda level=level: _zstd(level), raws, 1 if level >= 19 else None)
-            for runner in runners.values():  # a warm-up round, except for zstd-19's one pass
-                if runner.rounds is None:
-                    runner.round()
-                    runner.best.clear()
-            for timed in range(repeat):
-                for runner in runners.values():
-                    if runner.rounds is None or timed < runner.rounds:
+        for model in models:
+            workload = build_workload(model, spec_path)
+            log(f"training {workload.name} with AdamW for {steps + max(SPACINGS)} steps ...")
+            sets = data_sets(collect_states(workload, steps))
+            bases: dict[str, Path] = {}
+            for data, (view, against) in sets.items():
+                tensors = _tensors(view)
+                raws = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors]
+                raw_bytes = sum(len(r) for r in raws)
+                if against is not None and against not in bases:
+                    bases[against] = tmp / f"base-{model}-{against}"
+                    checkpoint.save(bases[against], sets[against][0])
+                dtype = "bfloat16" if tensors[0].dtype == torch.bfloat16 else "float32"
+                runners = {name: _runner(name, view, raws, bases.get(against), tmp / f"ckpt-{name}", dtype)
+                           for name in compressors}
+                for runner in runners.values():  # a warm-up round, except for zstd-19's one pass
+                    if runner.rounds is None:
                         runner.round()
-            for name, runner in runners.items():
-                times = runner.best
-                extra = ({"save_gbps": raw_bytes / times["save"] / 1e9, "load_gbps": raw_bytes / times["load"] / 1e9}
-                         if "save" in times else {})
-                results.append({"data": data, "compressor": name, "raw_bytes": raw_bytes, "stored_bytes": runner.stored,
-                                "ratio": raw_bytes / runner.stored, "compress_gbps": raw_bytes / times["compress"] / 1e9,
-                                "decompress_gbps": raw_bytes / times["decompress"] / 1e9, **extra})
-                row = results[-1]
-                log(f"  {data:9s} {name:9s} ratio {row['ratio']:6.3f}  compress {row['compress_gbps']:6.3f} GB/s  "
-                    f"decompress {row['decompress_gbps']:6.3f} GB/s"
-                    + (f"  (save {extra['save_gbps']:.3f}, load {extra['load_gbps']:.3f} GB/s to tmpfs)" if extra else ""))
+                        runner.best.clear()
+                for timed in range(repeat):
+                    for runner in runners.values():
+                        if runner.rounds is None or timed < runner.rounds:
+                            runner.round()
+                bound = entropy_bound(tensors) if against is None else None
+                for name, runner in runners.items():
+                    times = runner.best
+                    extra = ({"save_gbps": raw_bytes / times["save"] / 1e9, "load_gbps": raw_bytes / times["load"] / 1e9}
+                             if "save" in times else {})
+                    row = {"model": workload.name, "data": data, "compressor": name, "tensors": len(tensors),
+                           "raw_bytes": raw_bytes, "stored_bytes": runner.stored, "ratio": raw_bytes / runner.stored,
+                           "compress_gbps": raw_bytes / times["compress"] / 1e9,
+                           "decompress_gbps": raw_bytes / times["decompress"] / 1e9, **extra,
+                           "bound_order0": bound and bound["order0"], "bound_order1": bound and bound["order1"]}
+                    results.append(row)
+                    log(f"  {workload.name:4s} {data:12s} {name:9s} ratio {row['ratio']:6.3f}  compress "
+                        f"{row['compress_gbps']:6.3f} GB/s  decompress {row['decompress_gbps']:6.3f} GB/s")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"steps": steps, "spacings": list(SPACINGS), "repeat": repeat, "interleaved": True,
-            "results": results, "comparisons": _comparisons(results)}
+    report = {"steps": steps, "spacings": list(SPACINGS), "repeat": repeat, "interleaved": True,
+              "models": list(models), "results": results, "comparisons": _comparisons(results)}
+    if stall_model is not None:
+        log(f"training stall per checkpoint on {stall_model} ...")
+        report["stall"] = measure_stall(build_workload(stall_model, spec_path), stall_rounds, stall_every, log=log)
+    return report
+
+
+STALL_METHODS = ("rayzip-background", "rayzip-sync", "torch.save")
+
+
+def measure_stall(workload: Workload, rounds: int = 5, every: int = 5, directory: Path | None = None,
+                  log: Callable[[str], None] = print) -> dict:
+    """The time a training loop waits per checkpoint of its model and AdamW state, for each of
+    :data:`STALL_METHODS`: rayzip in the background (the snapshot, and any wait for the
+    previous write at the next checkpoint), rayzip written before the next step, and
+    ``torch.save``. The loop trains ``every`` steps between checkpoints; the methods take
+    turns, ``rounds`` checkpoints each, into files under ``directory`` (default: the temporary
+    directory). The background snapshots reuse the host tensors of the one before, once it is
+    written, as ``rayzip run`` does (the first round's pays for fresh memory). Also: the mean step time while a background write was in flight against the
+    steps with no checkpoint work, as ``step_slowdown``."""
+    from .. import checkpoint
+    from ..checkpoint.background import BackgroundWriter, SnapshotBuffers, snapshot
+
+    model = workload.model
+    optimizer = workload.optimizer(model.parameters())
+    generator = torch.Generator().manual_seed(1)
+    root = Path(tempfile.mkdtemp(prefix="rayzip-stall-", dir=directory))
+    writer, buffers = BackgroundWriter(), SnapshotBuffers()
+    stalls: dict[str, list[float]] = {m: [] for m in STALL_METHODS}
+    quiet_steps, busy_steps = [], []
+
+    def step() -> float:
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        workload.loss(model, generator).backward()
+        optimizer.step()
+        return time.perf_counter() - start
+
+    def state() -> dict:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    try:
+        for _ in range(3):  # the optimizer's state exists, the allocator is warm
+            step()
+        order = list(STALL_METHODS)
+        for r in range(rounds):
+            for method in order[r % len(order):] + order[: r % len(order)]:
+                target = root / f"{method}-{r}"
+                start = time.perf_counter()
+                if method == "rayzip-background":
+                    taken = snapshot(state(), buffers=buffers)
+                    writer.submit(lambda taken=taken, target=target: checkpoint.save(target, taken))
+                elif method == "rayzip-sync":
+                    checkpoint.save(target, state())
+                else:
+                    torch.save(state(), target)
+                stall = time.perf_counter() - start
+                for _ in range(every):
+                    in_flight = writer.pending and not writer.done()
+                    (busy_steps if in_flight else quiet_steps).append(step())
+                if method == "rayzip-background":
+                    stall += writer.wait()[1]  # the loop's next checkpoint would wait for it here
+                    buffers.release(taken)  # as GroupCheckpoints does: the next snapshot reuses them
+                stalls[method].append(stall)
+                log(f"  {method:18s} stall {stall * 1e3:8.1f} ms")
+    finally:
+        writer.close()
+        shutil.rmtree(root, ignore_errors=True)
+    rows = [{"method": m, "stall_s": statistics.median(v), "stalls_s": v} for m, v in stalls.items()]
+    sync = statistics.median(stalls["rayzip-sync"])
+    for row in rows:
+        row["vs_rayzip_sync"] = row["stall_s"] / sync
+    quiet = statistics.median(quiet_steps) if quiet_steps else None
+    busy = statistics.median(busy_steps) if busy_steps else None
+    return {"model": workload.name, "every": every, "rounds": rounds, "rows": rows,
+            "step_s": quiet, "step_s_during_write": busy,
+            "step_slowdown": busy / quiet if quiet and busy else None,
+            "steps_during_write": len(busy_steps)}
 
 
 def _comparisons(results: list[dict]) -> dict:
-    def get(data, name):
-        return next((r for r in results if r["data"] == data and r["compressor"] == name), None)
+    """Per model: rayzip against ZipNN (ratio on ``all`` and on ``weights``; compression and
+    decompression speed on ``all`` against ZipNN on one thread, rayzip on its default threads
+    and on one), the delta ratios, and the least speed-up of rayzip's threads over one thread
+    across the data sets."""
+    out: dict[str, dict] = {}
+    for model in dict.fromkeys(r["model"] for r in results):
+        def get(data, name):
+            return next((r for r in results if r["model"] == model and r["data"] == data and r["compressor"] == name),
+                        None)
 
-    out = {}
-    zipnn = get("full", "zipnn")
-    for name, suffix in (("rayzip", ""), ("rayzip-1t", "_1t")):
-        mine = get("full", name)
-        if mine and zipnn:
-            out[f"full_ratio_vs_zipnn{suffix}"] = mine["ratio"] / zipnn["ratio"]
-            out[f"compress_speed_vs_zipnn{suffix}"] = mine["compress_gbps"] / zipnn["compress_gbps"]
-            out[f"decompress_speed_vs_zipnn{suffix}"] = mine["decompress_gbps"] / zipnn["decompress_gbps"]
-    for k in SPACINGS:
-        row = get(f"delta-{k}", "rayzip")
-        if row:
-            out[f"delta_{k}_ratio"] = row["ratio"]
+        mine: dict[str, float] = {}
+        for data in ("all", "weights"):
+            rayzip, zipnn = get(data, "rayzip"), get(data, "zipnn-1t") or get(data, "zipnn")
+            if rayzip and zipnn:
+                mine[f"{data}_ratio_vs_zipnn"] = rayzip["ratio"] / zipnn["ratio"]
+        zipnn_1t = get("all", "zipnn-1t")
+        for name, suffix in (("rayzip", ""), ("rayzip-1t", "_1t")):
+            row = get("all", name)
+            if row and zipnn_1t:
+                mine[f"compress_speed_vs_zipnn_1t{suffix}"] = row["compress_gbps"] / zipnn_1t["compress_gbps"]
+                mine[f"decompress_speed_vs_zipnn_1t{suffix}"] = row["decompress_gbps"] / zipnn_1t["decompress_gbps"]
+        speedups = [(r["data"], r["compress_gbps"] / one["compress_gbps"], r["decompress_gbps"] / one["decompress_gbps"])
+                    for r in results if r["model"] == model and r["compressor"] == "rayzip"
+                    for one in [get(r["data"], "rayzip-1t")] if one]
+        if speedups:
+            mine["threads_compress_speedup_min"] = min(c for _, c, _ in speedups)
+            mine["threads_decompress_speedup_min"] = min(d for _, _, d in speedups)
+        for k in SPACINGS:
+            row = get(f"delta-{k}", "rayzip")
+            if row:
+                mine[f"delta_{k}_ratio"] = row["ratio"]
+        out[model] = mine
     return out
 
 
 def render_table(report: dict):
     from rich.table import Table
 
-    table = Table(title=f"rayzip bench checkpoint: MLP + Adam after {report['steps']} steps (fp32)")
-    for col in ("data", "compressor", "ratio", "compress GB/s", "decompress GB/s"):
-        table.add_column(col, justify="left" if col in ("data", "compressor") else "right")
+    table = Table(title=f"rayzip bench checkpoint: AdamW state after {report['steps']} steps")
+    for col in ("model", "data", "compressor", "ratio", "compress GB/s", "decompress GB/s"):
+        table.add_column(col, justify="left" if col in ("model", "data", "compressor") else "right")
     for r in report["results"]:
-        table.add_row(r["data"], r["compressor"], f"{r['ratio']:.3f}", f"{r['compress_gbps']:.3f}",
+        table.add_row(r["model"], r["data"], r["compressor"], f"{r['ratio']:.3f}", f"{r['compress_gbps']:.3f}",
                       f"{r['decompress_gbps']:.3f}")
     return table
 
 
 def markdown_table(report: dict) -> str:
-    """The checkpoint report as the README's Markdown table (generated, not typed)."""
-    head = ["data", "compressor", "ratio", "compress GB/s", "decompress GB/s", "save / load GB/s (tmpfs)"]
+    """The checkpoint report as the README's Markdown table (generated, not typed): one row
+    per model, data set and compressor, with the entropy bound of coding sign and exponent
+    (order 0 / order 1) where the data set is not a delta."""
+    head = ["model", "data", "compressor", "ratio", "compress GB/s", "decompress GB/s", "save / load GB/s (tmpfs)",
+            "bound o0 / o1"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report["results"]:
-        io = (f"{r['save_gbps']:.3f} / {r['load_gbps']:.3f}" if r.get("save_gbps") is not None
-              and r.get("load_gbps") is not None else "–")
-        lines.append(f"| {r['data']} | {r['compressor']} | {r['ratio']:.3f} | {r['compress_gbps']:.3f} | "
-                     f"{r['decompress_gbps']:.3f} | {io} |")
+        io_ = (f"{r['save_gbps']:.3f} / {r['load_gbps']:.3f}" if r.get("save_gbps") is not None
+               and r.get("load_gbps") is not None else "–")
+        bound = (f"{r['bound_order0']:.3f} / {r['bound_order1']:.3f}" if r.get("bound_order0") is not None
+                 and r.get("bound_order1") is not None else "–")
+        lines.append(f"| {r.get('model', 'mlp')} | {r['data']} | {r['compressor']} | {r['ratio']:.3f} | "
+                     f"{r['compress_gbps']:.3f} | {r['decompress_gbps']:.3f} | {io_} | {bound} |")
+    return "\n".join(lines)
+
+
+def stall_markdown_table(stall: dict) -> str:
+    """The stall measurement as a Markdown table: per method, the median time the loop waited
+    per checkpoint and its ratio to rayzip's sync save; then the steps taken while a
+    background write was in flight against those without."""
+    lines = ["| method | stall per checkpoint | vs rayzip sync | every checkpoint (ms) |", "|---|---|---|---|"]
+    for row in stall["rows"]:
+        each = ", ".join(f"{s * 1e3:.1f}" for s in row["stalls_s"])
+        lines.append(f"| {row['method']} | {row['stall_s'] * 1e3:.1f} ms | {row['vs_rayzip_sync']:.3f} | {each} |")
+    if stall.get("step_slowdown") is not None:
+        lines.append(f"| steps during a background write | {stall['step_s_during_write'] * 1e3:.0f} ms a step | "
+                     f"{stall['step_slowdown']:.2f}× the {stall['step_s'] * 1e3:.0f} ms without | "
+                     f"{stall['steps_during_write']} steps |")
     return "\n".join(lines)

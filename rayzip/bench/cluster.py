@@ -92,14 +92,17 @@ def _method_base(method: str) -> tuple[str, dict[str, Any]]:
 def method_compression(method: str, powersgd_start_iter: int, training: dict | None = None) -> dict[str, Any]:
     """The spec's compression section for ``method``. Sparse methods move SGD momentum into
     the hook (momentum correction) when the job's optimizer has momentum to move; under
-    AdamW every rayzip codec sends each worker's Adam direction (Adam correction)."""
+    AdamW sparse codecs send each worker's Adam direction (Adam correction), while dense
+    quantizers (DCT, QSGD) send the gradient with error feedback and AdamW runs on the
+    decompressed mean, as it does on DDP's (on the GPT, DCT at 4 bits ended at 2.975 bits per
+    byte this way, against 3.106 with Adam correction and DDP's 3.035)."""
     method, compression = _method_base(method)
     if method == "powersgd":
         compression["powersgd_start_iter"] = powersgd_start_iter
     training = TrainingSpec.model_validate(training or {})
     if CODECS[compression["codec"]].sparse and training.optimizer == "sgd" and training.momentum > 0:
         compression["momentum_correction"] = True
-    if compression["codec"] != "none" and training.optimizer == "adamw" and compression.get("collective") != "ps":
+    if CODECS[compression["codec"]].sparse and training.optimizer == "adamw" and compression.get("collective") != "ps":
         compression["adam_correction"] = True  # AdamW's moments before compression (AdamCorrection)
     return compression
 

@@ -27,6 +27,7 @@ import base64
 import json
 import os
 import pickle
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -36,7 +37,7 @@ import numpy as np
 import xxhash
 
 from ..xp import asnumpy, is_torch
-from .codecs import CODECS, choose, pack_stream, unpack_stream
+from .codecs import CODECS, SAMPLE, choose, pack_stream, unpack_stream
 from .transforms import WORD_DTYPES, tensor_words, words_to_tensor
 
 __all__ = ["CheckpointError", "FORMAT", "decode", "encode", "inspect", "load", "save", "verify"]
@@ -180,33 +181,64 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
     # thread pool (the kernels, zstd and xxhash release the GIL); this thread only writes the
     # results, in order. With as many busy threads as cores, a transform does not preempt
     # the coding of the streams before it. A window bounds how many tensors are in flight.
-    def prepare(name: str, tensor: Any, pool: _pool) -> tuple[dict, list[Future], Future]:
+    # Small tensors (biases, norms) are coded in batches, one task each, so that a model's
+    # hundreds of them do not pay a dispatch each.
+    def prepare(name: str, submit: Callable[..., Future]) -> tuple[dict, list[Future], Future]:
+        tensor = tensors[name]
         words, xp = tensor_words(tensor)
         dtype = _dtype_name(tensor)
         base_words = base_tensors.get(name)
         is_delta = (base_words is not None and base_words[1] == dtype
                     and tuple(base_words[2]) == tuple(tensor.shape) and wants_delta(name))
         prior = xp.asarray(base_words[0]) if is_delta else None
-        codec = choose(words, prior, dtype, xp, is_optimizer(name))
+        codec = choose_for_family(name, words, prior, dtype, xp, is_delta)
         streams, params = codec.encode(words, prior, xp)
         entry = {"dtype": dtype, "shape": list(tensor.shape), "codec": codec.name, "params": params,
                  "delta": is_delta}
-        return entry, [pool.submit(_pack, stream) for stream in streams], pool.submit(_hash, asnumpy(words))
+        return entry, [submit(_pack, stream) for stream in streams], submit(_hash, asnumpy(words))
+
+    # A model's layers repeat: the codec chosen for the largest tensor of a family (same
+    # dtype, delta or not, weights or optimizer state, and the last part of the name:
+    # "weight" of "/model/blocks.0.mlp.weight", "exp_avg_sq") serves the others, which then skip the trial encodings. Tensors too
+    # small to sample take the default codec anyway.
+    families: dict[tuple, Future] = {}
+    families_lock = threading.Lock()
+
+    def choose_for_family(name: str, words, prior, dtype: str, xp, is_delta: bool):
+        if words.size <= SAMPLE:
+            return choose(words, prior, dtype, xp, is_optimizer(name))
+        key = (dtype, is_delta, is_optimizer(name), name.rsplit("/", 1)[-1].rsplit(".", 1)[-1])
+        with families_lock:
+            decided, mine = families.get(key), None
+            if decided is None:
+                decided = mine = families[key] = Future()
+        if mine is not None:
+            try:
+                mine.set_result(choose(words, prior, dtype, xp, is_optimizer(name)))
+            except BaseException as exc:
+                mine.set_exception(exc)
+        return decided.result()
+
+    def prepare_batch(names: list[str]) -> list[tuple[dict, list[Future], Future]]:
+        return [prepare(name, _completed) for name in names]
 
     pending: deque = deque()
 
     def drain(keep: int) -> None:
         while len(pending) > keep:
-            name, prepared = pending.popleft()
-            entry, futures, words_hash = prepared.result()
-            entry["streams"] = [put(*future.result()) for future in futures]
-            entry["xxh3"] = words_hash.result()
-            entries[name] = entry
+            names, prepared = pending.popleft()
+            for name, (entry, futures, words_hash) in zip(names, prepared.result()):
+                entry["streams"] = [put(*future.result()) for future in futures]
+                entry["xxh3"] = words_hash.result()
+                entries[name] = entry
 
     # The largest tensors go first, so that the threads end on small ones together.
     with _pool(threads) as pool:
-        for name in sorted(tensors, key=lambda name: -tensors[name].nbytes):
-            pending.append((name, pool.submit(prepare, name, tensors[name], pool)))
+        for names in _batches({name: int(tensor.nbytes) for name, tensor in tensors.items()}):
+            if tensors[names[0]].nbytes >= SMALL_TENSOR_BYTES:  # alone in its batch
+                pending.append((names, pool.submit(lambda name=names[0]: [prepare(name, pool.submit)])))
+            else:
+                pending.append((names, pool.submit(prepare_batch, names)))
             drain(keep=2 * pool.workers)
         drain(keep=0)
     entries = {name: entries[name] for name in tensors}  # the manifest lists them as the state does
@@ -215,6 +247,59 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
     return {"format": FORMAT, "version": VERSION, "base": base_ref, "data": DATA, "data_bytes": offset,
             "checksum": _whole([s["xxh3"] for entry in entries.values() for s in entry["streams"]]),
             "tree": tree, "tensors": entries}
+
+
+SMALL_TENSOR_BYTES = 1 << 18  # tensors below this are coded (and restored) in batches
+BATCH_BYTES = 1 << 21  # of about this many bytes each
+
+
+def _batches(sizes: dict[str, int]) -> list[list[str]]:
+    """Names, largest first: alone from ``SMALL_TENSOR_BYTES`` up, the smaller ones together
+    in batches of about ``BATCH_BYTES``."""
+    batches, current, size = [], [], 0
+    for name in sorted(sizes, key=lambda name: -sizes[name]):
+        if sizes[name] >= SMALL_TENSOR_BYTES:
+            batches.append([name])
+            continue
+        current.append(name)
+        size += sizes[name]
+        if size >= BATCH_BYTES:
+            batches.append(current)
+            current, size = [], 0
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _in_order_batches(entries: list[tuple[str, dict]]) -> list[list[tuple[str, dict]]]:
+    """Manifest entries in their order, consecutive small ones together (as :func:`_batches`)."""
+    batches: list[list[tuple[str, dict]]] = []
+    size = BATCH_BYTES
+    for name, entry in entries:
+        nbytes = _entry_bytes(entry)
+        if nbytes >= SMALL_TENSOR_BYTES or size >= BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append((name, entry))
+        size = BATCH_BYTES if nbytes >= SMALL_TENSOR_BYTES else size + nbytes
+    return batches
+
+
+def _entry_bytes(entry: dict) -> int:
+    """An entry's restored size; 0 for one too malformed to say (restoring it names it)."""
+    try:
+        if entry.get("pickle"):
+            return sum(int(s["nbytes"]) for s in entry["streams"])
+        return int(np.prod(entry["shape"], dtype=np.int64)) * _itemsize(entry["dtype"])
+    except Exception:
+        return 0
+
+
+def _completed(fn, *args) -> Future:
+    """``fn(*args)`` run now, as a finished future."""
+    future: Future = Future()
+    future.set_result(fn(*args))
+    return future
 
 
 def _pack(stream) -> tuple[Any, int, str, str]:
@@ -239,9 +324,7 @@ class _pool:
     def submit(self, fn, *args) -> Future:
         if self.executor is not None:
             return self.executor.submit(fn, *args)
-        future: Future = Future()
-        future.set_result(fn(*args))
-        return future
+        return _completed(fn, *args)
 
 
 def default_threads() -> int:
@@ -342,29 +425,33 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
     needs_base = any(e.get("delta") for e in manifest["tensors"].values())
     base = _load_tensors(base_dir, words_only=True, threads=threads) if base_dir is not None and needs_base else {}
 
-    def restore(name: str, entry: dict) -> Any:
-        """The tensor's words, or a pickled object's bytes."""
+    def named(name: str, fn: Callable, *args) -> Any:
+        """``fn(*args)``, any failure of a decoder on bad input raised as a CheckpointError
+        naming the tensor."""
         try:
-            return restore_unchecked(name, entry)
+            return fn(*args)
         except CheckpointError:
             raise
         except Exception as exc:  # a stream or manifest entry that its decoder cannot take
             raise CheckpointError(f"{data_path}: tensor {name!r}: cannot be restored "
                                   f"({type(exc).__name__}: {exc})") from None
 
-    def restore_unchecked(name: str, entry: dict) -> Any:
-        streams = []
-        for s in entry["streams"]:
-            blob = data[s["offset"]: s["offset"] + s["stored"]]
-            if _hash(blob) != s["xxh3"]:
-                raise CheckpointError(f"{data_path}: tensor {name!r}: stored bytes fail their checksum (corrupt)")
-            try:
-                streams.append(unpack_stream(blob, s["coding"], s["nbytes"]))
-            except Exception as exc:
-                raise CheckpointError(f"{data_path}: tensor {name!r}: cannot decompress ({exc})") from None
-            if not entry.get("pickle") and s["nbytes"] > _most_stream_bytes(entry):
-                raise CheckpointError(f"{data_path}: tensor {name!r}: a stream of {s['nbytes']} bytes is "
-                                      "larger than the tensor could need")
+    def unpack(name: str, entry: dict, s: dict) -> np.ndarray:
+        """One stream's bytes, checked against its checksum and size."""
+        blob = data[s["offset"]: s["offset"] + s["stored"]]
+        if _hash(blob) != s["xxh3"]:
+            raise CheckpointError(f"{data_path}: tensor {name!r}: stored bytes fail their checksum (corrupt)")
+        try:
+            stream = unpack_stream(blob, s["coding"], s["nbytes"])
+        except Exception as exc:
+            raise CheckpointError(f"{data_path}: tensor {name!r}: cannot decompress ({exc})") from None
+        if not entry.get("pickle") and s["nbytes"] > _most_stream_bytes(entry):
+            raise CheckpointError(f"{data_path}: tensor {name!r}: a stream of {s['nbytes']} bytes is "
+                                  "larger than the tensor could need")
+        return stream
+
+    def join(name: str, entry: dict, streams: list) -> Any:
+        """The tensor's words from its streams, or a pickled object's bytes."""
         if entry.get("pickle"):
             return streams[0].tobytes()
         dtype, shape = entry["dtype"], tuple(entry["shape"])
@@ -380,20 +467,45 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
             raise CheckpointError(f"{data_path}: tensor {name!r}: restored words fail their checksum")
         return words
 
-    # Tensors are restored on a thread pool (hashing, Huffman decoding and the transforms
-    # release the GIL); the results are taken in manifest order, so the first bad tensor in
-    # that order is the one an error names.
+    def restore_batch(batch: list[tuple[str, dict]]) -> list:
+        return [named(name, lambda: join(name, entry, [unpack(name, entry, s) for s in entry["streams"]]))
+                for name, entry in batch]
+
+    # Large tensors are restored as a task per stream, then one joining them, so that two
+    # threads share one large tensor; small ones in batches, a task each. Hashing, Huffman
+    # decoding and the transforms release the GIL. No task waits for another: this thread
+    # submits each join once its streams are in. Results are taken in manifest order, so the
+    # first bad tensor in that order is the one an error names.
     tensors, objects = {}, {}
     wanted = [(name, entry) for name, entry in manifest["tensors"].items() if names is None or name in names]
     with _pool(threads) as pool:
-        futures = [(name, entry, pool.submit(restore, name, entry)) for name, entry in wanted]
-        for name, entry, future in futures:
-            restored = future.result()
-            if entry.get("pickle"):
-                objects[name] = restored
+        submitted = []
+        for batch in _in_order_batches(wanted):
+            name, entry = batch[0]
+            if len(batch) == 1 and _entry_bytes(entry) >= SMALL_TENSOR_BYTES:
+                submitted.append((batch, [pool.submit(named, name, unpack, name, entry, s)
+                                          for s in entry.get("streams", [])]))
             else:
-                dtype, shape = entry["dtype"], tuple(entry["shape"])
-                tensors[name] = (restored, dtype, shape) if words_only else words_to_tensor(restored, dtype, shape)
+                submitted.append((batch, pool.submit(restore_batch, batch)))
+        joined: list[tuple[list, Future]] = []
+        for batch, work in submitted:
+            if isinstance(work, list):
+                name, entry = batch[0]
+                try:
+                    streams = [future.result() for future in work]
+                except CheckpointError:
+                    for _, earlier in joined:  # a tensor before this one may be bad too
+                        earlier.result()
+                    raise
+                work = pool.submit(lambda n=name, e=entry, st=streams: [named(n, join, n, e, st)])
+            joined.append((batch, work))
+        for batch, work in joined:
+            for (name, entry), restored in zip(batch, work.result()):
+                if entry.get("pickle"):
+                    objects[name] = restored
+                else:
+                    dtype, shape = entry["dtype"], tuple(entry["shape"])
+                    tensors[name] = (restored, dtype, shape) if words_only else words_to_tensor(restored, dtype, shape)
     if names is None and _whole([s["xxh3"] for e in manifest["tensors"].values() for s in e["streams"]]) != manifest["checksum"]:
         raise CheckpointError(f"{data_path.parent / MANIFEST}: the stream checksums do not add up to its whole "
                               f"checksum {manifest['checksum']} (the manifest was edited)")

@@ -8,7 +8,7 @@ Usage::
     model = rayzip.train.prepare_model(model, compression=rayzip.train.CompressionConfig(codec="group_topk"))
 """
 
-from .api import CompressionConfig, compression_state, prepare_model, report, restore, save_checkpoint
+from .api import CompressionConfig, compression_state, flush, prepare_model, report, restore, save_checkpoint
 from .records import StepRecord, Totals, Traffic
 from .telemetry import Telemetry
 
@@ -23,4 +23,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["CompressionConfig", "LoopContext", "StepRecord", "Telemetry", "Totals", "Traffic", "compression_state",
-           "prepare_model", "report", "restore", "save_checkpoint"]
+           "flush", "prepare_model", "report", "restore", "save_checkpoint"]

@@ -23,7 +23,8 @@ checkpoint: rank 0 the model, the optimizer and ``extra``, every rank its compre
 world size changed (see :func:`rayzip.train.checkpoints.restore_hook`).
 
 Every rank must call ``report`` and ``restore`` at the same points, as with
-``ray.train.report``.
+``ray.train.report``. ``report(..., background=True)`` writes the checkpoint on a thread while
+training goes on and reports it at the next ``report`` or :func:`flush`.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..spec import CompressionSpec
 from ..torch.hook import CompressionState, compress, ddp_kwargs
-from .checkpoints import load_optimizer, load_trainer, restore_hook, unwrap, write_parts
+from .checkpoints import (GroupCheckpoints, load_optimizer, load_trainer, restore_hook, take_parts, unwrap,
+                          write_parts, write_taken)
 
-__all__ = ["CompressionConfig", "compression_state", "prepare_model", "report", "restore", "save_checkpoint"]
+__all__ = ["CompressionConfig", "compression_state", "flush", "prepare_model", "report", "restore",
+           "save_checkpoint"]
 
 # The compression section of a job spec is the library's config object: a small pydantic
 # model (codec and its parameters, error feedback, momentum correction, collective, warm-up).
@@ -85,13 +88,7 @@ def compression_state(model: torch.nn.Module) -> CompressionState | None:
     return getattr(model, _ATTRIBUTE, None)
 
 
-def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    extra: dict | None = None) -> Path:
-    """Write this rank's part of a checkpoint into ``directory`` (every rank calls it): rank
-    0 the model, optimizer and ``extra`` (tensors, numbers, strings, containers), every rank
-    its compression state."""
-    directory = Path(directory)
-    context = ray.train.get_context()
+def _trainer_part(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None):
     state = compression_state(model)
 
     def trainer() -> dict:
@@ -99,20 +96,75 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
                 "optimizer": optimizer.state_dict() if optimizer is not None else None,
                 "step": state.step - 1 if state is not None else -1, "extra": dict(extra or {})}
 
+    return trainer, state
+
+
+def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    extra: dict | None = None) -> Path:
+    """Write this rank's part of a checkpoint into ``directory`` (every rank calls it): rank
+    0 the model, optimizer and ``extra`` (tensors, numbers, strings, containers), every rank
+    its compression state."""
+    directory = Path(directory)
+    context = ray.train.get_context()
+    trainer, state = _trainer_part(model, optimizer, extra)
     write_parts(directory, context.get_world_rank(), context.get_world_size(), trainer, state)
     return directory
 
 
+_GROUP: GroupCheckpoints | None = None  # this worker's background checkpoints
+_PENDING_METRICS: dict = {}  # what the last background report reported
+
+
+def _group() -> GroupCheckpoints:
+    global _GROUP
+    if _GROUP is None:
+        context = ray.train.get_context()
+        device = ray.train.torch.get_device() if torch.cuda.is_available() else torch.device("cpu")
+        _GROUP = GroupCheckpoints(context.get_world_size(), device, background=False)
+    return _GROUP
+
+
 def report(metrics: dict, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-           extra: dict | None = None) -> None:
-    """``ray.train.report(metrics)``, with a compressed checkpoint when ``model`` is given."""
-    if model is None:
+           extra: dict | None = None, background: bool = False) -> None:
+    """``ray.train.report(metrics)``, with a compressed checkpoint when ``model`` is given.
+
+    With ``background``, the checkpoint is a host snapshot of the model, the optimizer,
+    ``extra`` and the compression state, compressed and written on a thread while your loop
+    goes on; only the snapshot (a memory copy) delays it. The checkpoint is reported to Ray
+    Train at your next ``report`` (or :func:`flush`), which first waits for the write if it
+    is still running: a worker lost before then resumes from the checkpoint before, never
+    from a half-written one. Call :func:`flush` after the last background report."""
+    global _PENDING_METRICS
+    group = _group()
+    ready = group.flush()
+    if model is not None and background:
+        _PENDING_METRICS = dict(metrics)
+    if model is not None:
+        directory = Path(tempfile.mkdtemp(prefix="rayzip-ckpt-"))
+        context = ray.train.get_context()
+        trainer, state = _trainer_part(model, optimizer, extra)
+        ready += group.save(directory,
+                            lambda copy: take_parts(context.get_world_rank(), context.get_world_size(), trainer,
+                                                    state, copy),
+                            lambda parts: write_taken(directory, parts), background=background)
+    _report(metrics, ready)
+
+
+def flush(metrics: dict | None = None) -> None:
+    """Wait for a checkpoint that :func:`report` writes in the background, and report it
+    with ``metrics`` (default: those of the report that started it); nothing when none is
+    pending. Every rank calls it at the same point."""
+    ready = _group().flush()
+    if ready:
+        _report(dict(_PENDING_METRICS if metrics is None else metrics), ready)
+
+
+def _report(metrics: dict, ready: list[Path]) -> None:
+    if not ready:
         ray.train.report(metrics)
-        return
-    directory = Path(tempfile.mkdtemp(prefix="rayzip-ckpt-"))
-    save_checkpoint(directory, model, optimizer, extra)
-    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(directory)),
-                     delete_local_checkpoint_after_upload=True)
+    for directory in ready:
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(directory)),
+                         delete_local_checkpoint_after_upload=True)
 
 
 def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,

@@ -13,40 +13,76 @@ Usage (every rank)::
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoint import DeltaChain
+from ..checkpoint.background import BackgroundWriter, SnapshotBuffers, snapshot
 from ..checkpoint import load as load_checkpoint
 from ..checkpoint import save as save_checkpoint
 from ..codecs.memory import reshard_state
 
-__all__ = ["holder_parts", "load_optimizer", "load_trainer", "restore_hook", "unwrap", "write_parts"]
+__all__ = ["GroupCheckpoints", "Parts", "holder_parts", "load_optimizer", "load_trainer", "restore_hook", "take_parts", "unwrap",
+           "write_parts", "write_taken"]
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def write_parts(directory: Path, rank: int, world: int, trainer: Callable[[], dict], state,
-                chain: DeltaChain | None = None, index: int = 0) -> None:
-    """Rank 0 writes ``trainer()`` (called there only) to ``trainer/``, with ``world_size`` and
-    the torch RNG added (with a chain, its weights as XOR deltas against the chain's base,
-    ``index`` being the checkpoint's number); every rank with a hook writes ``rank{r}/``."""
+@dataclass
+class Parts:
+    """What one rank writes into a checkpoint: rank 0's ``trainer`` part (else None) and its
+    hook state (None without a hook)."""
+
+    rank: int
+    world: int
+    trainer: dict | None
+    hook: dict | None
+
+
+def take_parts(rank: int, world: int, trainer: Callable[[], dict], state,
+               copy: Callable[[Any], Any] | None = None) -> Parts:
+    """This rank's parts of a checkpoint, as they are now: ``trainer()`` on rank 0, with
+    ``world_size``, the torch RNG and the hook's holders added, and the hook's state. With
+    ``copy`` (:func:`rayzip.checkpoint.background.snapshot`, or one with buffers), every
+    tensor is copied to host memory, so the parts can be written while training goes on."""
+    content = None
     if rank == 0:
         content = {**trainer(), "world_size": world, "torch_rng": torch.get_rng_state()}
         holders = getattr(state, "holders", None)  # the hook's: every rank, or each node's leader
         if holders is not None:
             content["hook_holders"] = {str(r): list(held) for r, held in holders.items()}
+    hook = None if state is None else {"world_size": world, "hook": state.state_dict()}
+    if copy is not None:
+        content, hook = copy(content), copy(hook)
+    return Parts(rank, world, content, hook)
+
+
+def write_taken(directory: Path, parts: Parts, chain: DeltaChain | None = None, index: int = 0) -> None:
+    """Write :func:`take_parts`' result: rank 0's part to ``trainer/`` (with a chain, its
+    weights as XOR deltas against the chain's base, ``index`` being the checkpoint's number),
+    the hook state to ``rank{r}/``."""
+    if parts.trainer is not None:
         if chain is None:
-            save_checkpoint(directory / "trainer", content)
+            save_checkpoint(directory / "trainer", parts.trainer)
         else:
-            chain.history = chain.save(directory / "trainer", content, index, chain.history)
-    if state is not None:
-        save_checkpoint(directory / f"rank{rank}", {"world_size": world, "hook": state.state_dict()})
+            chain.history = chain.save(directory / "trainer", parts.trainer, index, chain.history)
+    if parts.hook is not None:
+        save_checkpoint(directory / f"rank{parts.rank}", parts.hook)
+
+
+def write_parts(directory: Path, rank: int, world: int, trainer: Callable[[], dict], state,
+                chain: DeltaChain | None = None, index: int = 0) -> None:
+    """:func:`take_parts` and :func:`write_taken` in one call, without copies: rank 0 writes
+    ``trainer()`` (called there only), every rank with a hook its state."""
+    write_taken(directory, take_parts(rank, world, trainer, state), chain, index)
 
 
 def load_trainer(path: Path, model: torch.nn.Module, chain: DeltaChain | None = None) -> dict:
@@ -114,3 +150,100 @@ def restore_hook(path: Path, rank: int, world: int, trainer: dict, state) -> Non
         print(f"rayzip: rank {rank}: world size {old_world} -> {world}: error feedback re-sharded from "
               f"rank(s) {sorted(parts) or 'none'}")
     state.step = trainer["step"] + 1
+
+
+class GroupCheckpoints:
+    """A worker group's checkpoints, written in the background and reported in order.
+
+    Every rank calls :meth:`save` at the same steps. With ``background``, :meth:`save` takes
+    a host snapshot (:func:`take_parts` with copies) and returns while a thread compresses and
+    writes it; a save that finds the previous write still running waits for it first, so at
+    most one is in flight and they complete in order. A background checkpoint is ready to
+    report once every rank's write has completed: :meth:`poll` (every rank, every step)
+    agrees on that with one all-reduce of a flag while a write is pending, and :meth:`flush`
+    waits for it. Only then is it handed back for ``ray.train.report``, so a rank lost during a
+    write never leaves a reported checkpoint that cannot be loaded: the job resumes from the
+    last complete one. ``stall_s`` sums the time this rank's loop waited on checkpoints
+    (snapshots, sync writes, waits for a previous write).
+
+    Usage (every rank)::
+
+        checkpoints = GroupCheckpoints(world=2, device="cpu", background=True)
+        ready = checkpoints.poll()                                  # every step
+        if due:
+            ready += checkpoints.save(directory, take, write)       # take(copy or None) -> Parts
+        for directory in ready: ray.train.report(metrics, checkpoint=...)
+    """
+
+    def __init__(self, world: int, device, background: bool = True) -> None:
+        self.world, self.device, self.background = world, device, background
+        self.writer: BackgroundWriter | None = None  # started by the first background save
+        self.pending: Path | None = None
+        self.stall_s = 0.0
+        self.buffers = SnapshotBuffers()  # the last written snapshot's host tensors, for the next
+        self._writing: Parts | None = None
+
+    def _snapshot(self, nest: Any) -> Any:
+        return snapshot(nest, buffers=self.buffers)
+
+    def save(self, directory: Path, take: Callable[[Callable[[Any], Any] | None], Parts],
+             write: Callable[[Parts], None],
+             background: bool | None = None) -> list[Path]:
+        """Checkpoint into ``directory`` (in the background unless ``background`` says
+        otherwise); returns the directories now ready to report, oldest first (a previous
+        background write waited for, and this one when not in the background)."""
+        start = time.perf_counter()
+        ready = self._finish()
+        background = self.background if background is None else background
+        parts = take(self._snapshot if background else None)
+        if not background:
+            write(parts)
+            ready.append(directory)
+        else:
+            self.writer = self.writer or BackgroundWriter()
+            self.writer.submit(lambda: write(parts))
+            self.pending, self._writing = directory, parts
+        self.stall_s += time.perf_counter() - start
+        return ready
+
+    def poll(self) -> list[Path]:
+        """The pending directory once every rank's write has completed (agreed by every rank
+        at the same step), else nothing. Without a process group, nothing until
+        :meth:`flush`."""
+        if self.pending is None:
+            return []
+        done = self.writer.done()
+        if self.world > 1:
+            if not dist.is_initialized():
+                return []
+            flag = torch.tensor([1 if done else 0], dtype=torch.int32, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            done = bool(flag.item())
+        if not done:
+            return []
+        start = time.perf_counter()
+        ready = self._finish()  # done everywhere: this only collects the result
+        self.stall_s += time.perf_counter() - start
+        return ready
+
+    def flush(self) -> list[Path]:
+        """Wait for the pending write; its directory, ready to report (every rank calls this
+        at the same point)."""
+        start = time.perf_counter()
+        ready = self._finish()
+        self.stall_s += time.perf_counter() - start
+        return ready
+
+    def _finish(self) -> list[Path]:
+        if self.pending is None:
+            return []
+        directory, self.pending = self.pending, None
+        written, self._writing = self._writing, None
+        self.writer.wait()  # raises what the write raised
+        if written is not None:  # written and dropped: the next snapshot copies into its tensors
+            self.buffers.release([written.trainer, written.hook])
+        return [directory]
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

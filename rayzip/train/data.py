@@ -6,12 +6,11 @@ identical on every worker (seeded), so each worker can cut its own shard.
 
 from __future__ import annotations
 
-import importlib
 
 import numpy as np
 import torch
 
-from ..spec import DatasetSpec
+from ..spec import DatasetSpec, import_callable
 
 __all__ = ["load_dataset", "shard"]
 
@@ -55,8 +54,7 @@ def load_dataset(spec: DatasetSpec, seed: int):
         return digits(spec, seed)
     if spec.name == "synthetic":
         return synthetic(spec, seed)
-    module, _, fn = spec.name.partition(":")
-    return getattr(importlib.import_module(module), fn)(**spec.kwargs)
+    return import_callable(spec.name)(**spec.kwargs)
 
 
 def shard(n: int, rank: int, world: int, seed: int) -> torch.Tensor:

@@ -16,7 +16,6 @@ state (re-sharded when the world size changed).
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import os
 import tempfile
@@ -34,16 +33,16 @@ from ..checkpoint import DeltaChain
 from ..checkpoint import inspect as inspect_checkpoint
 from ..codecs import NonFiniteError
 from ..comm.control import RankDisagreement
-from ..spec import BUILTIN_LOOPS, JobSpec
+from ..spec import BUILTIN_LOOPS, JobSpec, import_callable
 from ..torch.lr import learning_rate
 from ..torch.optim import build_optimizer
-from .checkpoints import write_parts
+from .checkpoints import GroupCheckpoints, Parts, take_parts, write_taken
 from .exchange import Exchange, build_exchange, compute_time
 from .records import StepRecord, Totals
 from .tasks import Task, agreed_accuracy, build_task, shard_plan
 from .telemetry import Adoption, Telemetry
 
-__all__ = ["Adoption", "LoopContext", "agreed_accuracy", "run_task", "save_step", "shard_plan", "train_loop"]
+__all__ = ["Adoption", "LoopContext", "agreed_accuracy", "run_task", "save_step", "step_parts", "shard_plan", "train_loop"]
 
 
 def _interface_tx_bytes() -> int | None:
@@ -63,12 +62,14 @@ def _fail_together(exc: Exception, step: int, progress) -> None:
         ray.get(progress.fail.remote(step, f"{type(exc).__name__}: {exc}"))
 
 
-def save_step(directory: Path, rank: int, world: int, step: int, weights, state, totals: Totals,
-              saved: dict, chain: DeltaChain | None) -> None:
-    """Each rank writes its part of the step's checkpoint (:func:`write_parts`): rank 0 the
-    model, optimizer, step, byte totals and ``saved`` (the task's data position and last
-    metric), every rank its hook state. ``weights()``, the (model, optimizer) state dicts,
-    is called on rank 0 only (in parameter-server mode it fetches the shards' state)."""
+def step_parts(rank: int, world: int, step: int, weights, state, totals: Totals, saved: dict,
+               copy=None) -> tuple[Parts, int]:
+    """This rank's parts of the step's checkpoint (:func:`take_parts`) and the checkpoint's
+    number: rank 0 the model, optimizer, step, byte totals and ``saved`` (the task's data
+    position and last metric), every rank its hook state. ``weights()``, the (model,
+    optimizer) state dicts, is called on rank 0 only (in parameter-server mode it fetches the
+    shards' state). With ``copy`` (a snapshot function), host copies that later steps cannot
+    change."""
     index = totals.checkpoints
     if rank == 0:
         totals.checkpoints = index + 1
@@ -78,7 +79,14 @@ def save_step(directory: Path, rank: int, world: int, step: int, weights, state,
         return {"model": model_state, "optimizer": optimizer_state, "step": step, "totals": totals.to_dict(),
                 **saved}
 
-    write_parts(directory, rank, world, trainer, state, chain, index)
+    return take_parts(rank, world, trainer, state, copy), index
+
+
+def save_step(directory: Path, rank: int, world: int, step: int, weights, state, totals: Totals,
+              saved: dict, chain: DeltaChain | None) -> None:
+    """Write this rank's part of the step's checkpoint now (:func:`step_parts`)."""
+    parts, index = step_parts(rank, world, step, weights, state, totals, saved)
+    write_taken(directory, parts, chain, index)
 
 
 @dataclass
@@ -91,20 +99,35 @@ class _Run:
     train_start: float = 0.0
     tx_start: int | None = None
     history: list = field(default_factory=list)
+    checkpoints: GroupCheckpoints | None = None
+    chain: DeltaChain | None = None  # rank 0's, when checkpoints store weights as deltas
+    progress: Any = None  # the driver's progress actor, on rank 0
+    started: float = 0.0  # the job's start (wall clock)
+    resumed_from: int = 0  # the step this attempt started at
+    checkpoint_steps: dict = field(default_factory=dict)  # checkpoint directory -> its step, until reported
+    reported_step: int | None = None  # the step of the last checkpoint this attempt reported
 
 
 def run_task(spec: JobSpec, config: dict, task: Task, exchange: Exchange) -> None:
-    training = spec.training
     rank, world = exchange.rank, exchange.world
-    progress = ray.get_actor(config["progress"]) if config.get("progress") and rank == 0 else None
-    started = float(config.get("t0", time.time()))
-    steps = task.total_steps()
     chain = None
     if rank == 0 and config.get("chain_dir") and spec.checkpoint.full_every > 1:
         chain = DeltaChain(config["chain_dir"], spec.checkpoint.full_every, spec.checkpoint.num_to_keep)
     start, saved = exchange.restore(ray.train.get_checkpoint(), chain)
     run = _Run(totals=Totals.from_dict(saved.get("totals") if saved else None),
-               metric=(saved.get("metric", saved.get("test_accuracy")) if saved else None))
+               metric=(saved.get("metric", saved.get("test_accuracy")) if saved else None),
+               checkpoints=GroupCheckpoints(world, task.device, spec.checkpoint.background), chain=chain,
+               progress=ray.get_actor(config["progress"]) if config.get("progress") and rank == 0 else None,
+               started=float(config.get("t0", time.time())), resumed_from=start)
+    try:
+        _train(spec, config, task, exchange, run, start, saved)
+    finally:
+        run.checkpoints.close()
+
+
+def _train(spec: JobSpec, config: dict, task: Task, exchange: Exchange, run: _Run, start: int,
+           saved: dict | None) -> None:
+    training, rank, world, steps, progress = spec.training, exchange.rank, exchange.world, task.total_steps(), run.progress
     batches = task.batches(start, saved.get("data") if saved else None)
     first = next(batches, None)
     if first is None:
@@ -147,14 +170,15 @@ def run_task(spec: JobSpec, config: dict, task: Task, exchange: Exchange) -> Non
                             traffic=exchange.traffic(step_s), skipped=skipped)
         telemetry.record(record)
         run.totals.add(record)
-        if _after_step(spec, config, task, exchange, telemetry, run, record, steps, chain, progress, started):
+        if _after_step(spec, task, exchange, telemetry, run, record, steps):
             break
 
 
-def _after_step(spec: JobSpec, config: dict, task: Task, exchange: Exchange, telemetry: Telemetry, run: _Run,
-                record: StepRecord, steps: int, chain: DeltaChain | None, progress, started: float) -> bool:
+def _after_step(spec: JobSpec, task: Task, exchange: Exchange, telemetry: Telemetry, run: _Run,
+                record: StepRecord, steps: int) -> bool:
     """Evaluate, report and checkpoint where due; whether every rank stops here."""
     training, step, totals, t = spec.training, record.step, run.totals, record.traffic
+    chain, progress, started = run.chain, run.progress, run.started
     rank, world = exchange.rank, exchange.world
     last = step == steps - 1
     evaluate = (step + 1) % training.eval_every == 0 or last
@@ -185,26 +209,51 @@ def _after_step(spec: JobSpec, config: dict, task: Task, exchange: Exchange, tel
         "elapsed_s": time.time() - started, "done": done, "pid": os.getpid(), "skipped": record.skipped,
         "skipped_steps": totals.skipped_steps,
     }
-    checkpoint = None
     every = spec.checkpoint.every_steps
+    checkpoints = run.checkpoints
+    stalled = checkpoints.stall_s
+    ready = checkpoints.poll()  # a background write that every rank has completed
     if (every and (step + 1) % every == 0) or done:
-        tmp = Path(tempfile.mkdtemp(prefix="rayzip-ckpt-"))
-        save_step(tmp, rank, world, step, lambda: exchange.weights(), exchange.state, totals,
-                  {"data": task.data_state(step + 1), "metric": run.metric}, chain)
-        if rank == 0:
-            sizes = inspect_checkpoint(tmp / "trainer")
+        directory = Path(tempfile.mkdtemp(prefix="rayzip-ckpt-"))
+        parts: dict = {}
+
+        def take(copy) -> Parts:
+            taken, parts["index"] = step_parts(rank, world, step, lambda: exchange.weights(), exchange.state,
+                                               totals, {"data": task.data_state(step + 1), "metric": run.metric},
+                                               copy)
+            return taken
+
+        run.checkpoint_steps[directory] = step
+        ready += checkpoints.save(directory, take, lambda taken: write_taken(directory, taken, chain, parts["index"]))
+    if done:
+        ready += checkpoints.flush()  # the run ends with its last checkpoint reported
+    totals.checkpoint_stall_s += checkpoints.stall_s - stalled
+    for directory in ready:
+        run.reported_step = run.checkpoint_steps.pop(directory)
+    metrics.update({"checkpoint_stall_s": totals.checkpoint_stall_s, "resumed_from": run.resumed_from,
+                    "checkpoint_reported_step": run.reported_step,
+                    "checkpoint_pending_step": run.checkpoint_steps.get(checkpoints.pending)})
+    if rank == 0:
+        for directory in ready:
+            sizes = inspect_checkpoint(directory / "trainer")
             telemetry.record_checkpoint(sizes["stored_bytes"], sizes["raw_bytes"])
-        checkpoint = ray.train.Checkpoint.from_directory(str(tmp))
     if progress is not None:
         progress.update.remote(metrics)  # fire and forget: per-step progress costs nothing
     # ray.train.report blocks until Ray Train's controller polls (every 2 s by default), so
-    # it runs at evaluations and checkpoints only; every rank reaches it at the same steps.
-    if evaluate or checkpoint is not None:
-        ray.train.report(metrics, checkpoint=checkpoint, delete_local_checkpoint_after_upload=checkpoint is not None)
-    if checkpoint is not None and not done:
+    # it runs at evaluations and at checkpoints ready to report; every rank reaches it at the
+    # same steps (GroupCheckpoints agrees on when a background write is complete).
+    for directory in ready:
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(directory)),
+                         checkpoint_upload_mode=(ray.train.CheckpointUploadMode.ASYNC if checkpoints.background
+                                                 else ray.train.CheckpointUploadMode.SYNC),
+                         delete_local_checkpoint_after_upload=True)
+    if evaluate and not ready:
+        ray.train.report(metrics)
+    if ready and not done and not checkpoints.background:
         # A report waits only for room in a one-slot queue that the controller drains when
         # it polls, so the checkpoint just reported is not yet registered: a worker lost now
-        # would send the job back two intervals. Reporting again waits until it is.
+        # would send the job back two intervals. Reporting again waits until it is. (In the
+        # background the upload registers it when done; the loop does not wait for that.)
         ray.train.report(metrics)
     run.train_start += time.perf_counter() - paused
     return done
@@ -271,10 +320,20 @@ class LoopContext:
         return restore(model, optimizer)
 
     def report(self, metrics: dict, model: torch.nn.Module | None = None,
-               optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None) -> None:
+               optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None,
+               background: bool | None = None) -> None:
+        """:func:`rayzip.train.report`; ``background`` defaults to the spec's
+        ``checkpoint.background`` (call :meth:`flush` after the last one)."""
         from .api import report
 
-        report(metrics, model=model, optimizer=optimizer, extra=extra)
+        background = self.spec.checkpoint.background if background is None else background
+        report(metrics, model=model, optimizer=optimizer, extra=extra, background=background)
+
+    def flush(self, metrics: dict | None = None) -> None:
+        """:func:`rayzip.train.flush`: report a checkpoint still being written."""
+        from .api import flush
+
+        flush(metrics)
 
 
 class _ProgressTelemetry(Telemetry):
@@ -293,15 +352,12 @@ class _ProgressTelemetry(Telemetry):
                                          "compressed": t.compressed, "ratio": t.ratio})
 
 
-def _user_loop(path: str):
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def train_loop(config: dict) -> None:
     spec = JobSpec.model_validate(config["spec"])
     if spec.training.loop not in BUILTIN_LOOPS:
-        _user_loop(spec.training.loop)(dict(spec.training.config), LoopContext(spec, config))
+        ctx = LoopContext(spec, config)
+        import_callable(spec.training.loop)(dict(spec.training.config), ctx)
+        ctx.flush()  # a last checkpoint the loop reported in the background
         return
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()

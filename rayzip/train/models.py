@@ -6,11 +6,10 @@ A ``module:function`` model is called with ``in_features``, ``num_classes`` and 
 
 from __future__ import annotations
 
-import importlib
 
 import torch
 
-from ..spec import ModelSpec
+from ..spec import ModelSpec, import_callable
 
 __all__ = ["build_model"]
 
@@ -27,5 +26,4 @@ def mlp(in_features: int, num_classes: int, hidden: list[int]) -> torch.nn.Modul
 def build_model(spec: ModelSpec, in_features: int, num_classes: int) -> torch.nn.Module:
     if spec.name == "mlp":
         return mlp(in_features, num_classes, spec.hidden)
-    module, _, fn = spec.name.partition(":")
-    return getattr(importlib.import_module(module), fn)(in_features=in_features, num_classes=num_classes, **spec.kwargs)
+    return import_callable(spec.name)(in_features=in_features, num_classes=num_classes, **spec.kwargs)

@@ -74,6 +74,7 @@ class Totals:
     timed_steps: int = 0
     skipped_steps: int = 0
     checkpoints: int = 0
+    checkpoint_stall_s: float = 0.0  # time the loop waited on checkpoints (snapshots, writes)
     time_to_target_s: float | None = None
     steps_to_target: int | None = None
     verify_max_abs_err: float | None = None

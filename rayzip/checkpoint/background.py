@@ -1,0 +1,188 @@
+"""Checkpoints that training does not wait for: a host snapshot now, compression and writes
+on a thread while the next steps run.
+
+:func:`snapshot` copies every tensor of a state nest to host memory (a device-to-host copy
+for CUDA tensors, a memory copy for CPU ones), so that the optimizer steps that follow cannot
+change what is being written. :class:`BackgroundWriter` runs one write at a time on its own
+thread; a write submitted while the previous one is still running waits for it (the caller
+learns how long), so checkpoints are written, and can be registered, in order.
+
+A write that dies half-way (the process killed, the disk full) leaves a directory without
+``manifest.json``, which :func:`rayzip.checkpoint.load` refuses; whoever registers a
+checkpoint (Ray Train, a scheduler) must do so only after :meth:`BackgroundWriter.wait`
+returned without raising.
+
+Usage::
+
+    writer = BackgroundWriter()
+    state = snapshot({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    writer.submit(lambda: checkpoint.save(directory, state))   # returns at once
+    ...                                                          # training goes on
+    writer.wait()                                                # raises what the write raised
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..xp import is_torch
+
+__all__ = ["BackgroundWriter", "SnapshotBuffers", "snapshot"]
+
+# Fault injection for tests: seconds each background write sleeps before it starts, so that
+# a test can kill a worker while a write is certainly in flight.
+SLOW_WRITE_ENV = "RAYZIP_FAULT_SLOW_CHECKPOINT_WRITE_S"
+
+
+class SnapshotBuffers:
+    """Host tensors kept from one snapshot for the next: a snapshot into fresh memory spends
+    most of its time on the kernel's first touch of every page, so a writer that is done
+    with a snapshot hands its tensors back (:meth:`release`) and the next one copies into them.
+
+    Usage::
+
+        buffers = SnapshotBuffers()
+        taken = snapshot(state, buffers=buffers)
+        ...                                      # written
+        buffers.release(taken)
+    """
+
+    def __init__(self) -> None:
+        self.free: dict[tuple, list] = {}
+
+    def take(self, shape: tuple, dtype) -> Any:
+        kept = self.free.get((tuple(shape), dtype))
+        return kept.pop() if kept else torch.empty(shape, dtype=dtype, device="cpu")
+
+    def release(self, nest: Any) -> None:
+        """Every torch tensor of ``nest`` (a snapshot no one reads any more) becomes reusable."""
+        seen: set[int] = set()
+        for tensor in _torch_leaves(nest):
+            if id(tensor) not in seen and tensor.device.type == "cpu" and tensor.is_contiguous():
+                seen.add(id(tensor))
+                self.free.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
+
+
+def _torch_leaves(obj: Any):
+    if is_torch(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _torch_leaves(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _torch_leaves(value)
+
+
+def snapshot(state: Any, threads: int | None = None, buffers: SnapshotBuffers | None = None) -> Any:
+    """``state`` with every tensor (torch, numpy, cupy) copied to host memory; containers are
+    rebuilt, other leaves kept. Tensors that share storage (tied weights) share their copy.
+    Torch tensors are copied on ``threads`` threads (default: the usable cores, at most 8),
+    since the loop waits for the copy, into ``buffers`` where it has them."""
+    from .store import default_threads
+
+    copies: dict[tuple, Any] = {}
+    nest = _copy(state, copies, buffers or SnapshotBuffers())
+    jobs = [(key, source) for key, (source, _) in copies.items()]
+    workers = max(1, min(threads or default_threads(), len(jobs)))
+    if workers > 1:
+        with ThreadPoolExecutor(workers, thread_name_prefix="rayzip-snapshot") as pool:
+            list(pool.map(lambda job: copies[job[0]][1].copy_(job[1]), jobs))
+    else:
+        for key, source in jobs:
+            copies[key][1].copy_(source)
+    return _fill(nest, copies)
+
+
+class _Slot:
+    """Where a torch tensor's copy goes, until the copies are made."""
+
+    def __init__(self, key: tuple):
+        self.key = key
+
+
+def _fill(obj: Any, copies: dict) -> Any:
+    if isinstance(obj, _Slot):
+        return copies[obj.key][1]
+    if isinstance(obj, dict):
+        return {key: _fill(value, copies) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_fill(value, copies) for value in obj]
+    if isinstance(obj, tuple):
+        return tuple(_fill(value, copies) for value in obj)
+    return obj
+
+
+def _copy(obj: Any, copies: dict, buffers: SnapshotBuffers) -> Any:
+    if is_torch(obj):
+        key = ("torch", obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape),
+               tuple(obj.stride()), obj.dtype, str(obj.device))
+        if key not in copies:
+            source = obj.detach()
+            copies[key] = (source, buffers.take(tuple(source.shape), source.dtype))
+        return _Slot(key)
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
+    if type(obj).__module__.startswith("cupy"):
+        return obj.get()
+    if isinstance(obj, dict):
+        return {key: _copy(value, copies, buffers) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_copy(value, copies, buffers) for value in obj]
+    if isinstance(obj, tuple):
+        return tuple(_copy(value, copies, buffers) for value in obj)
+    return obj
+
+
+class BackgroundWriter:
+    """One thread, one write at a time, in submission order."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rayzip-ckpt-writer")
+        self._pending: Future | None = None
+
+    @property
+    def pending(self) -> bool:
+        """A write was submitted and not yet waited for."""
+        return self._pending is not None
+
+    def done(self) -> bool:
+        """The pending write has finished (or there is none); never blocks."""
+        return self._pending is None or self._pending.done()
+
+    def submit(self, write: Callable[[], Any]) -> float:
+        """Start ``write()`` on the thread; returns the seconds spent waiting for the previous
+        write to finish first (0 when it had)."""
+        waited = self.wait()[1]
+        delay = float(os.environ.get(SLOW_WRITE_ENV) or 0.0)
+
+        def run() -> Any:
+            if delay:
+                time.sleep(delay)
+            return write()
+
+        self._pending = self._executor.submit(run)
+        return waited
+
+    def wait(self) -> tuple[Any, float]:
+        """``(what the pending write returned, seconds waited)``; ``(None, 0.0)`` when none is
+        pending. Raises what the write raised."""
+        if self._pending is None:
+            return None, 0.0
+        start = time.perf_counter()
+        pending, self._pending = self._pending, None
+        result = pending.result()
+        return result, time.perf_counter() - start
+
+    def close(self) -> None:
+        """Wait for the pending write, then stop the thread."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
