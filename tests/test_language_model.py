@@ -57,17 +57,19 @@ def test_a_killed_language_model_worker_resumes_data_weights_and_residuals_exact
     assert reference["wire_compression_ratio"] > 5 and reference["bytes_source"] == "counted"
 
     # Kill rank 0 while a background checkpoint write is in flight (every write here first
-    # sleeps SLOW_WRITE_S), once the checkpoint before it has been reported and Ray Train's
-    # controller (which polls every 2 s) has had time to register it.
+    # sleeps SLOW_WRITE_S), once the checkpoint before it was handed to Ray Train and its
+    # controller (which polls every 2 s) has had time to take it.
     killed: dict = {}
-    reported_at: dict = {}
+    handed_at: dict = {}
 
     def kill_during_a_write(metrics: dict) -> None:
-        reported, pending = metrics.get("checkpoint_reported_step"), metrics.get("checkpoint_pending_step")
-        if killed or reported is None or pending is None or pending <= reported:
+        handed = metrics.get("checkpoint_uploading_step")
+        handed = metrics.get("checkpoint_reported_step") if handed is None else handed
+        pending = metrics.get("checkpoint_pending_step")
+        if killed or handed is None or pending is None or pending <= handed:
             return
-        if time.time() - reported_at.setdefault(reported, time.time()) >= 4.0:
-            killed.update(step=metrics["step"], reported=reported, pending=pending)
+        if time.time() - handed_at.setdefault(handed, time.time()) >= 4.0:
+            killed.update(step=metrics["step"], reported=handed, pending=pending)
             os.kill(metrics["pid"], signal.SIGKILL)
 
     summary = run_job(_lm_spec("lm-killed"), storage_path=str(tmp_path / "killed"), on_progress=kill_during_a_write)

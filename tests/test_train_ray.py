@@ -62,14 +62,19 @@ def test_killed_worker_resumes_from_the_compressed_checkpoint_exactly(local_ray,
 
     def kill_once(metrics: dict) -> None:
         if not killed and metrics["step"] >= 70:
-            killed["step"] = metrics["step"]
+            killed.update(step=metrics["step"], reported=metrics["checkpoint_reported_step"])
             os.kill(metrics["pid"], signal.SIGKILL)  # rank 0's worker process, mid-run
 
     summary = run_job(_elastic_spec("elastic-killed"), storage_path=str(tmp_path / "killed"), on_progress=kill_once)
     assert killed and summary["restarts"] >= 1, summary
     assert summary["steps"] == 160
-    # Resumed from the last checkpoint before the kill: at most one interval is redone.
-    assert 0 < summary["steps_redone"] <= 20, summary["steps_redone"]
+    # Resumed from a checkpoint Ray Train had taken when the kill landed: the one the driver
+    # last saw taken, or a later one. Checkpoints are written and uploaded in the background,
+    # so the newest may not have reached Ray Train: at most two intervals are lost.
+    resumed = summary["metrics"]["resumed_from"]
+    assert killed["reported"] is not None and resumed % 20 == 0, (killed, resumed)
+    assert killed["reported"] + 1 <= resumed and killed["step"] - resumed < 2 * 20, (killed, resumed)
+    assert summary["steps_redone"] > 0
     # The checkpoints Ray kept are rayzip's compressed format, and verify.
     kept = checkpoint.verify(os.path.join(summary["checkpoint"], "trainer"))
     assert kept["tensors"] > 0

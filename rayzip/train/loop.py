@@ -105,7 +105,8 @@ class _Run:
     started: float = 0.0  # the job's start (wall clock)
     resumed_from: int = 0  # the step this attempt started at
     checkpoint_steps: dict = field(default_factory=dict)  # checkpoint directory -> its step, until reported
-    reported_step: int | None = None  # the step of the last checkpoint this attempt reported
+    uploading_step: int | None = None  # the last checkpoint handed to Ray Train, maybe not yet registered
+    reported_step: int | None = None  # the last checkpoint Ray Train has taken from this attempt
 
 
 def run_task(spec: JobSpec, config: dict, task: Task, exchange: Exchange) -> None:
@@ -229,9 +230,9 @@ def _after_step(spec: JobSpec, task: Task, exchange: Exchange, telemetry: Teleme
         ready += checkpoints.flush()  # the run ends with its last checkpoint reported
     totals.checkpoint_stall_s += checkpoints.stall_s - stalled
     for directory in ready:
-        run.reported_step = run.checkpoint_steps.pop(directory)
+        run.uploading_step = run.checkpoint_steps.pop(directory)
     metrics.update({"checkpoint_stall_s": totals.checkpoint_stall_s, "resumed_from": run.resumed_from,
-                    "checkpoint_reported_step": run.reported_step,
+                    "checkpoint_reported_step": run.reported_step, "checkpoint_uploading_step": run.uploading_step,
                     "checkpoint_pending_step": run.checkpoint_steps.get(checkpoints.pending)})
     if rank == 0:
         for directory in ready:
@@ -247,14 +248,19 @@ def _after_step(spec: JobSpec, task: Task, exchange: Exchange, telemetry: Teleme
                          checkpoint_upload_mode=(ray.train.CheckpointUploadMode.ASYNC if checkpoints.background
                                                  else ray.train.CheckpointUploadMode.SYNC),
                          delete_local_checkpoint_after_upload=True)
+    # A report returns once there is room in a one-slot queue that the controller drains when
+    # it polls, after every earlier report (an asynchronous upload's too) is in it: when a
+    # metrics-only report returns, Ray Train has taken every checkpoint handed to it before.
     if evaluate and not ready:
         ray.train.report(metrics)
+        if run.uploading_step is not None:
+            run.reported_step, run.uploading_step = run.uploading_step, None
     if ready and not done and not checkpoints.background:
-        # A report waits only for room in a one-slot queue that the controller drains when
-        # it polls, so the checkpoint just reported is not yet registered: a worker lost now
-        # would send the job back two intervals. Reporting again waits until it is. (In the
-        # background the upload registers it when done; the loop does not wait for that.)
+        # The checkpoint just reported is not yet taken: a worker lost now would send the job
+        # back two intervals, so report again to wait until it is. (In the background the loop
+        # does not wait: a loss before the next report goes back to the one before.)
         ray.train.report(metrics)
+        run.reported_step, run.uploading_step = run.uploading_step, None
     run.train_start += time.perf_counter() - paused
     return done
 
