@@ -361,6 +361,9 @@ class AdaptiveSpec(_Strict):
     ratios of the sparsifier, 1 / its kept fraction: 100 keeps 1% of the entries."""
 
     enabled: bool = False
+    policy: str = Field("cost_model", description="Decision rule: cost_model (predicts each ratio's step time, "
+                        "dense included, from a fitted model of the step), pressure (the first rule: compression "
+                        "in proportion to delay per byte), or 'module:Class' built from this section.")
     prometheus_url: Optional[str] = Field(
         None, description="Prometheus server to query (http://host:9090). Unset: the workers' own reports only.")
     interval: float = Field(2.0, gt=0, description="Seconds between decisions.")
@@ -376,6 +379,19 @@ class AdaptiveSpec(_Strict):
     comm_budget: float = Field(0.25, gt=0, description="On the best link seen, compress until communication "
                                                        "takes this share of compute time.")
     query_timeout: float = Field(2.0, gt=0, description="Seconds before a Prometheus query counts as failed.")
+    slack: float = Field(0.03, ge=0, lt=1, description="cost_model: the least compression whose predicted step "
+                                                       "is within this share of the fastest.")
+    hysteresis: float = Field(0.05, ge=0, lt=1, description="cost_model: switch only for a predicted step "
+                                                            "this share faster (or for less compression).")
+    probe_every: float = Field(60.0, gt=0, description="cost_model: seconds between dense probes while "
+                                                       "compressing, when dense may be faster.")
+    latency_prior: float = Field(1e-4, ge=0, description="cost_model: seconds per message until payload sizes "
+                                                          "vary enough to fit it.")
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, value: str) -> str:
+        return _builtin_or_import_path(value, ("cost_model", "pressure"), "adaptive policy")
 
     @model_validator(mode="after")
     def _bounds(self):

@@ -17,7 +17,7 @@ import ray
 import requests
 import yaml
 
-from rayzip.adaptive import AdaptiveController, Policy, PrometheusSource, SourceError
+from rayzip.adaptive import AdaptiveController, PressurePolicy, PrometheusSource, SourceError
 from rayzip.metrics import prometheus_config
 from rayzip.runner import run_job
 from rayzip.spec import AdaptiveSpec, JobSpec, SpecError, parse_spec
@@ -25,29 +25,29 @@ from rayzip.spec import AdaptiveSpec, JobSpec, SpecError, parse_spec
 PROMETHEUS = shutil.which("prometheus")
 
 
-# --- the policy, a pure function --------------------------------------------------------------
+# --- the first (pressure) policy, a pure function ------------------------------------------
 
-def test_policy_turns_compression_off_when_the_network_is_not_the_bottleneck():
-    policy = Policy(AdaptiveSpec(enabled=True, off_below=0.1))
+def test_pressure_policy_turns_compression_off_when_the_network_is_not_the_bottleneck():
+    policy = PressurePolicy(AdaptiveSpec(enabled=True, policy="pressure", off_below=0.1))
     # 1 MB dense at 1 ns/byte = 1 ms of communication against 50 ms of compute: 2% of a step.
-    ratio, explain = policy.decide(delay_per_byte=1e-9, compute_s=0.05, dense_bytes=1e6, importance=1.0)
+    ratio, explain = policy.ratio_for(delay_per_byte=1e-9, compute_s=0.05, dense_bytes=1e6, importance=1.0)
     assert ratio == 1.0 and explain["dense_comm_share"] < 0.1
 
 
-def test_policy_compresses_more_under_delay_and_less_for_important_batches():
+def test_pressure_policy_compresses_more_under_delay_and_less_for_important_batches():
     spec = AdaptiveSpec(enabled=True, min_ratio=4, max_ratio=200, delay_weight=1.0, importance_weight=1.0,
                         comm_budget=0.25)
-    policy = Policy(spec)
+    policy = PressurePolicy(spec)
     # 1 MB at 10 ns/byte: 10 ms of dense communication; fitting it into 25% of 5 ms of compute
     # takes 8x compression.
-    base, explain = policy.decide(1e-8, 0.005, 1e6, 1.0)
+    base, explain = policy.ratio_for(1e-8, 0.005, 1e6, 1.0)
     assert explain["pressure"] == 1 and base == pytest.approx(8)
-    slower, explain = policy.decide(5e-8, 0.005, 1e6, 1.0)
+    slower, explain = policy.ratio_for(5e-8, 0.005, 1e6, 1.0)
     assert explain["pressure"] == pytest.approx(5) and slower == pytest.approx(40)
-    important, _ = policy.decide(5e-8, 0.005, 1e6, 2.0)
+    important, _ = policy.ratio_for(5e-8, 0.005, 1e6, 2.0)
     assert important == pytest.approx(20)
-    assert policy.decide(1e-5, 0.005, 1e6, 1.0)[0] == 200  # clamped to max_ratio
-    assert policy.decide(1e-8, 0.005, 1e6, 100.0)[0] == 4  # and to min_ratio
+    assert policy.ratio_for(1e-5, 0.005, 1e6, 1.0)[0] == 200  # clamped to max_ratio
+    assert policy.ratio_for(1e-8, 0.005, 1e6, 100.0)[0] == 4  # and to min_ratio
 
 
 def test_spec_refuses_adaptive_without_a_ratio_to_tune():
@@ -167,20 +167,21 @@ def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheu
         "compression": {"codec": "group_topk", "ratio": 0.01, "collective": "ring", "momentum_correction": True},
         "checkpoint": {"every_steps": 100},
         "adaptive": {"enabled": True, "prometheus_url": url, "interval": 1.0, "window": 4.0,
-                     "min_ratio": 4, "max_ratio": 200, "importance_weight": 0.0, "query_timeout": 1.0,
-                     # loopback is fast but latency-bound: a large budget starts the run at min_ratio
-                     "comm_budget": 50.0},
+                     "min_ratio": 4, "max_ratio": 200, "importance_weight": 0.0, "query_timeout": 1.0},
     })
     events: dict = {}
 
     def on_progress(m: dict) -> None:
-        if "decided" not in events and m.get("ratio") and m["ratio"] != 0.01:
+        if "ratio" not in m:
+            return
+        kept = m["ratio"] or 1.0  # the kept fraction; None: dense
+        if "decided" not in events and kept != 0.01:
             events["decided"] = m["step"]  # the controller's first decision is in force
         elif "decided" in events and "slowed" not in events and m["step"] >= events["decided"] + 40:
             link.write_text("200000")  # 200 kB/s: a dense step would take 1.7 s on the wire
-            events["slowed"], events["fraction_before"] = m["step"], m.get("ratio")
-        elif ("slowed" in events and "killed" not in events and m.get("ratio")
-              and m["ratio"] < events["fraction_before"] / 2):  # the controller raised compression
+            events["slowed"], events["fraction_before"] = m["step"], kept
+        elif "slowed" in events and "killed" not in events and kept < events["fraction_before"] / 2:
+            # the controller raised compression
             events["panels"] = evaluate_dashboard(url, spec.name)  # issue 8: every panel has data
             prom.kill()
             events["killed"] = m["step"]
@@ -192,7 +193,8 @@ def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheu
     for d in decisions:
         print("DECISION", d["source"], round(d["ratio"], 1), d.get("applied_step"),
               {k: (round(v, 9) if isinstance(v, float) else v) for k, v in d["inputs"].items()
-               if k in ("delay_per_byte", "compute_s", "pressure", "dense_comm_share")})
+               if k in ("delay_per_byte", "compute_s", "pressure", "beta_s_per_byte", "predicted_dense_s",
+                       "predicted_step_s", "probe")})
     assert summary["steps"] == 700, "training finished despite the outage"
     assert "slowed" in events and "killed" in events, (events, decisions)
 

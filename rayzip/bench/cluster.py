@@ -159,13 +159,10 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
                                                 drop_at_step, workers_per_node, bandwidth, log))
     rows = [aggregate_runs(runs[method]) for method in methods]
     _compare_with_dense(rows)
+    _compare_with_best_fixed(rows, "step_s", "step_vs_best_fixed")
     if drop_to is not None:
         for phase in ("before", "after"):
-            fixed = [r[f"step_ms_{phase}_drop"] for r in rows if "error" not in r and r["name"] != "adaptive"
-                     and r.get(f"step_ms_{phase}_drop") is not None]
-            for r in rows:
-                mine = r.get(f"step_ms_{phase}_drop")
-                r[f"{phase}_vs_best_fixed"] = mine / min(fixed) if fixed and mine else None
+            _compare_with_best_fixed(rows, f"step_ms_{phase}_drop", f"{phase}_vs_best_fixed")
     return {"bandwidth": bandwidth, "latency": latency, "nodes": nodes, "workers_per_node": workers_per_node,
             "repeat": repeat,
             "metric": "val_loss" if lm else "test_accuracy",
@@ -208,7 +205,8 @@ def _run_method(cluster: NetnsCluster, method: str, label: str, base: dict, powe
         row.update(_drop_phases(summary, getattr(proc, "dropped_at", None)))
         log(f"  {label}: step {row['step_ms_before_drop']} ms before the drop, {row['step_ms_after_drop']} ms after")
     log(f"  {label}: {row['time_to_target_s']} s to target, final {row['metric']} {row['final_metric']:.4f}, "
-        f"step {row['step_s'] * 1e3:.0f} ms")
+        f"step {row['step_s'] * 1e3:.0f} ms" + (f"; controller {timeline_text(row['decisions'])}"
+                                               if row["decisions"] else ""))
     return row
 
 
@@ -244,6 +242,14 @@ def aggregate_runs(runs: list[dict]) -> dict[str, Any]:
     row["failed_runs"] = len(runs) - len(ok)
     row["runs"] = [{k: v for k, v in r.items() if k != "history"} for r in ok]
     return row
+
+
+def _compare_with_best_fixed(rows: list[dict], key: str, into: str) -> None:
+    """Each row's ``key`` over the lowest among the methods without a controller (DDP and
+    every fixed ratio run in the same report)."""
+    fixed = [r[key] for r in rows if "error" not in r and r.get("decisions") is None and r.get(key)]
+    for r in rows:
+        r[into] = r[key] / min(fixed) if fixed and r.get(key) and "error" not in r else None
 
 
 def _compare_with_dense(rows: list[dict]) -> None:
@@ -362,8 +368,27 @@ def _row(method: str, s: dict, tx_before: list[int], tx_after: list[int], run_s:
         # Over the bytes that leave the worker's node where the hierarchy knows them apart.
         "wire_compression": s["dense_bytes_per_worker"] / network if network else None,
         "history": s.get("history", []),
+        "decisions": decision_timeline(s.get("adaptive")),
         "run_s": run_s,
     }
+
+
+def decision_timeline(adaptive: dict | None) -> list[dict] | None:
+    """The controller's decisions that took effect: the step each was applied from, the
+    ratio (1.0: off) and whether it was a dense probe; None for a run without a controller."""
+    if not adaptive:
+        return None
+    return [{"step": d["applied_step"], "ratio": d["ratio"], "probe": bool(d.get("inputs", {}).get("probe"))}
+            for d in adaptive["decisions"] if d.get("applied_step") is not None]
+
+
+def timeline_text(decisions: list[dict] | None, most: int = 8) -> str:
+    """``100×, off@31 (probe), 144×@52, ...``: each ratio from the step it took effect."""
+    if not decisions:
+        return "–"
+    parts = [("off" if d["ratio"] <= 1.0 else f"{d['ratio']:.0f}×") + f"@{d['step']}" + (" (probe)" if d["probe"] else "")
+             for d in decisions]
+    return ", ".join(parts[:most]) + (f", … {len(parts) - most} more" if len(parts) > most else "")
 
 
 def _interface_vs_counted(s: dict, workers_per_node: int) -> float | None:
@@ -509,6 +534,8 @@ def markdown_table(report: dict) -> str:
             "final val bpb" if lm else "final acc", "final vs DDP", "step ms (comm)",
             "MB pushed / worker" if pulled else "MB sent / worker"] + (["MB pulled / worker"] if pulled else []) \
         + (["MB on rank 0's eth0"] if iface else []) + ["compression"]
+    controlled = any(r.get("decisions") for r in rows)
+    head += ["step vs best fixed", "controller"] if controlled else []
 
     def cells(r: dict) -> list[str]:
         ttt = (f"{r['time_to_target_s']:.1f} s" + _spread(r, "time_to_target_s", "{:.1f}")
@@ -522,7 +549,9 @@ def markdown_table(report: dict) -> str:
                  f"{_network(r) / 1e6:.1f}"]
                 + ([_mb(r.get("wire_bytes_pulled"))] if pulled else [])
                 + ([_mb(r.get("wire_bytes_interface"))] if iface else [])
-                + [_number(r.get("wire_compression") or None, "{:.1f}×")])
+                + [_number(r.get("wire_compression") or None, "{:.1f}×")]
+                + ([_number(r.get("step_vs_best_fixed"), "{:.2f}×"), timeline_text(r.get("decisions"))]
+                   if controlled else []))
     return _markdown(head, report["methods"], cells)
 
 
@@ -534,7 +563,7 @@ def _drop_table(report: dict) -> str:
     """A run whose links dropped mid-way: step time before and after, against the best fixed
     method in the same phase."""
     head = ["method", "to target", "vs DDP", f"final acc ({report.get('budget_steps') or report.get('steps')} steps)",
-            "step ms before the drop", "vs best fixed", "step ms after", "vs best fixed", "MB sent"]
+            "step ms before the drop", "vs best fixed", "step ms after", "vs best fixed", "MB sent", "controller"]
 
     def cells(r: dict) -> list[str]:
         ttt = f"{r['time_to_target_s']:.1f} s ({r.get('steps_to_target')} steps)" if r.get("time_to_target_s") \
@@ -542,8 +571,15 @@ def _drop_table(report: dict) -> str:
         return [r["name"], ttt, _number(r.get("speedup_vs_dense"), "{:.2f}×"), f"{r['final_accuracy']:.4f}",
                 _number(r.get("step_ms_before_drop"), "{:.0f}"), _number(r.get("before_vs_best_fixed"), "{:.2f}×"),
                 _number(r.get("step_ms_after_drop"), "{:.0f}"), _number(r.get("after_vs_best_fixed"), "{:.2f}×"),
-                _mb(_network(r))]
+                _mb(_network(r)), _drop_timeline(r)]
     return _markdown(head, report["methods"], cells)
+
+
+def _drop_timeline(r: dict) -> str:
+    decisions = r.get("decisions")
+    if decisions and r.get("dropped_at_step"):
+        return timeline_text(decisions) + f" (drop@{r['dropped_at_step']})"
+    return timeline_text(decisions)
 
 
 def scaling_markdown_table(report: dict) -> str:
@@ -600,12 +636,28 @@ def plot(report: dict, path: Path) -> None:
 
     metric = report.get("metric") or "test_accuracy"
     target = report.get("target", report.get("target_accuracy"))
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    controlled = [r for r in report["methods"] if r.get("decisions")]
+    if controlled:
+        fig, (ax, ratio_ax) = plt.subplots(2, 1, figsize=(7, 6.4), dpi=120, gridspec_kw={"height_ratios": [2, 1]})
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     for r in report["methods"]:
         points = [(h["train_s"], h[metric]) for h in r.get("history", []) if h.get(metric) is not None]
         if points:
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker=".", label=r["name"])
+    if controlled:
+        for r in controlled:  # the ratio in force from each applied decision to the run's end
+            steps = [d["step"] for d in r["decisions"]] + [r.get("steps") or r["decisions"][-1]["step"]]
+            ratios = [d["ratio"] for d in r["decisions"]]
+            ratio_ax.step(steps, ratios + ratios[-1:], where="post", label=r["name"])
+        if report.get("drop_to") and controlled[0].get("dropped_at_step"):
+            ratio_ax.axvline(controlled[0]["dropped_at_step"], color="grey", linestyle=":", label="link drop")
+        ratio_ax.set_yscale("log")
+        ratio_ax.set_xlabel("step")
+        ratio_ax.set_ylabel("compression ratio (1: off)")
+        ratio_ax.grid(alpha=0.3)
+        ratio_ax.legend()
     if target:
         ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="target")
     ax.set_xlabel("training time (s)")

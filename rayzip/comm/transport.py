@@ -45,6 +45,9 @@ class Transport:
         self.device = torch.device(device)
         self.bytes_sent = 0
         self.messages: list[int] = []  # size of every send this step (tests read it)
+        # Latency-bound sends, as rayzip.comm.cost counts them (a ring allreduce: 2(n-1)):
+        # the controller's cost model fits a latency per message to them.
+        self.hops = 0
         # Seconds inside torch.distributed: the wire plus waiting for slower peers.
         self.network_s = 0.0
 
@@ -56,7 +59,7 @@ class Transport:
         nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world)
         with self._on_network(nbytes):
             dist.all_reduce(tensor, op=op, group=self.group)
-        self._count(nbytes)
+        self._count(nbytes, hops=2 * (self.world - 1))
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -65,7 +68,7 @@ class Transport:
         nbytes = (self.world - 1) * tensor.numel() * tensor.element_size()
         with self._on_network(nbytes):
             dist.all_gather(out, tensor, group=self.group)
-        self._count(nbytes)
+        self._count(nbytes, hops=self.world - 1)
         return out
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -112,9 +115,10 @@ class Transport:
         finally:
             self.network_s += time.perf_counter() - start
 
-    def _count(self, nbytes: int) -> None:
+    def _count(self, nbytes: int, hops: int = 1) -> None:
         self.bytes_sent += nbytes
         self.messages.append(nbytes)
+        self.hops += hops
 
 
 _RATE_CACHE: dict[str, tuple[float, float]] = {}

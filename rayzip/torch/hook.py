@@ -82,6 +82,7 @@ class StepStats:
     verify_max_abs_err: float | None = None
     verify_documented_bytes: int | None = None  # verify mode: bytes_sent by the wire formulas
     messages: list[int] = field(default_factory=list)
+    hops: int = 0  # latency-bound sends (rayzip.comm.transport.Transport.hops)
     skipped: bool = False  # a rank's gradient was not finite: every rank dropped this step
     nonfinite: str | None = None  # why, when skipped
     stop: bool = False  # some rank asked every rank to stop after this step
@@ -303,6 +304,7 @@ class CompressionState:
         transports = self._transports()
         sent_before = [t.bytes_sent for t in transports]
         network_before = [t.network_s for t in transports]
+        hops_before = [t.hops for t in transports]
         local_before = self.hierarchy.bytes_sent if self.hierarchy is not None else 0
         self._follow_loss_scale()
         snapshot = self.memory.snapshot()
@@ -318,6 +320,7 @@ class CompressionState:
         finally:
             stats.bytes_sent += sum(t.bytes_sent for t in transports) - sum(sent_before)
             stats.network_s += sum(t.network_s for t in transports) - sum(network_before)
+            stats.hops += sum(t.hops for t in transports) - sum(hops_before)
             if self.hierarchy is not None:
                 stats.local_bytes += self.hierarchy.bytes_sent - local_before
                 others = (self.hierarchy.local_world - 1) * stats.control_bytes

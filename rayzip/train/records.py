@@ -26,6 +26,7 @@ class Traffic:
     comm_s: float = 0.0  # what the step waited for communication
     busy_s: float = 0.0  # the exchange's own time (rayzip's hook: overlapped with backward, or not)
     network_s: float = 0.0  # of busy_s, inside torch.distributed or waiting on the shards
+    messages: int = 0  # latency-bound sends (a ring allreduce counts 2(n-1)); 0: not counted
     compressed: bool = False
     ratio: float | None = None
     comm_source: str = "hook"  # hook, ps, or "step minus compute" (plain DDP, torch hooks)
@@ -41,6 +42,7 @@ def traffic_of(stats, source: str = "hook") -> Traffic:
     return Traffic(bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, dense_bytes=stats.dense_bytes,
                    local_bytes=getattr(stats, "local_bytes", 0), node_bytes=getattr(stats, "node_bytes", None),
                    comm_s=stats.comm_s, busy_s=stats.busy_s or stats.comm_s, network_s=stats.network_s,
+                   messages=getattr(stats, "hops", 0),
                    compressed=bool(stats.compressed), ratio=stats.ratio, comm_source=source,
                    verify_max_abs_err=stats.verify_max_abs_err, verify_documented_bytes=stats.verify_documented_bytes,
                    stop=bool(getattr(stats, "stop", False)))

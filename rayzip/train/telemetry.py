@@ -117,7 +117,8 @@ class Telemetry:
                                 record.loss)
         if self.controller is not None:
             self.controller.report.remote(self.rank, record.step, record.loss, record.step_s, t.comm_s, t.network_s,
-                                          t.bytes_sent, t.dense_bytes)
+                                          t.bytes_sent, t.dense_bytes, busy_s=t.busy_s, messages=t.messages,
+                                          density=t.ratio if t.compressed else None)
         if self.adoption is not None:
             self.adoption.after_step(record.step)
 

@@ -16,23 +16,20 @@ series (see :mod:`rayzip.metrics`):
 * the mean compute time per step, ``rate(..._compute_seconds_sum) / rate(..._count)``.
 
 From the workers directly (every step, fire and forget): batch losses, dense bytes per
-step, and their own timings, the source when no Prometheus is configured.
+step, and each rank's timings, bytes and latency-bound message count, the source of the
+window's figures when no Prometheus is configured. The cost model is fitted to these per-step
+reports (a step's ranks combined: :func:`~rayzip.adaptive.model.combine_ranks`), since a fit
+of latency and bandwidth needs per-step pairs of payload and time that rates average away.
 
-**Policy.**
-
-* *Sample importance* ``i`` = mean loss of the batches since the last decision over the
-  running mean of all losses (an exponential average). Important batches (``i > 1``) are
-  compressed less.
-* *Network pressure* ``p`` = delay per byte over the lowest delay per byte seen in this run
-  (``p >= 1``). More delay, more compression.
-* *Compression off*: when a dense step's communication (dense bytes times the delay per
-  byte) would take less than ``off_below`` of the step, send dense: on a fast network rayzip
-  is then DDP.
-* Otherwise the *fitting ratio* ``f`` is the compression under which a step's communication
-  on the best link seen (dense bytes times the lowest delay per byte) takes ``comm_budget``
-  of its compute time, and ``ratio = clamp(f * p ** delay_weight / i ** importance_weight,
-  min_ratio, max_ratio)``: on the link the run started on, communication fits the budget;
-  when the link slows ``p``-fold, compression rises ``p``-fold.
+**Policy** (:mod:`rayzip.adaptive.policy`, ``adaptive.policy``). The default,
+``cost_model``, fits a model of the step (:mod:`rayzip.adaptive.model`) to the workers'
+per-step reports (network time as latency times messages plus bytes over bandwidth, the
+codec's own time against density, compute), predicts the step time of dense allreduce and
+of each candidate ratio, and picks the least compression within ``slack`` of the fastest:
+compression off when dense is predicted fastest, with hysteresis. *Sample importance* ``i``
+(mean loss of the batches since the last decision over the running mean of all losses)
+caps the ratio at ``max_ratio / i ** importance_weight``: important batches are compressed
+less. ``pressure``, the first rule, is kept for comparison.
 
 **Robustness.** A Prometheus that is unreachable, slow (``query_timeout``), or answers with
 NaN or nothing leaves the last decision in force: the attempt is recorded as ``held``, a
@@ -63,13 +60,17 @@ from typing import Any
 
 import ray
 
-from .spec import AdaptiveSpec
+from ..spec import AdaptiveSpec
+from .model import RankStep, StepModel, combine_ranks
+from .policy import PolicyInputs, make_policy
 
-__all__ = ["AdaptiveController", "Decision", "Policy", "PrometheusSource", "SourceError", "controller_name",
-           "start_controller"]
+__all__ = ["AdaptiveController", "Decision", "PrometheusSource", "SourceError", "controller_name", "start_controller"]
 
 log = logging.getLogger("rayzip.adaptive")
 MAX_BACKOFF_DOUBLINGS = 3  # retries slow to 8 intervals apart, no further
+EARLY_STEPS = 5  # a policy that decides early (the cost model) waits for this many combined steps
+PROBE_STEPS = 3  # a probe's steps measured before the controller decides again
+STEP_LAG = 8  # a step some rank has not reported this many steps later is combined without it
 
 
 @dataclass
@@ -80,33 +81,6 @@ class Decision:
     at: float
     inputs: dict = field(default_factory=dict)
     applied_step: int | None = None
-
-
-class Policy:
-    """The decision rule, free of I/O (see the module docstring)."""
-
-    def __init__(self, spec: AdaptiveSpec):
-        self.spec = spec
-        self.best_delay_per_byte: float | None = None
-
-    def decide(self, delay_per_byte: float, compute_s: float, dense_bytes: float,
-               importance: float) -> tuple[float, dict]:
-        spec = self.spec
-        if self.best_delay_per_byte is None or delay_per_byte < self.best_delay_per_byte:
-            self.best_delay_per_byte = delay_per_byte
-        pressure = delay_per_byte / self.best_delay_per_byte
-        dense_comm_s = dense_bytes * delay_per_byte
-        share = dense_comm_s / (dense_comm_s + compute_s) if dense_comm_s + compute_s > 0 else 0.0
-        explain = {"pressure": pressure, "importance": importance, "dense_comm_share": share,
-                   "best_delay_per_byte": self.best_delay_per_byte}
-        if share < spec.off_below:
-            return 1.0, explain
-        # The compression that fits a step's communication, on the best link seen, into the
-        # budget share of its compute; then more with more delay, less for important batches.
-        fitting = dense_bytes * self.best_delay_per_byte / (spec.comm_budget * max(compute_s, 1e-6))
-        explain["fitting_ratio"] = fitting
-        ratio = fitting * pressure ** spec.delay_weight / importance ** spec.importance_weight
-        return min(spec.max_ratio, max(spec.min_ratio, ratio)), explain
 
 
 class SourceError(RuntimeError):
@@ -165,10 +139,16 @@ class AdaptiveController:
     """See the module docstring. ``initial_ratio`` is in force until the first decision."""
 
     def __init__(self, run: str, job: str, spec: dict, initial_ratio: float):
-        from .metrics import ControllerMetrics
+        from ..metrics import ControllerMetrics
 
         self.spec = AdaptiveSpec.model_validate(spec)
-        self.policy = Policy(self.spec)
+        self.policy = make_policy(self.spec)
+        self.model = StepModel(window_s=self.spec.window, alpha_prior=self.spec.latency_prior)
+        self.steps: dict[int, dict[int, RankStep]] = {}  # step -> rank -> report, until every rank's is in
+        self.ranks: set[int] = set()
+        self.probing: float | None = None  # the kept fraction (1.0: dense) a probe decision asked for
+        self.probe_steps = 0
+        self.wake = threading.Event()
         self.metrics = ControllerMetrics(run, job)
         self.source = (PrometheusSource(self.spec.prometheus_url, run, self.spec.window, self.spec.query_timeout)
                        if self.spec.prometheus_url else None)
@@ -187,13 +167,36 @@ class AdaptiveController:
 
     # --- called by workers and the driver ------------------------------------------------
     def report(self, rank: int, step: int, loss: float, step_s: float, comm_s: float, network_s: float,
-               bytes_sent: int, dense_bytes: int) -> None:
+               bytes_sent: int, dense_bytes: int, busy_s: float | None = None, messages: int = 0,
+               density: float | None = None) -> None:
+        """One rank's step. ``density``: the kept fraction in force (None: dense)."""
         with self.lock:
             now = time.time()
             self.first_report = self.first_report or now
             self.reports.append((now, rank, step, loss, step_s, comm_s, network_s, bytes_sent, dense_bytes))
             if math.isfinite(loss):
                 self.new_losses.append(loss)
+            self.ranks.add(rank)
+            self.steps.setdefault(step, {})[rank] = RankStep(step_s, comm_s, comm_s if busy_s is None else busy_s,
+                                                             network_s, bytes_sent, messages, dense_bytes, density)
+            self._combine(now)
+
+    def _combine(self, now: float) -> None:
+        """Steps every rank has reported, and steps left behind (a rank gone), become samples."""
+        newest = max(self.steps)
+        for step in sorted(self.steps):
+            ranks = self.steps[step]
+            if len(ranks) < len(self.ranks) and step > newest - STEP_LAG:
+                break
+            del self.steps[step]
+            modes = {r.density for r in ranks.values()}
+            if len(modes) == 1:  # a step that straddled an adoption has no single mode
+                sample = combine_ranks(list(ranks.values()), at=now)
+                self.model.add(sample)
+                if self.probing is not None and _same_mode(sample.density, self.probing):
+                    self.probe_steps += 1
+                    if self.probe_steps >= PROBE_STEPS:
+                        self.wake.set()  # the probe is measured: decide now, not an interval later
 
     def decision(self) -> dict:
         with self.lock:
@@ -212,18 +215,27 @@ class AdaptiveController:
 
     def stop(self) -> None:
         self.stopping.set()
+        self.wake.set()
         self.thread.join(timeout=10)
 
     # --- the loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
-        wait = self.spec.interval
-        while not self.stopping.wait(wait):
+        # Until the first decision, look often: a cost model may decide after a few steps.
+        wait = min(self.spec.interval, 0.25)
+        while not self.stopping.is_set():
+            self.wake.wait(wait)
+            self.wake.clear()
+            if self.stopping.is_set():
+                break
             try:
                 ok = self._decide_once()
             except Exception as exc:  # a bug here must not stop the controller
                 log.exception("rayzip controller: decision failed: %s", exc)
                 ok = False
-            wait = self.spec.interval if ok else self.spec.interval * 2 ** min(self.failures, MAX_BACKOFF_DOUBLINGS)
+            if not ok:
+                wait = self.spec.interval * 2 ** min(self.failures, MAX_BACKOFF_DOUBLINGS)
+            else:
+                wait = self.spec.interval if len(self.decisions) > 1 else min(self.spec.interval, 0.25)
 
     def _importance(self) -> float:
         with self.lock:
@@ -263,12 +275,21 @@ class AdaptiveController:
     def _decide_once(self) -> bool:
         with self.lock:
             started = self.first_report
-        # Until training has run for a window, the rates have too few points to mean anything.
-        if started is None or time.time() - started < self.spec.window:
+        # Until training has run for a window, rates have too few points to mean anything; a
+        # policy that reads only the fitted model starts once it has a few steps.
+        if started is None:
             return True
+        if time.time() - started < self.spec.window:
+            with self.lock:
+                fitted = len(self.model.samples)
+            if not getattr(self.policy, "decides_early", False) or fitted < EARLY_STEPS:
+                return True
+            early = True
+        else:
+            early = False
         importance = self._importance()
         dense = self._dense_bytes()
-        if self.source is not None:
+        if self.source is not None and not early:
             try:
                 inputs, source = self.source.inputs(), "prometheus"
             except SourceError as exc:
@@ -286,14 +307,20 @@ class AdaptiveController:
         if inputs["delay_per_byte"] <= 0:
             self._hold("delay per byte is 0: no bytes crossed the network yet")
             return False
-        ratio, explain = self.policy.decide(inputs["delay_per_byte"], inputs["compute_s"], dense, importance)
+        with self.lock:
+            self.model.fit(time.time())
+            current = self.current.ratio
+            ratio, explain = self.policy.decide(PolicyInputs(
+                model=self.model, importance=importance, current=current, now=time.time(),
+                delay_per_byte=inputs["delay_per_byte"], compute_s=inputs["compute_s"], dense_bytes=dense))
         inputs = {**inputs, **explain, "dense_bytes": dense}
         with self.lock:
             self.failures = 0
             seq = self.current.seq + (1 if ratio != self.current.ratio else 0)
+            self.probing, self.probe_steps = (1.0 / ratio if explain.get("probe") else None), 0
             self.current = Decision(seq, ratio, source, time.time(), inputs)
             self.decisions.append(asdict(self.current))
-        self.metrics.record(ratio, explain["pressure"], importance, source)
+        self.metrics.record(ratio, explain.get("pressure"), importance, source)
         log.info("rayzip controller: ratio %.1f from %s: %s", ratio, source,
                  {k: v for k, v in inputs.items() if not isinstance(v, dict)})
         return True
@@ -308,6 +335,13 @@ class AdaptiveController:
             self.warned = True
             log.warning("rayzip controller: Prometheus gave no usable answer (%s); holding ratio %.1f and "
                         "retrying with backoff", reason, self.current.ratio)
+
+
+def _same_mode(density: float | None, kept: float) -> bool:
+    """Whether a step at ``density`` (None: dense) ran at kept fraction ``kept`` (1.0: dense)."""
+    if density is None:
+        return kept >= 1.0
+    return abs(density - kept) <= 1e-3 * kept
 
 
 def start_controller(run_id: str, job: str, spec: AdaptiveSpec, initial_ratio: float):

@@ -1,0 +1,219 @@
+"""A cost model of one training step, fitted online from what the workers measure.
+
+A synchronous data-parallel step takes ``compute + codec(d) + network``, where ``d`` is the
+kept fraction of a sparsifier (``None``: dense, compression off) and
+
+* ``network = alpha * messages + beta * bytes``: a latency per latency-bound message and an
+  inverse bandwidth, fitted by least squares to the (messages, bytes, seconds) of recent
+  steps. Runs produce varied payloads (dense probes, ratio changes), which is what makes the
+  two separable; when the recent steps all have one payload size, ``alpha`` stays at its last
+  well-determined value (latency seldom changes; bandwidth does) and only ``beta`` is fitted;
+* ``codec(d) = c0 + c1 * d``: the exchange's own time outside torch.distributed (encode,
+  decode, accumulate), fitted to the compressed steps seen at any time (it does not depend
+  on the network); the dense path's own time likewise;
+* ``bytes(d) = b0 + b1 * d`` and messages per step, as seen (dense: as reported by the
+  workers, which count the fp32 ring allreduce's bytes even while compressing).
+
+A step's figures are combined across ranks before fitting, so that a slow worker is not read
+as a slow network: its peers wait for it *inside* the collective, but the last rank to
+arrive waits for nobody, so the **least** network time over the ranks is the transfer
+itself; compute is the **largest** (the step waits for the slowest rank), and codec time the
+median.
+
+Usage::
+
+    model = StepModel()
+    model.add(StepSample(messages=2, bytes=8e6, network_s=0.07, codec_s=0.001, compute_s=0.05, density=None))
+    ...
+    model.predict(0.01).total_s, model.predict(None).total_s
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["LinkFit", "Prediction", "StepModel", "StepSample", "combine_ranks", "fit_link"]
+
+
+RECENT_DENSE = 5  # dense steps whose median network time predicts the next (a link may just have changed)
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One step, combined across ranks (:func:`combine_ranks`)."""
+
+    messages: float  # latency-bound sends per worker
+    bytes: float  # bytes per worker
+    network_s: float
+    codec_s: float
+    compute_s: float
+    density: float | None  # kept fraction; None: dense
+    dense_bytes: float = 0.0  # an fp32 ring allreduce of the same gradient, per worker
+    at: float = 0.0  # seconds (any clock), for the fitting window
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """One rank's report of one step."""
+
+    step_s: float
+    comm_s: float
+    busy_s: float
+    network_s: float
+    bytes: float
+    messages: float
+    dense_bytes: float
+    density: float | None
+
+
+def combine_ranks(reports: list[RankStep], at: float = 0.0) -> StepSample:
+    """One step's sample from every rank's report of it (see the module docstring)."""
+    return StepSample(messages=statistics.median(r.messages for r in reports),
+                      bytes=statistics.median(r.bytes for r in reports),
+                      network_s=min(r.network_s for r in reports),
+                      codec_s=statistics.median(max(0.0, r.busy_s - r.network_s) for r in reports),
+                      compute_s=max(max(0.0, r.step_s - r.comm_s) for r in reports),
+                      density=reports[0].density, dense_bytes=reports[0].dense_bytes, at=at)
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    alpha: float  # seconds per latency-bound message
+    beta: float  # seconds per byte (1 / bandwidth)
+    separable: bool  # both fitted (payload sizes varied), or alpha carried over
+    samples: int
+
+    def seconds(self, messages: float, nbytes: float) -> float:
+        return self.alpha * messages + self.beta * nbytes
+
+
+def fit_link(samples: list[StepSample], alpha_prior: float, spread: float = 1.5) -> LinkFit | None:
+    """Least squares ``network_s ~ alpha * messages + beta * bytes`` over ``samples``. With
+    byte counts spread less than ``spread``-fold (or a fit that comes out negative), alpha is
+    held at ``alpha_prior`` and beta fitted alone."""
+    rows = [s for s in samples if s.bytes > 0]
+    if not rows:
+        return None
+    m = np.array([s.messages for s in rows], dtype=np.float64)
+    b = np.array([s.bytes for s in rows], dtype=np.float64)
+    t = np.array([s.network_s for s in rows], dtype=np.float64)
+    if b.max() >= spread * b.min():
+        (alpha, beta), *_ = np.linalg.lstsq(np.stack([m, b], axis=1), t, rcond=None)
+        if alpha >= 0 and beta > 0:
+            return LinkFit(float(alpha), float(beta), True, len(rows))
+    beta = float(np.dot(b, np.maximum(t - alpha_prior * m, 0.0)) / np.dot(b, b))
+    return LinkFit(alpha_prior, max(beta, 1e-15), False, len(rows))
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares intercept and slope; a constant when x does not vary."""
+    x = np.array([p[0] for p in points], dtype=np.float64)
+    y = np.array([p[1] for p in points], dtype=np.float64)
+    if len(points) < 2 or np.ptp(x) <= 1e-12 * max(1.0, float(np.abs(x).max())):
+        return float(np.median(y)), 0.0
+    slope, intercept = np.polyfit(x, y, 1)
+    return float(intercept), float(slope)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    density: float | None
+    messages: float
+    bytes: float
+    network_s: float
+    codec_s: float
+    compute_s: float
+
+    @property
+    def exchange_s(self) -> float:
+        return self.network_s + self.codec_s
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.exchange_s
+
+
+class StepModel:
+    """Samples in, predictions out (see the module docstring). The link is fitted to the
+    samples of the last ``window_s`` seconds; codec time and payload sizes remember the
+    last ``memory`` samples of each mode."""
+
+    def __init__(self, window_s: float = 10.0, alpha_prior: float = 1e-4, memory: int = 512):
+        self.window_s, self.alpha = window_s, alpha_prior
+        self.samples: deque[StepSample] = deque(maxlen=4 * memory)
+        self.compressed: deque[StepSample] = deque(maxlen=memory)
+        self.dense: deque[StepSample] = deque(maxlen=memory)
+        self.link: LinkFit | None = None
+        self.best_beta: float | None = None
+        self.fitted_at = 0.0
+        self.alpha_known = False  # some window's payloads varied enough to fit the latency
+
+    def add(self, sample: StepSample) -> None:
+        self.samples.append(sample)
+        (self.dense if sample.density is None else self.compressed).append(sample)
+
+    def fit(self, now: float | None = None) -> LinkFit | None:
+        """Refit the link to the window ending at ``now`` (the newest sample's time)."""
+        if not self.samples:
+            return self.link
+        now = self.samples[-1].at if now is None else now
+        self.fitted_at = now
+        recent = [s for s in self.samples if s.at >= now - self.window_s]
+        fit = fit_link(recent, self.alpha)
+        if fit is not None:
+            self.link = fit
+            if fit.separable:
+                self.alpha = fit.alpha  # carried over while the payloads stop varying
+                self.alpha_known = True
+            self.best_beta = fit.beta if self.best_beta is None else min(self.best_beta, fit.beta)
+        return self.link
+
+    @property
+    def ready(self) -> bool:
+        return self.link is not None and bool(self.compressed or self.dense)
+
+    def dense_bytes(self) -> float:
+        newest = self.samples[-1] if self.samples else None
+        return float(newest.dense_bytes) if newest is not None else 0.0
+
+    def compute_s(self, now: float | None = None) -> float:
+        if not self.samples:
+            return 0.0
+        now = self.samples[-1].at if now is None else now
+        recent = [s.compute_s for s in self.samples if s.at >= now - self.window_s] or [self.samples[-1].compute_s]
+        return float(statistics.median(recent))
+
+    def predict(self, density: float | None) -> Prediction:
+        """The step at kept fraction ``density`` (None: dense) on the link as fitted now."""
+        if self.link is None:
+            raise RuntimeError("no samples fitted yet")
+        compute = self.compute_s()
+        if density is None:
+            seen = list(self.dense)
+            nbytes = self.dense_bytes()
+            # Before any dense step: a ring allreduce's 2(n-1) messages per bucket are not
+            # known, so the compressed steps' count stands in (the same buckets).
+            messages = statistics.median(s.messages for s in (seen or self.compressed))
+            codec = statistics.median(s.codec_s for s in seen) if seen else 0.0
+            recent = [s.network_s for s in seen if s.at >= self.fitted_at - self.window_s][-RECENT_DENSE:]
+            if recent:  # measured beats modelled: a dense allreduce also costs its reduction
+                return Prediction(None, messages, nbytes, float(statistics.median(recent)), codec, compute)
+        else:
+            seen = list(self.compressed)
+            if not seen:  # nothing compressed yet: bytes in proportion to the dense count
+                nbytes, messages, codec = density * self.dense_bytes(), statistics.median(
+                    s.messages for s in self.dense), 0.0
+            else:
+                b0, b1 = _line([(s.density, s.bytes) for s in seen])
+                if b1 == 0.0:  # one density seen: payload in proportion to it
+                    ref = statistics.median(s.density for s in seen)
+                    b0, b1 = 0.0, b0 / ref if ref > 0 else 0.0
+                nbytes = max(0.0, b0 + b1 * density)
+                messages = statistics.median(s.messages for s in seen)
+                c0, c1 = _line([(s.density, s.codec_s) for s in seen])
+                codec = max(0.0, c0 + c1 * density)
+        return Prediction(density, messages, nbytes, self.link.seconds(messages, nbytes), codec, compute)

@@ -1,0 +1,183 @@
+"""Decision rules for the adaptive controller: inputs in, a compression ratio out (1.0: off).
+
+A policy is any object with ``decide(inputs: PolicyInputs) -> (ratio, explain)``, built from
+the job's :class:`~rayzip.spec.AdaptiveSpec` (``adaptive.policy``: ``cost_model``, the
+default, ``pressure``, or ``module:Class`` for your own). ``explain`` is a flat dict recorded
+with the decision. Policies do no I/O and may keep state between decisions.
+
+* :class:`CostModelPolicy` predicts each candidate's step time from the fitted
+  :class:`~rayzip.adaptive.model.StepModel` and picks the least compression whose predicted
+  step is within ``slack`` of the fastest, dense included (auto-off), under a ratio cap that
+  important batches lower. It switches only for a predicted gain above ``hysteresis``, and a
+  marginal switch between dense and compressed must be the verdict of two decisions in a row.
+  While compressing with no recent dense step, it probes, a few steps at a time (the
+  controller decides again as soon as the probe's steps are in): first a payload 8x larger
+  than the chosen one, if no payloads so far were varied enough to separate latency from
+  bandwidth (small payloads on a fast link are all latency, which extrapolates to any dense
+  time at all); then dense, if the model now gives dense a chance (within 2x of the chosen
+  step). On a slow link the first rung shows the bandwidth and the second is skipped.
+* :class:`PressurePolicy` is the first rule, kept for comparison: compression in proportion
+  to delay per byte over the best seen. It reads fixed latency as pressure (a smaller
+  payload has a larger delay per byte) and does not see codec time.
+
+Usage::
+
+    policy = make_policy(AdaptiveSpec(enabled=True))
+    ratio, explain = policy.decide(PolicyInputs(model=model, importance=1.0, current=100.0))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..spec import AdaptiveSpec, import_callable
+from .model import Prediction, StepModel
+
+__all__ = ["CostModelPolicy", "Policy", "PolicyInputs", "PressurePolicy", "make_policy"]
+
+FLIP_WITHOUT_CONFIRMATION = 2.0  # a flip this much faster is taken at once (a link that dropped)
+PROBE_WITHIN = 2.0  # probe dense only while the model puts it within this factor of the chosen step
+PROBE_PAYLOAD = 8.0  # the first rung: a payload this much larger than the chosen one
+
+
+@dataclass
+class PolicyInputs:
+    model: StepModel  # fitted to the workers' per-step reports
+    importance: float  # recent batch loss over its running mean
+    current: float  # the ratio in force (1.0: dense)
+    now: float = 0.0  # the model's clock
+    delay_per_byte: float | None = None  # this window's, slowest rank (Prometheus or the workers)
+    compute_s: float | None = None  # this window's mean compute per step
+    dense_bytes: float | None = None
+
+
+class Policy(Protocol):
+    def decide(self, inputs: PolicyInputs) -> tuple[float, dict]:
+        ...
+
+
+def make_policy(spec: AdaptiveSpec) -> Policy:
+    if spec.policy == "cost_model":
+        return CostModelPolicy(spec)
+    if spec.policy == "pressure":
+        return PressurePolicy(spec)
+    return import_callable(spec.policy)(spec)
+
+
+def _cap(spec: AdaptiveSpec, importance: float) -> float:
+    return min(spec.max_ratio, max(spec.min_ratio, spec.max_ratio / importance ** spec.importance_weight))
+
+
+class CostModelPolicy:
+    """See the module docstring."""
+
+    decides_early = True  # it reads the fitted model only: a few steps are enough to start
+
+    def __init__(self, spec: AdaptiveSpec):
+        self.spec = spec
+        self.flip_verdicts = 0  # decisions in a row that called for a dense/compressed flip
+        self.probing_from: float | None = None  # the ratio a probe interrupted
+        self.probe: float | None = None  # the ratio being probed (1.0: dense)
+
+    def candidates(self, cap: float) -> list[float]:
+        lo = self.spec.min_ratio
+        count = max(1, math.ceil(2 * math.log2(cap / lo))) if cap > lo else 0
+        return [1.0] + [lo * (cap / lo) ** (i / count) for i in range(count)] + [cap]
+
+    def decide(self, inputs: PolicyInputs) -> tuple[float, dict]:
+        spec, model = self.spec, inputs.model
+        current = self.probing_from if self.probing_from is not None else inputs.current
+        probed = self.probe
+        self.probing_from = self.probe = None
+        if not model.ready:
+            return current, {"reason": "no steps fitted yet"}
+        if probed == 1.0:  # a dense probe just measured both modes: its verdict needs no second one
+            self.flip_verdicts = max(self.flip_verdicts, 1)
+        cap = _cap(spec, inputs.importance)
+        predictions = {r: model.predict(None if r == 1.0 else 1.0 / r) for r in self.candidates(cap)}
+        fastest = min(p.total_s for p in predictions.values())
+        target = min(r for r, p in predictions.items() if p.total_s <= (1 + spec.slack) * fastest)
+        now_p = model.predict(None if current == 1.0 else 1.0 / min(current, spec.max_ratio))
+        link = model.link
+        explain = {"alpha_s": link.alpha, "beta_s_per_byte": link.beta, "link_separable": link.separable,
+                   "pressure": link.beta / model.best_beta if model.best_beta else 1.0,
+                   "importance": inputs.importance, "cap": cap, "target": target,
+                   "predicted_step_s": predictions[target].total_s, "predicted_current_s": now_p.total_s,
+                   "predicted_dense_s": predictions[1.0].total_s, "compute_s": predictions[1.0].compute_s,
+                   "dense_comm_share": _share(predictions[1.0]), "probe": False}
+        choice = self._switch(current, target, now_p, predictions[target], cap)
+        explain["flip_verdicts"] = self.flip_verdicts
+        probe = self._probe(model, inputs.now, choice, predictions[1.0], predictions.get(choice, now_p))
+        explain["after_probe"] = probed
+        if probe is not None:
+            self.probing_from, self.probe = choice, probe
+            explain["probe"] = True
+            return probe, explain
+        return choice, explain
+
+    def _switch(self, current: float, target: float, now_p: Prediction, best: Prediction, cap: float) -> float:
+        spec = self.spec
+        if current > cap:  # important batches: less compression now, whatever the speed
+            self.flip_verdicts = 0
+            return target
+        faster = now_p.total_s > (1 + spec.hysteresis) * best.total_s
+        gentler = target < current / 1.25  # same speed within slack, less compression
+        if target == current or not (faster or gentler):
+            self.flip_verdicts = 0
+            return current
+        if (target == 1.0) != (current == 1.0):  # compression off or on
+            self.flip_verdicts += 1
+            if self.flip_verdicts < 2 and now_p.total_s < FLIP_WITHOUT_CONFIRMATION * best.total_s:
+                return current
+        self.flip_verdicts = 0
+        return target
+
+    def _probe(self, model: StepModel, now: float, choice: float, dense: Prediction,
+               chosen: Prediction) -> float | None:
+        """The ratio to probe next (1.0: dense), or None (see the module docstring)."""
+        if choice == 1.0:
+            return None
+        newest_dense = model.dense[-1].at if model.dense else None
+        if newest_dense is not None and now - newest_dense <= self.spec.probe_every:
+            return None
+        if not model.alpha_known:
+            return max(self.spec.min_ratio, choice / PROBE_PAYLOAD)
+        return 1.0 if dense.total_s <= PROBE_WITHIN * chosen.total_s else None
+
+
+def _share(dense: Prediction) -> float:
+    return dense.network_s / dense.total_s if dense.total_s > 0 else 0.0
+
+
+class PressurePolicy:
+    """The first rule (see the module docstring): delay per byte against the best seen."""
+
+    def __init__(self, spec: AdaptiveSpec):
+        self.spec = spec
+        self.best_delay_per_byte: float | None = None
+
+    def decide(self, inputs: PolicyInputs) -> tuple[float, dict]:
+        if inputs.delay_per_byte is None or inputs.compute_s is None or inputs.dense_bytes is None:
+            return inputs.current, {"reason": "no window inputs yet"}
+        return self.ratio_for(inputs.delay_per_byte, inputs.compute_s, inputs.dense_bytes, inputs.importance)
+
+    def ratio_for(self, delay_per_byte: float, compute_s: float, dense_bytes: float,
+                  importance: float) -> tuple[float, dict]:
+        spec = self.spec
+        if self.best_delay_per_byte is None or delay_per_byte < self.best_delay_per_byte:
+            self.best_delay_per_byte = delay_per_byte
+        pressure = delay_per_byte / self.best_delay_per_byte
+        dense_comm_s = dense_bytes * delay_per_byte
+        share = dense_comm_s / (dense_comm_s + compute_s) if dense_comm_s + compute_s > 0 else 0.0
+        explain = {"pressure": pressure, "importance": importance, "dense_comm_share": share,
+                   "best_delay_per_byte": self.best_delay_per_byte}
+        if share < spec.off_below:
+            return 1.0, explain
+        # The compression that fits a step's communication, on the best link seen, into the
+        # budget share of its compute; then more with more delay, less for important batches.
+        fitting = dense_bytes * self.best_delay_per_byte / (spec.comm_budget * max(compute_s, 1e-6))
+        explain["fitting_ratio"] = fitting
+        ratio = fitting * pressure ** spec.delay_weight / importance ** spec.importance_weight
+        return min(spec.max_ratio, max(spec.min_ratio, ratio)), explain

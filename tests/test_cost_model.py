@@ -1,0 +1,164 @@
+"""The controller's cost model of a step and the policy that reads it (issue 22): pure
+functions, fed synthetic timings whose latency, bandwidth and codec cost are known."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rayzip.adaptive import CostModelPolicy, PolicyInputs, PressurePolicy, StepModel, StepSample, fit_link
+from rayzip.adaptive.model import RankStep, combine_ranks
+from rayzip.spec import AdaptiveSpec
+
+DENSE_BYTES = 17.4e6  # a 4.35M-parameter gradient's fp32 ring allreduce, 2 workers
+MESSAGES = 12  # latency-bound sends per step
+
+
+class Cluster:
+    """Two workers on a link of ``bandwidth`` bytes/s and ``latency`` s per message, with a
+    codec whose own time grows with density, and ``noise`` relative jitter."""
+
+    def __init__(self, bandwidth: float, latency: float = 100e-6, compute_s: float = 0.05, noise: float = 0.03,
+                 seed: int = 0):
+        self.bandwidth, self.latency, self.compute_s, self.noise = bandwidth, latency, compute_s, noise
+        self.rng = random.Random(seed)
+
+    def jitter(self, x: float) -> float:
+        return x * (1 + self.rng.uniform(-self.noise, self.noise))
+
+    def step(self, ratio: float, at: float) -> StepSample:
+        density = None if ratio == 1.0 else 1.0 / ratio
+        nbytes = DENSE_BYTES if density is None else 64 + DENSE_BYTES * density  # fp16 + uint16 vs fp32
+        codec = 0.004 if density is None else 0.012 + 0.6 * density  # top-k's cost grows with k
+        return StepSample(messages=MESSAGES, bytes=nbytes,
+                          network_s=self.jitter(MESSAGES * self.latency + nbytes / self.bandwidth),
+                          codec_s=self.jitter(codec), compute_s=self.jitter(self.compute_s), density=density,
+                          dense_bytes=DENSE_BYTES, at=at)
+
+    def true_step_s(self, ratio: float) -> float:
+        density = None if ratio == 1.0 else 1.0 / ratio
+        nbytes = DENSE_BYTES if density is None else 64 + DENSE_BYTES * density
+        codec = 0.004 if density is None else 0.012 + 0.6 * density
+        return self.compute_s + codec + MESSAGES * self.latency + nbytes / self.bandwidth
+
+
+def run_controller(policy, links: list[tuple[Cluster, int]], start: float = 100.0, steps_per_decision: int = 20,
+                   window_s: float = 10.0) -> list[float]:
+    """Decisions, one per ``steps_per_decision`` steps (1 s of clock apart), on each cluster
+    in turn for its number of decisions; returns the ratio in force at each decision."""
+    model, ratio, t, ratios = StepModel(window_s=window_s), start, 0.0, []
+    for cluster, decisions in links:
+        for _ in range(decisions):
+            for _ in range(steps_per_decision):
+                t += 1.0 / steps_per_decision
+                model.add(cluster.step(ratio, t))
+            model.fit(t)
+            ratio, _ = policy.decide(PolicyInputs(model=model, importance=1.0, current=ratio, now=t))
+            ratios.append(ratio)
+    return ratios
+
+
+def spec(**kw) -> AdaptiveSpec:
+    return AdaptiveSpec(enabled=True, min_ratio=4, max_ratio=200, importance_weight=1.0, window=10.0, **kw)
+
+
+def test_the_fit_recovers_known_latency_and_bandwidth_from_noisy_timings():
+    rng = random.Random(1)
+    alpha, beta = 200e-6, 1 / 12.5e6  # 200 us a message, 100 Mbit/s
+    samples = []
+    for i in range(200):
+        messages, nbytes = rng.choice([2, 6, 12]), 10 ** rng.uniform(3, 7)
+        t = (alpha * messages + beta * nbytes) * (1 + rng.uniform(-0.03, 0.03))
+        samples.append(StepSample(messages, nbytes, t, 0.0, 0.05, 0.01, at=i))
+    fit = fit_link(samples, alpha_prior=1e-3)
+    assert fit.separable
+    assert fit.alpha == pytest.approx(alpha, rel=0.1) and fit.beta == pytest.approx(beta, rel=0.02)
+    # One payload size cannot separate the two: alpha stays at what was known, beta fits.
+    same = [StepSample(12, 1e6, alpha * 12 + beta * 1e6, 0.0, 0.05, None, at=i) for i in range(20)]
+    held = fit_link(same, alpha_prior=alpha)
+    assert not held.separable and held.alpha == alpha and held.beta == pytest.approx(beta, rel=1e-9)
+
+
+def test_a_straggler_is_read_as_compute_not_as_network():
+    transfer, late = 0.005, 0.200  # rank 1 computes 200 ms longer; rank 0 waits for it in the collective
+    fast = RankStep(step_s=0.055 + late, comm_s=transfer + late + 0.002, busy_s=transfer + late + 0.002,
+                    network_s=transfer + late, bytes=DENSE_BYTES, messages=MESSAGES, dense_bytes=DENSE_BYTES,
+                    density=None)
+    slow = RankStep(step_s=0.055 + late, comm_s=transfer + 0.002, busy_s=transfer + 0.002, network_s=transfer,
+                    bytes=DENSE_BYTES, messages=MESSAGES, dense_bytes=DENSE_BYTES, density=None)
+    sample = combine_ranks([fast, slow])
+    assert sample.network_s == transfer and sample.compute_s == pytest.approx(0.048 + late)
+
+    def decide(reports, policy):
+        model = StepModel()
+        for i in range(40):
+            model.add(combine_ranks(reports, at=i * 0.1))
+        model.fit()
+        delay_per_byte = max(r.network_s / r.bytes for r in reports)  # the slowest rank, as Prometheus reads it
+        return policy.decide(PolicyInputs(model=model, importance=1.0, current=1.0, now=4.0,
+                                          delay_per_byte=delay_per_byte, compute_s=0.05, dense_bytes=DENSE_BYTES))[0]
+
+    punctual = RankStep(0.055, transfer + 0.002, transfer + 0.002, transfer, DENSE_BYTES, MESSAGES, DENSE_BYTES, None)
+    # The cost model decides the same with and without the straggler: dense, on this fast link.
+    assert decide([punctual, punctual], CostModelPolicy(spec())) == 1.0
+    assert decide([fast, slow], CostModelPolicy(spec())) == 1.0
+    # The first policy read the straggler's wait as a slow network and compressed.
+    assert decide([punctual, punctual], PressurePolicy(spec(policy="pressure"))) == 1.0
+    assert decide([fast, slow], PressurePolicy(spec(policy="pressure"))) > 1.0
+
+
+def test_compression_goes_off_on_a_fast_link_and_stays_off():
+    ratios = run_controller(CostModelPolicy(spec()), [(Cluster(bandwidth=1.25e9), 30)])  # 10 Gbit/s
+    assert ratios[-1] == 1.0
+    first_off = ratios.index(1.0)
+    assert first_off <= 4, ratios  # a probe, then two verdicts
+    assert all(r == 1.0 for r in ratios[first_off + 2:]), ratios  # no flapping
+
+
+def test_a_slow_link_gets_the_ratio_a_fixed_sweep_would_pick():
+    cluster = Cluster(bandwidth=12.5e6)  # 100 Mbit/s
+    ratios = run_controller(CostModelPolicy(spec()), [(cluster, 20)])
+    best = min([1.0, 4, 8, 16, 32, 64, 100, 200], key=cluster.true_step_s)
+    assert cluster.true_step_s(ratios[-1]) <= 1.1 * cluster.true_step_s(best), (ratios, best)
+    assert len(set(ratios[-10:])) == 1, ratios  # settled
+    # The first probe (an 8x larger payload) showed the bandwidth: dense was never tried.
+    assert ratios[0] == 200 / 8 and 1.0 not in ratios, ratios
+
+
+def test_a_link_that_drops_is_followed_within_two_decisions():
+    policy = CostModelPolicy(spec())
+    ratios = run_controller(policy, [(Cluster(bandwidth=1.25e9), 15), (Cluster(bandwidth=12.5e6, seed=1), 10)])
+    assert ratios[14] == 1.0  # dense on the fast link
+    slow = Cluster(bandwidth=12.5e6)
+    assert ratios[16] > 1.0 and slow.true_step_s(ratios[16]) <= 1.2 * min(slow.true_step_s(r) for r in (32, 64, 200))
+
+
+def test_near_the_break_even_point_it_does_not_flap():
+    # A link where dense and the best ratio are within a few percent of each other.
+    cluster = Cluster(bandwidth=1.4e9, noise=0.05, seed=3)
+    ratios = run_controller(CostModelPolicy(spec()), [(cluster, 40)])
+    flips = sum(1 for a, b in zip(ratios, ratios[1:]) if (a == 1.0) != (b == 1.0))
+    assert flips <= 3, ratios  # the probe out and back, and at most one real switch
+
+
+def test_important_batches_cap_the_ratio():
+    cluster = Cluster(bandwidth=12.5e6)
+    model = StepModel()
+    for i in range(40):
+        model.add(cluster.step(200.0, i * 0.1))
+    model.fit()
+    policy = CostModelPolicy(spec())
+    calm, _ = policy.decide(PolicyInputs(model=model, importance=1.0, current=200.0, now=4.0))
+    important, explain = policy.decide(PolicyInputs(model=model, importance=4.0, current=200.0, now=4.0))
+    assert important <= 200 / 4 < calm or calm <= 200 / 4, (calm, important)
+    assert explain["cap"] == 50.0 and important <= 50.0
+
+
+def test_policy_is_pluggable_by_import_path():
+    from rayzip.adaptive import make_policy
+
+    assert isinstance(make_policy(spec(policy="pressure")), PressurePolicy)
+    assert isinstance(make_policy(spec(policy="rayzip.adaptive.policy:CostModelPolicy")), CostModelPolicy)
+    with pytest.raises(ValueError, match="unknown adaptive policy"):
+        spec(policy="fastest")
