@@ -105,6 +105,10 @@ def fit_link(samples: list[StepSample], alpha_prior: float, spread: float = 1.5)
         (alpha, beta), *_ = np.linalg.lstsq(np.stack([m, b], axis=1), t, rcond=None)
         if alpha >= 0 and beta > 0:
             return LinkFit(float(alpha), float(beta), True, len(rows))
+        if beta <= 0 < np.dot(m, t):
+            # Payloads that differ this much took the same time: at these sizes the link is
+            # all latency, and its bandwidth is beyond what they can measure.
+            return LinkFit(float(np.dot(m, t) / np.dot(m, m)), 0.0, True, len(rows))
     beta = float(np.dot(b, np.maximum(t - alpha_prior * m, 0.0)) / np.dot(b, b))
     return LinkFit(alpha_prior, max(beta, 1e-15), False, len(rows))
 
@@ -142,13 +146,17 @@ class StepModel:
     samples of the last ``window_s`` seconds; codec time and payload sizes remember the
     last ``memory`` samples of each mode."""
 
+    def densities(self) -> tuple[float, float] | None:
+        """The lowest and highest kept fraction measured (compressed steps only)."""
+        seen = [s.density for s in self.compressed]
+        return (min(seen), max(seen)) if seen else None
+
     def __init__(self, window_s: float = 10.0, alpha_prior: float = 1e-4, memory: int = 512):
         self.window_s, self.alpha = window_s, alpha_prior
         self.samples: deque[StepSample] = deque(maxlen=4 * memory)
         self.compressed: deque[StepSample] = deque(maxlen=memory)
         self.dense: deque[StepSample] = deque(maxlen=memory)
         self.link: LinkFit | None = None
-        self.best_beta: float | None = None
         self.fitted_at = 0.0
         self.alpha_known = False  # some window's payloads varied enough to fit the latency
 
@@ -169,7 +177,6 @@ class StepModel:
             if fit.separable:
                 self.alpha = fit.alpha  # carried over while the payloads stop varying
                 self.alpha_known = True
-            self.best_beta = fit.beta if self.best_beta is None else min(self.best_beta, fit.beta)
         return self.link
 
     @property

@@ -15,7 +15,9 @@ with the decision. Policies do no I/O and may keep state between decisions.
   than the chosen one, if no payloads so far were varied enough to separate latency from
   bandwidth (small payloads on a fast link are all latency, which extrapolates to any dense
   time at all); then dense, if the model now gives dense a chance (within 2x of the chosen
-  step). On a slow link the first rung shows the bandwidth and the second is skipped.
+  step) or still cannot tell. On a slow link the first rung shows the bandwidth and the
+  second is skipped. Candidate ratios stay within 8x of the kept fractions measured (the
+  codec's time is fitted, not known, beyond them), so the ratio moves there step by step.
 * :class:`PressurePolicy` is the first rule, kept for comparison: compression in proportion
   to delay per byte over the best seen. It reads fixed latency as pressure (a smaller
   payload has a larger delay per byte) and does not see codec time.
@@ -80,11 +82,21 @@ class CostModelPolicy:
         self.flip_verdicts = 0  # decisions in a row that called for a dense/compressed flip
         self.probing_from: float | None = None  # the ratio a probe interrupted
         self.probe: float | None = None  # the ratio being probed (1.0: dense)
+        self.payload_probed_at: float | None = None
+        self.best_dense_network: float | None = None
 
-    def candidates(self, cap: float) -> list[float]:
+    def candidates(self, cap: float, seen: tuple[float, float] | None) -> list[float]:
+        """Dense, and ratios from ``min_ratio`` to ``cap`` (two per octave) no further than
+        PROBE_PAYLOAD from the kept fractions measured: outside them the codec's time is
+        extrapolated, so the controller moves there one measured step at a time."""
         lo = self.spec.min_ratio
         count = max(1, math.ceil(2 * math.log2(cap / lo))) if cap > lo else 0
-        return [1.0] + [lo * (cap / lo) ** (i / count) for i in range(count)] + [cap]
+        ratios = [lo * (cap / lo) ** (i / count) for i in range(count)] + [cap]
+        if seen is not None:
+            least, most = 1.0 / seen[1] / PROBE_PAYLOAD, 1.0 / seen[0] * PROBE_PAYLOAD
+            inside = [r for r in ratios if least <= r <= most]
+            ratios = inside or [min(ratios, key=lambda r: min(abs(math.log(r * seen[0])), abs(math.log(r * seen[1]))))]
+        return [1.0] + ratios
 
     def decide(self, inputs: PolicyInputs) -> tuple[float, dict]:
         spec, model = self.spec, inputs.model
@@ -96,13 +108,16 @@ class CostModelPolicy:
         if probed == 1.0:  # a dense probe just measured both modes: its verdict needs no second one
             self.flip_verdicts = max(self.flip_verdicts, 1)
         cap = _cap(spec, inputs.importance)
-        predictions = {r: model.predict(None if r == 1.0 else 1.0 / r) for r in self.candidates(cap)}
+        predictions = {r: model.predict(None if r == 1.0 else 1.0 / r) for r in self.candidates(cap, model.densities())}
         fastest = min(p.total_s for p in predictions.values())
         target = min(r for r, p in predictions.items() if p.total_s <= (1 + spec.slack) * fastest)
         now_p = model.predict(None if current == 1.0 else 1.0 / min(current, spec.max_ratio))
         link = model.link
+        dense_network = predictions[1.0].network_s
+        self.best_dense_network = min(self.best_dense_network or dense_network, dense_network)
         explain = {"alpha_s": link.alpha, "beta_s_per_byte": link.beta, "link_separable": link.separable,
-                   "pressure": link.beta / model.best_beta if model.best_beta else 1.0,
+                   # how much slower a dense exchange would be now than at its best in this run
+                   "pressure": dense_network / self.best_dense_network if self.best_dense_network else 1.0,
                    "importance": inputs.importance, "cap": cap, "target": target,
                    "predicted_step_s": predictions[target].total_s, "predicted_current_s": now_p.total_s,
                    "predicted_dense_s": predictions[1.0].total_s, "compute_s": predictions[1.0].compute_s,
@@ -143,7 +158,10 @@ class CostModelPolicy:
         if newest_dense is not None and now - newest_dense <= self.spec.probe_every:
             return None
         if not model.alpha_known:
-            return max(self.spec.min_ratio, choice / PROBE_PAYLOAD)
+            if self.payload_probed_at is None or now - self.payload_probed_at > self.spec.probe_every:
+                self.payload_probed_at = now
+                return max(self.spec.min_ratio, choice / PROBE_PAYLOAD)
+            return 1.0  # the larger payload did not settle latency against bandwidth: measure dense
         return 1.0 if dense.total_s <= PROBE_WITHIN * chosen.total_s else None
 
 
