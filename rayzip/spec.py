@@ -372,12 +372,12 @@ class AdaptiveSpec(_Strict):
     max_ratio: float = Field(200.0, ge=1, description="Most compression.")
     importance_weight: float = Field(0.5, ge=0, description="Exponent on batch importance (loss over its "
                                                             "running mean): important batches are compressed less.")
-    delay_weight: float = Field(1.0, ge=0, description="Exponent on network pressure (delay per byte over the "
-                                                       "best seen): more delay, more compression.")
-    off_below: float = Field(0.1, ge=0, lt=1, description="Send dense (compression off) while dense "
-                                                          "communication would take less than this share of a step.")
-    comm_budget: float = Field(0.25, gt=0, description="On the best link seen, compress until communication "
-                                                       "takes this share of compute time.")
+    delay_weight: float = Field(1.0, ge=0, description="pressure: exponent on network pressure (delay per byte "
+                                                       "over the best seen): more delay, more compression.")
+    off_below: float = Field(0.1, ge=0, lt=1, description="pressure: send dense (compression off) while "
+                                                          "dense communication would take less than this share of a step.")
+    comm_budget: float = Field(0.25, gt=0, description="pressure: on the best link seen, compress until "
+                                                       "communication takes this share of compute time.")
     query_timeout: float = Field(2.0, gt=0, description="Seconds before a Prometheus query counts as failed.")
     slack: float = Field(0.03, ge=0, lt=1, description="cost_model: the least compression whose predicted step "
                                                        "is within this share of the fastest.")

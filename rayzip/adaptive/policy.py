@@ -16,7 +16,8 @@ with the decision. Policies do no I/O and may keep state between decisions.
   bandwidth (small payloads on a fast link are all latency, which extrapolates to any dense
   time at all); then dense, if the model now gives dense a chance (within 2x of the chosen
   step) or still cannot tell. On a slow link the first rung shows the bandwidth and the
-  second is skipped. Candidate ratios stay within 8x of the kept fractions measured (the
+  second is skipped. A switch off is always measured first: with no dense step in the
+  window, a decision for dense becomes a dense probe, and its measurement decides. Candidate ratios stay within 8x of the kept fractions measured (the
   codec's time is fitted, not known, beyond them), so the ratio moves there step by step.
 * :class:`PressurePolicy` is the first rule, kept for comparison: compression in proportion
   to delay per byte over the best seen. It reads fixed latency as pressure (a smaller
@@ -41,6 +42,7 @@ __all__ = ["CostModelPolicy", "Policy", "PolicyInputs", "PressurePolicy", "make_
 
 FLIP_WITHOUT_CONFIRMATION = 2.0  # a flip this much faster is taken at once (a link that dropped)
 PROBE_WITHIN = 2.0  # probe dense only while the model puts it within this factor of the chosen step
+CAP_TOLERANCE = 1.05  # the importance cap forces less compression only when it binds by more than this
 PROBE_PAYLOAD = 8.0  # the first rung: a payload this much larger than the chosen one
 
 
@@ -122,21 +124,26 @@ class CostModelPolicy:
                    "predicted_step_s": predictions[target].total_s, "predicted_current_s": now_p.total_s,
                    "predicted_dense_s": predictions[1.0].total_s, "compute_s": predictions[1.0].compute_s,
                    "dense_comm_share": _share(predictions[1.0]), "probe": False}
-        choice = self._switch(current, target, now_p, predictions[target], cap)
+        choice = self._switch(current, target, now_p, predictions, cap)
         explain["flip_verdicts"] = self.flip_verdicts
-        probe = self._probe(model, inputs.now, choice, predictions[1.0], predictions.get(choice, now_p))
+        probe = self._probe(model, inputs.now, choice, predictions[1.0], predictions.get(choice, now_p), current)
         explain["after_probe"] = probed
         if probe is not None:
-            self.probing_from, self.probe = choice, probe
+            self.probing_from, self.probe = (current if choice == 1.0 else choice), probe
             explain["probe"] = True
             return probe, explain
         return choice, explain
 
-    def _switch(self, current: float, target: float, now_p: Prediction, best: Prediction, cap: float) -> float:
-        spec = self.spec
-        if current > cap:  # important batches: less compression now, whatever the speed
+    def _switch(self, current: float, target: float, now_p: Prediction, predictions: dict[float, Prediction],
+                cap: float) -> float:
+        spec, best = self.spec, predictions[target]
+        if current > CAP_TOLERANCE * cap:
+            # Important batches: less compression now, whatever the speed; but not off, which
+            # is a switch of mode that the rules below decide.
             self.flip_verdicts = 0
-            return target
+            compressed = {r: p for r, p in predictions.items() if r != 1.0}
+            fastest = min(p.total_s for p in compressed.values())
+            return min(r for r, p in compressed.items() if p.total_s <= (1 + spec.slack) * fastest)
         faster = now_p.total_s > (1 + spec.hysteresis) * best.total_s
         gentler = target < current / 1.25  # same speed within slack, less compression
         if target == current or not (faster or gentler):
@@ -150,11 +157,13 @@ class CostModelPolicy:
         return target
 
     def _probe(self, model: StepModel, now: float, choice: float, dense: Prediction,
-               chosen: Prediction) -> float | None:
+               chosen: Prediction, current: float) -> float | None:
         """The ratio to probe next (1.0: dense), or None (see the module docstring)."""
-        if choice == 1.0:
-            return None
         newest_dense = model.dense[-1].at if model.dense else None
+        if choice == 1.0:
+            # Off on a prediction alone would run dense until the next decision: measure first.
+            measured = newest_dense is not None and now - newest_dense <= model.window_s
+            return 1.0 if current != 1.0 and not measured else None
         if newest_dense is not None and now - newest_dense <= self.spec.probe_every:
             return None
         if not model.alpha_known:
