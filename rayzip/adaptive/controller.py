@@ -68,6 +68,7 @@ __all__ = ["AdaptiveController", "Decision", "PrometheusSource", "SourceError", 
 
 log = logging.getLogger("rayzip.adaptive")
 MAX_BACKOFF_DOUBLINGS = 3  # retries slow to 8 intervals apart, no further
+FIRST_LOOK_S = 0.25  # seconds between looks until the first decision
 EARLY_STEPS = 5  # a policy that decides early (the cost model) waits for this many combined steps
 PROBE_STEPS = 3  # a probe's steps measured before the controller decides again
 STEP_LAG = 8  # a step some rank has not reported this many steps later is combined without it
@@ -220,8 +221,7 @@ class AdaptiveController:
 
     # --- the loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
-        # Until the first decision, look often: a cost model may decide after a few steps.
-        wait = min(self.spec.interval, 0.25)
+        wait = self._next_wait(ok=True)
         while not self.stopping.is_set():
             self.wake.wait(wait)
             self.wake.clear()
@@ -232,10 +232,13 @@ class AdaptiveController:
             except Exception as exc:  # a bug here must not stop the controller
                 log.exception("rayzip controller: decision failed: %s", exc)
                 ok = False
-            if not ok:
-                wait = self.spec.interval * 2 ** min(self.failures, MAX_BACKOFF_DOUBLINGS)
-            else:
-                wait = self.spec.interval if len(self.decisions) > 1 else min(self.spec.interval, 0.25)
+            wait = self._next_wait(ok)
+
+    def _next_wait(self, ok: bool) -> float:
+        if not ok:
+            return self.spec.interval * 2 ** min(self.failures, MAX_BACKOFF_DOUBLINGS)
+        # Until the first decision, look often: a cost model may decide after a few steps.
+        return self.spec.interval if len(self.decisions) > 1 else min(self.spec.interval, FIRST_LOOK_S)
 
     def _importance(self) -> float:
         with self.lock:

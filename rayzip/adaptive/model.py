@@ -146,11 +146,6 @@ class StepModel:
     samples of the last ``window_s`` seconds; codec time and payload sizes remember the
     last ``memory`` samples of each mode."""
 
-    def densities(self) -> tuple[float, float] | None:
-        """The lowest and highest kept fraction measured (compressed steps only)."""
-        seen = [s.density for s in self.compressed]
-        return (min(seen), max(seen)) if seen else None
-
     def __init__(self, window_s: float = 10.0, alpha_prior: float = 1e-4, memory: int = 512):
         self.window_s, self.alpha = window_s, alpha_prior
         self.samples: deque[StepSample] = deque(maxlen=4 * memory)
@@ -164,14 +159,22 @@ class StepModel:
         self.samples.append(sample)
         (self.dense if sample.density is None else self.compressed).append(sample)
 
+    def densities(self) -> tuple[float, float] | None:
+        """The lowest and highest kept fraction measured (compressed steps only)."""
+        seen = [s.density for s in self.compressed]
+        return (min(seen), max(seen)) if seen else None
+
+    def _window(self, samples, end: float) -> list[StepSample]:
+        """Those of ``samples`` within the window ending at ``end``."""
+        return [s for s in samples if s.at >= end - self.window_s]
+
     def fit(self, now: float | None = None) -> LinkFit | None:
         """Refit the link to the window ending at ``now`` (the newest sample's time)."""
         if not self.samples:
             return self.link
         now = self.samples[-1].at if now is None else now
         self.fitted_at = now
-        recent = [s for s in self.samples if s.at >= now - self.window_s]
-        fit = fit_link(recent, self.alpha)
+        fit = fit_link(self._window(self.samples, now), self.alpha)
         if fit is not None:
             self.link = fit
             if fit.separable:
@@ -191,8 +194,8 @@ class StepModel:
         if not self.samples:
             return 0.0
         now = self.samples[-1].at if now is None else now
-        recent = [s.compute_s for s in self.samples if s.at >= now - self.window_s] or [self.samples[-1].compute_s]
-        return float(statistics.median(recent))
+        recent = self._window(self.samples, now) or [self.samples[-1]]
+        return float(statistics.median(s.compute_s for s in recent))
 
     def predict(self, density: float | None) -> Prediction:
         """The step at kept fraction ``density`` (None: dense) on the link as fitted now."""
@@ -206,9 +209,10 @@ class StepModel:
             # known, so the compressed steps' count stands in (the same buckets).
             messages = statistics.median(s.messages for s in (seen or self.compressed))
             codec = statistics.median(s.codec_s for s in seen) if seen else 0.0
-            recent = [s.network_s for s in seen if s.at >= self.fitted_at - self.window_s][-RECENT_DENSE:]
+            recent = self._window(seen, self.fitted_at)[-RECENT_DENSE:]
             if recent:  # measured beats modelled: a dense allreduce also costs its reduction
-                return Prediction(None, messages, nbytes, float(statistics.median(recent)), codec, compute)
+                network = float(statistics.median(s.network_s for s in recent))
+                return Prediction(None, messages, nbytes, network, codec, compute)
         else:
             seen = list(self.compressed)
             if not seen:  # nothing compressed yet: bytes in proportion to the dense count

@@ -17,8 +17,9 @@ with the decision. Policies do no I/O and may keep state between decisions.
   time at all); then dense, if the model now gives dense a chance (within 2x of the chosen
   step) or still cannot tell. On a slow link the first rung shows the bandwidth and the
   second is skipped. A switch off is always measured first: with no dense step in the
-  window, a decision for dense becomes a dense probe, and its measurement decides. Candidate ratios stay within 8x of the kept fractions measured (the
-  codec's time is fitted, not known, beyond them), so the ratio moves there step by step.
+  window, a decision for dense becomes a dense probe, and its measurement decides.
+  Candidate ratios stay within 8x of the kept fractions measured (the codec's time is
+  fitted, not known, beyond them), so the ratio moves there step by step.
 * :class:`PressurePolicy` is the first rule, kept for comparison: compression in proportion
   to delay per byte over the best seen. It reads fixed latency as pressure (a smaller
   payload has a larger delay per byte) and does not see codec time.
@@ -111,8 +112,7 @@ class CostModelPolicy:
             self.flip_verdicts = max(self.flip_verdicts, 1)
         cap = _cap(spec, inputs.importance)
         predictions = {r: model.predict(None if r == 1.0 else 1.0 / r) for r in self.candidates(cap, model.densities())}
-        fastest = min(p.total_s for p in predictions.values())
-        target = min(r for r, p in predictions.items() if p.total_s <= (1 + spec.slack) * fastest)
+        target = _least_within_slack(predictions, spec.slack)
         now_p = model.predict(None if current == 1.0 else 1.0 / min(current, spec.max_ratio))
         link = model.link
         dense_network = predictions[1.0].network_s
@@ -141,9 +141,7 @@ class CostModelPolicy:
             # Important batches: less compression now, whatever the speed; but not off, which
             # is a switch of mode that the rules below decide.
             self.flip_verdicts = 0
-            compressed = {r: p for r, p in predictions.items() if r != 1.0}
-            fastest = min(p.total_s for p in compressed.values())
-            return min(r for r, p in compressed.items() if p.total_s <= (1 + spec.slack) * fastest)
+            return _least_within_slack({r: p for r, p in predictions.items() if r != 1.0}, spec.slack)
         faster = now_p.total_s > (1 + spec.hysteresis) * best.total_s
         gentler = target < current / 1.25  # same speed within slack, less compression
         if target == current or not (faster or gentler):
@@ -172,6 +170,12 @@ class CostModelPolicy:
                 return max(self.spec.min_ratio, choice / PROBE_PAYLOAD)
             return 1.0  # the larger payload did not settle latency against bandwidth: measure dense
         return 1.0 if dense.total_s <= PROBE_WITHIN * chosen.total_s else None
+
+
+def _least_within_slack(predictions: dict[float, Prediction], slack: float) -> float:
+    """The least compression whose predicted step is within ``slack`` of the fastest."""
+    fastest = min(p.total_s for p in predictions.values())
+    return min(r for r, p in predictions.items() if p.total_s <= (1 + slack) * fastest)
 
 
 def _share(dense: Prediction) -> float:

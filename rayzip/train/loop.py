@@ -108,6 +108,11 @@ class _Run:
     uploading_step: int | None = None  # the last checkpoint handed to Ray Train, maybe not yet registered
     reported_step: int | None = None  # the last checkpoint Ray Train has taken from this attempt
 
+    def taken(self) -> None:
+        """A metrics-only report returned: Ray Train has every checkpoint handed to it before."""
+        if self.uploading_step is not None:
+            self.reported_step, self.uploading_step = self.uploading_step, None
+
 
 def run_task(spec: JobSpec, config: dict, task: Task, exchange: Exchange) -> None:
     rank, world = exchange.rank, exchange.world
@@ -253,14 +258,13 @@ def _after_step(spec: JobSpec, task: Task, exchange: Exchange, telemetry: Teleme
     # metrics-only report returns, Ray Train has taken every checkpoint handed to it before.
     if evaluate and not ready:
         ray.train.report(metrics)
-        if run.uploading_step is not None:
-            run.reported_step, run.uploading_step = run.uploading_step, None
+        run.taken()
     if ready and not done and not checkpoints.background:
         # The checkpoint just reported is not yet taken: a worker lost now would send the job
         # back two intervals, so report again to wait until it is. (In the background the loop
         # does not wait: a loss before the next report goes back to the one before.)
         ray.train.report(metrics)
-        run.reported_step, run.uploading_step = run.uploading_step, None
+        run.taken()
     run.train_start += time.perf_counter() - paused
     return done
 
