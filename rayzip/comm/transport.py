@@ -62,6 +62,23 @@ class Transport:
         self._count(nbytes, hops=2 * (self.world - 1))
         return tensor
 
+    def start_all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        """Begin a sum all-reduce of ``tensor`` in place; the future completes with
+        ``tensor``. Counted now; its network time is the caller's to measure (overlapping
+        all-reduces share the wire)."""
+        nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world)
+        future = dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
+        self._count(nbytes, hops=2 * (self.world - 1))
+        rate = _emulated_rate()
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            f.wait()
+            if rate:
+                time.sleep(nbytes / rate)
+            return tensor
+
+        return future.then(done)
+
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every worker's ``tensor`` (all the same size), in rank order."""
         out = [torch.empty_like(tensor) for _ in range(self.world)]

@@ -9,6 +9,10 @@ worker sends and what an fp32 ring allreduce would have sent, per step. With a n
 hierarchy (``spec.hierarchy``, :mod:`rayzip.comm.hierarchy`) a node's workers sum densely
 first and only the node's leader exchanges compressed payloads, with the other leaders.
 
+A step with compression off (a controller's decision, warm-up, or the lossless ``none``
+codec) skips all of that: each bucket is all-reduced in place as DDP's own allreduce
+would, with one control word at the last bucket (:mod:`rayzip.torch.dense`).
+
 A NaN or Inf on any rank (a bad batch, an fp16 AMP overflow, an fp16 sum that overflowed on
 the wire) is seen by every rank at the same step. With ``on_nonfinite="skip"`` every rank
 drops the step: the residuals stay as they were, the gradient handed back is NaN on every
@@ -50,6 +54,7 @@ from ..comm import AllReduce, Transport, make_communicator, ring_allreduce_bytes
 from ..comm.hierarchy import build_hierarchy
 from ..comm.control import ControlWord, RankDisagreement, agree, bad_key, encode_mode, proposal_key
 from ..spec import CompressionSpec
+from .dense import DenseSteps
 from ..xp import as_array, keep_freed_memory, to_torch
 
 __all__ = ["CompressionState", "NonFiniteError", "RankDisagreement", "StepStats", "compress", "compressed_hook",
@@ -168,6 +173,10 @@ class CompressionState:
         self.communicator = self._communicator()
         self.dense_codec = get_codec("none")  # warm-up and compression-off steps
         self.dense = AllReduce(self._exchanging) if self._exchanging is not None else None
+        # Dense steps on DDP's buckets, as DDP takes them (see rayzip.torch.dense).
+        self.dense_steps = DenseSteps(self.transport, self.memory, self.segments, self._segment_names,
+                                      self._offsets, self._segment_of)
+        self._bucketwise = False  # this step's buckets are all-reduced in place
         self.step = 0
         self.enabled = True
         self._pending_ratio: float | None = None
@@ -238,6 +247,12 @@ class CompressionState:
         self.current = StepStats(step=self.step, compressed=compressed, ratio=self.ratio if compressed else None)
         self.transport.messages = []
 
+    def _goes_bucketwise(self) -> bool:
+        """Whether this step's gradient crosses whole, bucket by bucket in place: dense (or
+        the lossless codec), one group, and no self-check."""
+        dense = not self.current.compressed or self.codec.name == "none"
+        return dense and self.hierarchy is None and not self.spec.verify
+
     def _end_step(self) -> None:
         self.current.messages = self.transport.messages
         self.last_step = self.current
@@ -262,7 +277,7 @@ class CompressionState:
     def state_dict(self) -> dict:
         return {"step": self.step, "enabled": self.enabled, "ratio": self.ratio,
                 "memory": self.memory.state_dict(), "codec": self.codec.state_dict(),
-                "loss_scale": self._loss_scale, "totals": dict(self.totals)}
+                "loss_scale": self._loss_scale, "totals": dict(self.totals), "drained": self.dense_steps.drained}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; residuals and velocities land on this state's device."""
@@ -274,6 +289,7 @@ class CompressionState:
         self.codec.load_state_dict(state["codec"])
         self._loss_scale = state.get("loss_scale")
         self.totals.update(state.get("totals", {}))
+        self.dense_steps.drained = bool(state.get("drained", False))
 
     # --- one step's exchange --------------------------------------------------------------
     def average(self, grad: torch.Tensor) -> torch.Tensor:
@@ -301,6 +317,7 @@ class CompressionState:
         restores the error feedback held before it and fills ``out`` with NaN."""
         start = time.perf_counter()
         stats = self.current
+        self.dense_steps.drained = False  # each rank's memory goes its own way again
         transports = self._transports()
         sent_before = [t.bytes_sent for t in transports]
         network_before = [t.network_s for t in transports]
@@ -362,27 +379,7 @@ class CompressionState:
                           overflow=isinstance(exc, WireOverflowError))
         except Exception as exc:  # raised here alone, it would leave the others waiting
             failure = exc
-        # A stop or proposal rides on the next word sent; every rank reads it from the same
-        # segment's agreement.
-        with self._requests:
-            stop, self._stop = self._stop, False
-            proposal, self._proposal = self._proposal, 0
-        word = ControlWord(step=self.step, ratio=float(self.ratio or 0.0),
-                           mode=encode_mode(self.enabled, stats.compressed, getattr(self.codec, "value_dtype", None)),
-                           bad=bad, failed=self.world - self.rank if failure is not None else 0,
-                           stop=int(stop), proposal=proposal)
-        control_before = self.transport.bytes_sent
-        agreed = agree(self.transport, word)
-        control = self.transport.bytes_sent - control_before
-        stats.control_bytes += control
-        if failure is not None:
-            raise failure
-        if agreed.failed is not None:
-            raise RankDisagreement(f"step {self.step}: rank {agreed.failed} failed to encode its gradient "
-                                   "(its own error is in its log); every rank stops")
-        agreed.check()
-        stats.stop = stats.stop or agreed.stop
-        self._adopt(agreed.proposal)
+        agreed, control = self._agree(bad, failure)
         if agreed.bad is not None:
             rank, index, overflow = agreed.bad
             what = (f"overflows the {getattr(codec, 'value_dtype', None) or codec.name} wire type" if overflow
@@ -409,6 +406,32 @@ class CompressionState:
         stats.numel += grad.numel()
         stats.buckets.append(grad.numel())
         return average, None
+
+    def _agree(self, bad: int = 0, failure: Exception | None = None):
+        """(the control word agreed by every rank, the bytes it cost); raises on every rank
+        alike when one failed or the ranks disagree. A stop or proposal rides on the next
+        word sent; every rank reads it from the same agreement."""
+        stats = self.current
+        with self._requests:
+            stop, self._stop = self._stop, False
+            proposal, self._proposal = self._proposal, 0
+        word = ControlWord(step=self.step, ratio=float(self.ratio or 0.0),
+                           mode=encode_mode(self.enabled, stats.compressed, getattr(self.codec, "value_dtype", None)),
+                           bad=bad, failed=self.world - self.rank if failure is not None else 0,
+                           stop=int(stop), proposal=proposal)
+        control_before = self.transport.bytes_sent
+        agreed = agree(self.transport, word)
+        control = self.transport.bytes_sent - control_before
+        stats.control_bytes += control
+        if failure is not None:
+            raise failure
+        if agreed.failed is not None:
+            raise RankDisagreement(f"step {self.step}: rank {agreed.failed} failed to encode its gradient "
+                                   "(its own error is in its log); every rank stops")
+        agreed.check()
+        stats.stop = stats.stop or agreed.stop
+        self._adopt(agreed.proposal)
+        return agreed, control
 
     def _adopt(self, proposal: tuple[int, float] | None) -> None:
         if proposal is None:
@@ -446,6 +469,12 @@ class CompressionState:
         buffer = bucket.buffer()
         if bucket.index() == 0:
             self._begin_step()
+            self._bucketwise = self._goes_bucketwise()
+            if self._bucketwise:
+                self._start_bucketwise(buffer.device)
+        if self._bucketwise:
+            return self._receive_bucketwise(bucket, start)
+        if bucket.index() == 0:
             if self._flat is None or self._flat.device != buffer.device:
                 self._flat = torch.zeros(self._numel, dtype=torch.float32, device=buffer.device)
                 self._out = torch.empty_like(self._flat)
@@ -487,6 +516,48 @@ class CompressionState:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)
         return future
 
+    def _start_bucketwise(self, device: torch.device) -> None:
+        self._sent_before = (self.transport.bytes_sent, self.transport.hops)
+        self._follow_loss_scale()
+        try:
+            self.dense_steps.start(device)
+        except Exception as exc:  # raised by _finish_step, once DDP has its futures
+            self._failure = exc
+
+    def _receive_bucketwise(self, bucket: dist.GradBucket, start: float) -> torch.futures.Future:
+        """A dense step's bucket: all-reduced in place; the control word at the last one."""
+        buffer = bucket.buffer()
+        stats = self.current
+        stats.dense_bytes += ring_allreduce_bytes(4 * buffer.numel(), self.world)
+        stats.numel += buffer.numel()
+        stats.buckets.append(buffer.numel())
+        future = self.dense_steps.bucket(buffer, bucket.parameters())
+        self._copy_s += time.perf_counter() - start
+        if bucket.is_last():
+            self._last_bucket_at = time.perf_counter()
+            try:
+                self._agree(failure=self._failure)
+            except Exception as exc:
+                self._failure = exc
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)
+        return future
+
+    def _finish_bucketwise(self) -> None:
+        stats = self.current
+        span_s, bad = self.dense_steps.finish()
+        stats.busy_s += span_s
+        stats.network_s += span_s
+        stats.bytes_sent += self.transport.bytes_sent - self._sent_before[0]
+        stats.hops += self.transport.hops - self._sent_before[1]
+        if bad is not None and self._failure is None:
+            # The sum is the same on every rank, so is its first bad element: all skip alike.
+            message = (f"step {self.step}: the averaged gradient is not finite at {self._where(bad)} "
+                       "(compression off: some rank's gradient was not finite, or the sum overflowed)")
+            if self.on_nonfinite == "raise":
+                self._failure = NonFiniteError(message)
+            else:
+                stats.skipped, stats.nonfinite = True, message
+
     def _worker(self) -> ThreadPoolExecutor:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayzip-exchange")
@@ -519,6 +590,8 @@ class CompressionState:
         if job is not None:
             job.result()
         self._waiting = []
+        if self._bucketwise:
+            self._finish_bucketwise()
         self.current.comm_s += self._copy_s + time.perf_counter() - self._last_bucket_at
         self._copy_s = 0.0
         failure, self._failure = self._failure, None

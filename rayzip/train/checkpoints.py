@@ -146,7 +146,8 @@ def restore_hook(path: Path, rank: int, world: int, trainer: dict, state) -> Non
             old_count = next(iter(old_holders.values()))[1]
             memory = {} if mine is None else \
                 reshard_state({i: h["memory"] for i, h in saved.items()}, old_count, mine[1], mine[0])
-            state.load_state_dict({**template, "memory": memory})
+            # Re-sharded velocities differ between ranks: no longer the dense steps' shared ones.
+            state.load_state_dict({**template, "memory": memory, "drained": False})
         print(f"rayzip: rank {rank}: world size {old_world} -> {world}: error feedback re-sharded from "
               f"rank(s) {sorted(parts) or 'none'}")
     state.step = trainer["step"] + 1
