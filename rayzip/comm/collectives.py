@@ -77,9 +77,18 @@ class AllGather(Communicator):
         total = None
         for wire in gathered:
             arr = as_array(wire)[0]
-            decoded = codec.decode_flat(codec.from_bytes(arr, like=payload, xp=array_module(arr)))
-            total = decoded if total is None else total + decoded
-        return total / self.transport.world
+            received = codec.from_bytes(arr, like=payload, xp=array_module(arr))
+            if total is None:
+                total = codec.decode_flat(received)  # a fresh array: the sum accumulates in it
+            elif codec.sparse:
+                # Only the kept entries (distinct within a payload) add anything: no dense
+                # decode, no new gradient-sized array per worker.
+                indices, values = codec.to_coo(received)
+                total[indices] += values
+            else:
+                total += codec.decode_flat(received)
+        total /= self.transport.world
+        return total
 
     def documented_bytes(self, codec, payload):
         return (self.transport.world - 1) * codec.wire_nbytes(payload.numel)

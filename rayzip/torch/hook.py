@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from ..codecs import NonFiniteError, WireOverflowError, get_codec
 from ..codecs.base import find_nonfinite
+from ..codecs.kernels import all_finite
 from ..codecs.memory import relayout_state, segment_name
 from ..comm import AllReduce, Transport, make_communicator, ring_allreduce_bytes
 from ..comm.hierarchy import build_hierarchy
@@ -390,7 +391,7 @@ class CompressionState:
         else:  # one node alone: its sum is already everyone's mean
             average = to_torch(communicator.average(codec, payload)) if payload is not None else grad
             average = hierarchy.broadcast(average.to(torch.float32).contiguous())
-        if not bool(torch.isfinite(average).all()):
+        if not all_finite(average):
             via = communicator.name if communicator is not None else "node's broadcast"
             return None, (f"the averaged gradient is not finite after the {via} (the sum "
                           f"overflowed {getattr(codec, 'value_dtype', None) or codec.name} on the wire)")
