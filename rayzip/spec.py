@@ -26,7 +26,7 @@ from .comm.collectives import choose_collective
 from .comm.cost import Link
 
 __all__ = [
-    "CheckpointSpec", "CompressionSpec", "DatasetSpec", "JobSpec", "MetricsSpec", "ModelSpec",
+    "CheckpointSpec", "CompressionSpec", "DatasetSpec", "JobSpec", "LocalStepsSpec", "MetricsSpec", "ModelSpec",
     "ParameterServerSpec", "ScalingSpec", "SpecError", "TrainingSpec", "check_allowed_modules", "code_references",
     "load_spec", "parse_spec",
 ]
@@ -334,6 +334,20 @@ class CheckpointSpec(_Strict):
                                                "false: write it before the next step.")
 
 
+class LocalStepsSpec(_Strict):
+    """Local steps with compressed outer updates (DiLoCo-style): each worker takes ``every``
+    inner steps with ``training``'s optimizer on its own batches, exchanging nothing; then the
+    workers average their pseudo-gradients (the parameters at the last synchronization minus
+    their own) through ``compression``'s codec, error feedback and collective, and an outer
+    optimizer, SGD with Nesterov momentum, applies the average."""
+
+    enabled: bool = False
+    every: int = Field(10, ge=1, description="H: inner steps between synchronizations (1: every step).")
+    outer_lr: float = Field(0.7, gt=0, description="The outer optimizer's learning rate (DiLoCo: 0.7).")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="The outer optimizer's momentum (DiLoCo: 0.9).")
+    nesterov: bool = Field(True, description="Nesterov momentum in the outer optimizer.")
+
+
 class ParameterServerSpec(_Strict):
     """Parameter-server mode (``compression.collective: ps``): shard actors on CPUs hold the
     parameters and their optimizer state; workers push compressed gradients and pull parameters."""
@@ -413,6 +427,7 @@ class JobSpec(_Strict):
     metrics: MetricsSpec = MetricsSpec()
     adaptive: AdaptiveSpec = AdaptiveSpec()
     ps: ParameterServerSpec = ParameterServerSpec()
+    local_steps: LocalStepsSpec = LocalStepsSpec()
 
     @field_validator("ps")
     @classmethod
@@ -460,6 +475,31 @@ class JobSpec(_Strict):
         if self.compression.adam_correction and self.training.optimizer != "adamw":
             raise ValueError("compression.adam_correction moves AdamW's moments into the hook: it needs "
                              f"training.optimizer adamw (got {self.training.optimizer})")
+        return self
+
+    @model_validator(mode="after")
+    def _local_steps_fit(self):
+        local, c = self.local_steps, self.compression
+        if not local.enabled:
+            return self
+        if c.collective == "ps":
+            raise ValueError("local_steps synchronizes the workers among themselves: not with compression.collective "
+                             "ps (the shards would need to run the outer optimizer)")
+        if c.torch_hook is not None:
+            raise ValueError(f"local_steps sends its pseudo-gradients through rayzip's codecs, not torch's "
+                             f"{c.torch_hook} hook")
+        if c.momentum_correction or c.adam_correction:
+            raise ValueError("local_steps keeps momentum in the inner and outer optimizers: set "
+                             "compression.momentum_correction and compression.adam_correction to false")
+        if self.adaptive.enabled:
+            raise ValueError("adaptive.enabled does not tune local_steps yet: set local_steps.every yourself")
+        every = local.every
+        if self.training.eval_every % every:
+            raise ValueError(f"training.eval_every ({self.training.eval_every}) must be a multiple of "
+                             f"local_steps.every ({every}): the synchronized model is the one evaluated")
+        if self.checkpoint.every_steps % every:
+            raise ValueError(f"checkpoint.every_steps ({self.checkpoint.every_steps}) must be a multiple of "
+                             f"local_steps.every ({every}): checkpoints are taken at synchronizations")
         return self
 
     @model_validator(mode="after")

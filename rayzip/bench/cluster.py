@@ -25,7 +25,7 @@ from typing import Any, Callable
 import yaml
 
 from ..codecs import CODECS
-from ..spec import TrainingSpec
+from ..spec import CheckpointSpec, TrainingSpec
 from .netns import NetnsCluster, rate_bytes
 
 __all__ = ["METHODS", "method_compression", "method_spec", "run_cluster_bench", "run_scaling_bench"]
@@ -50,7 +50,12 @@ METHODS: dict[str, dict[str, Any]] = {
     # pushes and pulls fp32.
     "ps": {"codec": "group_topk", "ratio": 0.01, "collective": "ps"},
     "ps-dense": {"codec": "none", "collective": "ps"},
+    # Local steps (DiLoCo-style): ``local@H`` synchronizes every H steps with a dense fp32
+    # outer update, ``local_gtopk@H`` sends the pseudo-gradient through group top-k at 1%.
+    "local": {"codec": "none"},
+    "local_gtopk": {"codec": "group_topk", "ratio": 0.01, "collective": "allgather"},
 }
+LOCAL = {"local": 10, "local_gtopk": 10}  # H when the method gives no @H
 PS = {"ps": {"cpus_per_shard": 0, "pull": "codec"}, "ps-dense": {"cpus_per_shard": 0, "pull": "dense"}}
 ADAPTIVE = {"enabled": True, "interval": 2.0, "window": 6.0, "min_ratio": 4, "max_ratio": 200}
 SCALING_SKIP = 10  # bench scaling: steps left out of the step time (start-up)
@@ -70,11 +75,16 @@ def _method_base(method: str) -> tuple[str, dict[str, Any]]:
     if modifier and modifier not in allowed:
         raise ValueError(f"method {method}:{modifier}: only rayzip's hook methods take :serial and :flat, "
                          "and dense :node")
-    knob = "ratio" if "ratio" in METHODS.get(name, {}) else "bits" if "bits" in METHODS.get(name, {}) else None
+    knob = "every" if name in LOCAL else "ratio" if "ratio" in METHODS.get(name, {}) else \
+        "bits" if "bits" in METHODS.get(name, {}) else None
     if name not in METHODS or (value and knob is None):
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)} "
-                         "(sparse ones also as NAME@RATIO, e.g. group_topk@0.05; dct_quant@BITS)")
+                         "(sparse ones also as NAME@RATIO, e.g. group_topk@0.05; dct_quant@BITS; local@H)")
     compression = dict(METHODS[name])
+    if value and knob == "every":
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"method {method!r}: {value!r} is not a number of local steps")
+        return name, compression  # H goes to the local_steps section (method_spec)
     if value:
         try:
             compression[knob] = float(value) if knob == "ratio" else int(value)
@@ -97,6 +107,8 @@ def method_compression(method: str, powersgd_start_iter: int, training: dict | N
     decompressed mean, as it does on DDP's (on the GPT, DCT at 4 bits ended at 2.975 bits per
     byte this way, against 3.106 with Adam correction and DDP's 3.035)."""
     method, compression = _method_base(method)
+    if method in LOCAL:
+        return compression  # momentum stays in the inner optimizer
     if method == "powersgd":
         compression["powersgd_start_iter"] = powersgd_start_iter
     training = TrainingSpec.model_validate(training or {})
@@ -117,6 +129,17 @@ def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 1
         spec["adaptive"] = dict(ADAPTIVE)
     if name in PS:
         spec["ps"] = dict(PS[name])
+    if name in LOCAL:
+        value = method.partition(":")[0].partition("@")[2]
+        every = int(value) if value else LOCAL[name]
+        spec["local_steps"] = {"enabled": True, "every": every}
+        # Evaluations and checkpoints fall on synchronizations: the next multiple of H.
+        training = spec["training"] = dict(spec.get("training", {}))
+        eval_every = training.get("eval_every", TrainingSpec().eval_every)
+        training["eval_every"] = -(-eval_every // every) * every
+        checkpoint = spec["checkpoint"] = dict(spec.get("checkpoint", {}))
+        every_steps = checkpoint.get("every_steps", CheckpointSpec().every_steps)
+        checkpoint["every_steps"] = -(-every_steps // every) * every
     return spec
 
 

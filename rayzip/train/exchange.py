@@ -3,7 +3,9 @@
 * :class:`HookExchange`: DDP with rayzip's compressed comm hook;
 * :class:`TorchHookExchange`: DDP with torch's own PowerSGD or fp16 hook (baselines);
 * :class:`DenseExchange`: plain DDP allreduce, or a world of one (nothing to exchange);
-* :class:`ParameterServerExchange`: no DDP; push to the parameter shards, pull parameters.
+* :class:`ParameterServerExchange`: no DDP; push to the parameter shards, pull parameters;
+* :class:`LocalStepsExchange`: no DDP; H local steps, then a compressed outer update
+  (:mod:`rayzip.torch.local_steps`).
 
 A loop drives every mode the same way::
 
@@ -32,18 +34,20 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoint import DeltaChain
 from ..checkpoint import load as load_checkpoint
+from ..codecs.memory import reshard_state
 from ..codecs import NonFiniteError
 from ..comm import ring_allreduce_bytes
 from ..ps import ParameterServerClient, flat_to_parameters
 from ..spec import JobSpec
 from ..torch import compress, ddp_kwargs
 from ..torch.baselines import register_torch_hook
+from ..torch.local_steps import LocalSteps
 from ..torch.optim import build_optimizer
 from .checkpoints import load_optimizer, load_trainer, restore_hook, unwrap
 from .records import Traffic, traffic_of
 
-__all__ = ["DenseExchange", "Exchange", "HookExchange", "ParameterServerExchange", "TorchHookExchange",
-           "build_exchange", "compute_time", "restore_collective"]
+__all__ = ["DenseExchange", "Exchange", "HookExchange", "LocalStepsExchange", "ParameterServerExchange",
+           "TorchHookExchange", "build_exchange", "compute_time", "restore_collective"]
 
 
 def compute_time(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], repeats: int = 3) -> float:
@@ -70,6 +74,7 @@ class Exchange:
         self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.compute_probe_s = 0.0  # set by the loop on DDP modes (see compute_time)
         self.clips = True  # training.grad_clip_norm applies to what the optimizer receives
+        self.skips_together = True  # skipped() is every rank's same answer (local steps: each rank's own)
 
     @property
     def ddp(self) -> bool:
@@ -219,11 +224,105 @@ class ParameterServerExchange(Exchange):
         return start, trainer
 
 
+class LocalStepsExchange(Exchange):
+    """No DDP: each step is this rank's own inner step; every ``local_steps.every`` steps (and
+    at the last) the workers synchronize through :class:`~rayzip.torch.local_steps.LocalSteps`.
+    Checkpoints fall on synchronizations (the spec requires it), where every rank's
+    parameters are the synchronized ones: rank 0's part holds them with its inner optimizer,
+    and each rank's part its own inner optimizer, the outer optimizer and its error feedback."""
+
+    name = "local_steps"
+
+    def __init__(self, spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
+                 optimizer: torch.optim.Optimizer, local: LocalSteps):
+        super().__init__(spec, model, rank, world, optimizer, state=_LocalState(local, optimizer, rank, world))
+        self.local = local
+        self.skips_together = False  # inner steps are each rank's own; a round is dropped together
+
+    def begin_step(self, step: int, last: bool) -> None:
+        self._last = last
+
+    def skipped(self, step: int) -> bool:
+        return not self.local.gradient_ok(step)
+
+    def apply(self, step: int, lr: float, skipped: bool) -> None:
+        super().apply(step, lr, skipped)
+        self.local.after_inner_step(force=self._last)  # every rank forces the last step alike
+
+    def traffic(self, step_s: float) -> Traffic:
+        dense = ring_allreduce_bytes(4 * self.numel, self.world)  # what DDP would send this step
+        if self.local.synced and self.local.last_sync is not None:
+            traffic = traffic_of(self.local.last_sync)
+            traffic.dense_bytes = dense
+            return traffic
+        return Traffic(dense_bytes=dense, comm_source="local step")
+
+    def restore(self, checkpoint, chain: DeltaChain | None = None) -> tuple[int, dict | None]:
+        if checkpoint is None:
+            return 0, None
+        with checkpoint.as_directory() as path:
+            path = Path(path)
+            trainer = load_trainer(path, self.model, chain)
+            load_optimizer(self.optimizer, trainer["optimizer"])
+            self.state.restore(path, trainer)
+        return trainer["step"] + 1, trainer
+
+
+class _LocalState:
+    """A :class:`LocalSteps` as the loop's checkpoints see a hook's state: ``state_dict`` is
+    this rank's part, ``holders`` every rank."""
+
+    def __init__(self, local: LocalSteps, optimizer: torch.optim.Optimizer, rank: int, world: int):
+        self.local, self.optimizer, self.rank, self.world = local, optimizer, rank, world
+
+    @property
+    def holders(self) -> dict[int, tuple[int, int]]:
+        return {r: (r, self.world) for r in range(self.world)}
+
+    def state_dict(self) -> dict:
+        return {"local_steps": self.local.state_dict(), "inner_optimizer": self.optimizer.state_dict()}
+
+    def restore(self, path: Path, trainer: dict) -> None:
+        """This rank's part when the world is unchanged; after a resize, rank r takes the
+        inner optimizer of old rank r mod the old world, and error feedback is re-sharded so
+        that the pending mean is kept (:func:`rayzip.codecs.memory.reshard_state`)."""
+        old_world = int(trainer["world_size"])
+        own = path / f"rank{self.rank}"
+        if old_world == self.world and own.exists():
+            saved = load_checkpoint(own)["hook"]
+            load_optimizer(self.optimizer, saved["inner_optimizer"])
+            self.local.load_state_dict(saved["local_steps"])
+            return
+        donor = path / f"rank{self.rank % old_world}"
+        saved = load_checkpoint(donor)["hook"] if donor.exists() else None
+        if saved is None:
+            raise FileNotFoundError(f"{donor}: the checkpoint lacks the local-steps state of rank {self.rank % old_world}")
+        load_optimizer(self.optimizer, saved["inner_optimizer"])
+        compression = saved["local_steps"].get("compression")
+        if compression is not None:
+            parts = {r: load_checkpoint(path / f"rank{r}")["hook"]["local_steps"]["compression"]["memory"]
+                     for r in range(old_world) if r % self.world == self.rank}
+            compression = {**compression, "memory": reshard_state(parts, old_world, self.world, self.rank),
+                           "drained": False}
+        self.local.load_state_dict(saved["local_steps"], compression=compression)
+        print(f"rayzip: rank {self.rank}: world size {old_world} -> {self.world}: local steps resume from rank "
+              f"{self.rank % old_world}'s inner optimizer; error feedback re-sharded")
+
+
 def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
                    ps_shards: list[str] | None = None) -> Exchange:
     """Prepare ``model`` for Ray Train (DDP unless in parameter-server mode or at world size
     1) and wrap it in the exchange its spec asks for, with its optimizer."""
     comp, training = spec.compression, spec.training
+    if spec.local_steps.enabled:
+        # Inner steps exchange nothing: no DDP. Every rank starts from the same weights (the
+        # seed) and each synchronization sets them alike.
+        model = ray.train.torch.prepare_model(model, parallel_strategy=None)
+        local = spec.local_steps
+        synced = LocalSteps(model.named_parameters(), every=local.every, outer_lr=local.outer_lr,
+                            outer_momentum=local.outer_momentum, nesterov=local.nesterov, compression=comp,
+                            on_nonfinite=training.on_nonfinite, max_skipped_rounds=training.max_skipped_steps)
+        return LocalStepsExchange(spec, model, rank, world, build_optimizer(training, model.parameters()), synced)
     if comp.collective == "ps":
         # The shards combine gradients: no DDP allreduce underneath.
         model = ray.train.torch.prepare_model(model, parallel_strategy=None)

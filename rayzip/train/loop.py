@@ -159,17 +159,16 @@ def _train(spec: JobSpec, config: dict, task: Task, exchange: Exchange, run: _Ru
         try:
             loss.backward()  # the comm hook compresses and exchanges here
             skipped = exchange.skipped(step)
+            run.skipped_in_a_row = run.skipped_in_a_row + 1 if skipped else 0
+            if exchange.skips_together and run.skipped_in_a_row > training.max_skipped_steps:
+                raise NonFiniteError(f"{run.skipped_in_a_row} steps in a row skipped for non-finite gradients, "
+                                     f"the last at step {step}")
+            exchange.apply(step, lr, skipped)  # local steps synchronize here
         except (NonFiniteError, RankDisagreement) as exc:
             # Raised on every rank at once (the control word, or a gradient every rank
             # holds): end the run together, without a retry that would replay the same batch.
             _fail_together(exc, step, progress)
             return
-        run.skipped_in_a_row = run.skipped_in_a_row + 1 if skipped else 0
-        if run.skipped_in_a_row > training.max_skipped_steps:
-            _fail_together(NonFiniteError(f"{run.skipped_in_a_row} steps in a row skipped for non-finite "
-                                          f"gradients, the last at step {step}"), step, progress)
-            return
-        exchange.apply(step, lr, skipped)
         step_s = time.perf_counter() - t0
         # may be NaN on one rank: the gradients decide, on every rank
         record = StepRecord(step=step, loss=float(loss.detach()), lr=lr, step_s=step_s,

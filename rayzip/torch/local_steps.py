@@ -1,0 +1,171 @@
+"""Local steps with compressed outer updates (DiLoCo-style synchronization).
+
+Each worker takes H inner steps with its own optimizer on its own batches and exchanges
+nothing. Then every worker sends its *pseudo-gradient*, the parameters at the last
+synchronization minus its own now, through a :class:`~rayzip.torch.CompressionState`: the
+spec's codec, error feedback (the residual of one round rides on the next) and collective,
+with the control word that makes every rank skip, raise or adopt a new ratio together. An
+outer optimizer (SGD with Nesterov momentum, as in DiLoCo) applies the mean pseudo-gradient
+to the synchronized parameters, and every worker goes on from the result. The inner
+optimizer's state stays each worker's own.
+
+At H = 1, with no codec and an outer SGD of learning rate 1 without momentum, this is
+data-parallel training: the mean of theta - lr * g_r is theta - lr * mean(g), and with SGD
+momentum inside, the mean of the workers' buffers follows DDP's buffer (both are linear).
+
+Usage::
+
+    local = LocalSteps(model.named_parameters(), every=10, compression=CompressionSpec(codec="group_topk", ratio=0.01))
+    for batch in loader:
+        optimizer.zero_grad()
+        loss_fn(model, batch).backward()
+        if local.gradient_ok(step):          # this rank's own gradient: NaN/Inf skips the inner step
+            optimizer.step()
+        local.after_inner_step()             # every H-th call synchronizes, on every rank
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from ..codecs import NonFiniteError
+from ..spec import CompressionSpec
+from .hook import NONFINITE_POLICIES, CompressionState, StepStats
+
+__all__ = ["LocalSteps"]
+
+
+class LocalSteps:
+    """See the module docstring. ``named_parameters``: (name, parameter) pairs; those with
+    ``requires_grad`` are synchronized (frozen ones never change). Without an initialized
+    process group, or at world size 1, a synchronization exchanges nothing and only the
+    outer optimizer runs."""
+
+    def __init__(self, named_parameters: Iterable[tuple[str, torch.Tensor]], every: int = 10,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
+                 compression: CompressionSpec | None = None, process_group=None, on_nonfinite: str = "raise",
+                 max_skipped_rounds: int = 10):
+        if every < 1:
+            raise ValueError(f"every must be at least 1, got {every}")
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}")
+        named = [(name, p) for name, p in named_parameters if p.requires_grad]
+        if not named:
+            raise ValueError("no trainable parameters: nothing to synchronize")
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        self.every, self.on_nonfinite, self.max_skipped_rounds = int(every), on_nonfinite, int(max_skipped_rounds)
+        # The synchronized parameters, which the outer optimizer steps: float32 whatever the
+        # model's dtype, so that small outer updates are not rounded away.
+        self.anchor = [p.detach().to(torch.float32).clone() for p in self.params]
+        self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=outer_momentum,
+                                     nesterov=bool(nesterov and outer_momentum > 0))
+        compression = compression or CompressionSpec()
+        exchanging = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
+        self.state = (CompressionState(compression, self.params, process_group=process_group,
+                                       device=self.params[0].device, names=self.names, on_nonfinite=on_nonfinite)
+                      if exchanging else None)
+        self.world = dist.get_world_size(process_group) if exchanging else 1
+        self.rank = dist.get_rank(process_group) if exchanging else 0
+        self.inner = 0  # inner steps since the last synchronization
+        self.rounds = 0  # synchronizations so far
+        self.synced = False  # the last inner step ended with a synchronization
+        self.last_sync: StepStats | None = None
+        self.bad: str | None = None  # the parameter of this rank's first non-finite gradient this round
+        self.skipped_in_a_row = 0  # synchronizations every rank dropped, in a row
+
+    # --- inner steps ----------------------------------------------------------------------
+    def gradient_ok(self, step: int) -> bool:
+        """Whether this rank's gradient is finite. Inner steps are each rank's own, so a bad
+        one is skipped here alone; it also spoils this rank's round, which every rank learns
+        at the next synchronization: under ``"raise"`` every rank stops there, naming rank
+        and parameter; under ``"skip"`` every rank drops the round."""
+        for name, p in zip(self.names, self.params):
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                if self.bad is None:
+                    self.bad = name
+                    print(f"rayzip: rank {self.rank}: the gradient of {name} is not finite at step {step}; "
+                          f"the next synchronization {'stops every rank' if self.on_nonfinite == 'raise' else 'is dropped'}")
+                return False
+        return True
+
+    def after_inner_step(self, force: bool = False) -> bool:
+        """Count an inner step; synchronize after the H-th since the last (or now, with
+        ``force``: every rank must force at the same step). Whether it synchronized."""
+        self.inner += 1
+        self.synced = force or self.inner >= self.every
+        if self.synced:
+            self.synchronize()
+        return self.synced
+
+    # --- synchronization ------------------------------------------------------------------
+    def pseudo_gradient(self) -> torch.Tensor:
+        """Flat float32: the synchronized parameters minus this rank's (NaN at a parameter
+        whose gradient was not finite this round, so that the exchange's control word tells
+        every rank)."""
+        parts = []
+        for name, anchor, p in zip(self.names, self.anchor, self.params):
+            delta = (anchor - p.detach().to(torch.float32)).reshape(-1)
+            if name == self.bad:
+                delta = torch.full_like(delta, float("nan"))
+            parts.append(delta)
+        return torch.cat(parts)
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Average the pseudo-gradients, step the outer optimizer, and set every rank's
+        parameters to the result. A round every rank skips (a non-finite average, under
+        ``"skip"``) goes back to the synchronized parameters."""
+        delta = self.pseudo_gradient()
+        self.inner, self.bad = 0, None
+        if self.state is None:
+            mean, skipped = delta, not bool(torch.isfinite(delta).all())
+            reason = f"synchronization {self.rounds}: the pseudo-gradient is not finite"
+            if skipped and self.on_nonfinite == "raise":
+                raise NonFiniteError(reason)
+        else:
+            mean = self.state.average(delta)  # raises on every rank alike under "raise"
+            self.last_sync = self.state.last_step
+            skipped, reason = self.last_sync.skipped, self.last_sync.nonfinite
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        if self.skipped_in_a_row > self.max_skipped_rounds:  # every rank counts the same rounds
+            raise NonFiniteError(f"{self.skipped_in_a_row} synchronizations in a row dropped, the last: {reason}")
+        if not skipped:
+            offset = 0
+            for anchor in self.anchor:
+                n = anchor.numel()
+                anchor.grad = mean[offset: offset + n].view_as(anchor).to(torch.float32)
+                offset += n
+            self.outer.step()
+            for anchor in self.anchor:
+                anchor.grad = None
+        for anchor, p in zip(self.anchor, self.params):
+            p.copy_(anchor)
+        self.rounds += 1
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Taken at a synchronization (the parameters then equal the synchronized ones, which
+        the model's own state dict holds): the outer optimizer, the rounds, and the
+        compression state (error feedback of the pseudo-gradients)."""
+        if self.inner:
+            raise RuntimeError(f"a LocalSteps checkpoint is taken at a synchronization, not {self.inner} inner "
+                               "steps after one")
+        return {"rounds": self.rounds, "every": self.every, "outer": self.outer.state_dict(),
+                "compression": self.state.state_dict() if self.state is not None else None}
+
+    def load_state_dict(self, state: dict, compression: dict | None = None) -> None:
+        """Restore :meth:`state_dict` onto parameters already loaded with the checkpoint's
+        model: they become the synchronized ones. ``compression``: the compression state to
+        load instead of the saved one (re-sharded after a resize), or None for the saved."""
+        with torch.no_grad():
+            for anchor, p in zip(self.anchor, self.params):
+                anchor.copy_(p.detach().to(torch.float32))
+        self.outer.load_state_dict(state["outer"])
+        self.rounds, self.inner, self.bad = int(state["rounds"]), 0, None
+        saved = compression if compression is not None else state.get("compression")
+        if self.state is not None and saved is not None:
+            self.state.load_state_dict(saved)
