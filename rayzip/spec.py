@@ -344,7 +344,8 @@ class LocalStepsSpec(_Strict):
     enabled: bool = False
     every: int = Field(10, ge=1, description="H: inner steps between synchronizations (1: every step).")
     outer_lr: float = Field(0.7, gt=0, description="The outer optimizer's learning rate (DiLoCo: 0.7).")
-    outer_momentum: float = Field(0.9, ge=0, lt=1, description="The outer optimizer's momentum (DiLoCo: 0.9).")
+    outer_momentum: float = Field(0.5, ge=0, lt=1, description="The outer optimizer's momentum (DiLoCo, at H "
+                                                               "in the hundreds under AdamW: 0.9).")
     nesterov: bool = Field(True, description="Nesterov momentum in the outer optimizer.")
 
 

@@ -45,7 +45,7 @@ class LocalSteps:
     outer optimizer runs."""
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.Tensor]], every: int = 10,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.5, nesterov: bool = True,
                  compression: CompressionSpec | None = None, process_group=None, on_nonfinite: str = "raise",
                  max_skipped_rounds: int = 10):
         if every < 1:
