@@ -167,7 +167,10 @@ def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheu
         "compression": {"codec": "group_topk", "ratio": 0.01, "collective": "ring", "momentum_correction": True},
         "checkpoint": {"every_steps": 100},
         "adaptive": {"enabled": True, "prometheus_url": url, "interval": 1.0, "window": 4.0,
-                     "min_ratio": 4, "max_ratio": 200, "importance_weight": 0.0, "query_timeout": 1.0},
+                     "min_ratio": 4, "max_ratio": 400, "importance_weight": 0.0, "query_timeout": 1.0,
+                     # Before the slowdown, the least compression within 25% of the fastest: a busy
+                     # loopback can look slow enough for the default 3% to sit at max_ratio.
+                     "slack": 0.25},
     })
     events: dict = {}
 
@@ -178,7 +181,7 @@ def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheu
         if "decided" not in events and kept != 0.01:
             events["decided"] = m["step"]  # the controller's first decision is in force
         elif "decided" in events and "slowed" not in events and m["step"] >= events["decided"] + 40 \
-                and kept >= 2 / 200:  # room to raise: on loopback the cost model rarely sits at max_ratio
+                and kept >= 2 / 400:  # room to raise 2x
             link.write_text("200000")  # 200 kB/s: a dense step would take 1.7 s on the wire
             events["slowed"], events["fraction_before"] = m["step"], kept
         elif "slowed" in events and "raised" not in events and kept < events["fraction_before"] / 2:
