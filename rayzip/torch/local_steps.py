@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs import NonFiniteError
+from ..codecs.kernels import all_finite
 from ..spec import CompressionSpec
 from .hook import NONFINITE_POLICIES, CompressionState, StepStats
 
@@ -84,7 +85,7 @@ class LocalSteps:
         at the next synchronization: under ``"raise"`` every rank stops there, naming rank
         and parameter; under ``"skip"`` every rank drops the round."""
         for name, p in zip(self.names, self.params):
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            if p.grad is not None and not all_finite(p.grad):
                 if self.bad is None:
                     self.bad = name
                     print(f"rayzip: rank {self.rank}: the gradient of {name} is not finite at step {step}; "
@@ -122,7 +123,7 @@ class LocalSteps:
         delta = self.pseudo_gradient()
         self.inner, self.bad = 0, None
         if self.state is None:
-            mean, skipped = delta, not bool(torch.isfinite(delta).all())
+            mean, skipped = delta, not all_finite(delta)
             reason = f"synchronization {self.rounds}: the pseudo-gradient is not finite"
             if skipped and self.on_nonfinite == "raise":
                 raise NonFiniteError(reason)

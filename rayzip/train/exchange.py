@@ -293,16 +293,19 @@ class _LocalState:
             load_optimizer(self.optimizer, saved["inner_optimizer"])
             self.local.load_state_dict(saved["local_steps"])
             return
-        donor = path / f"rank{self.rank % old_world}"
-        saved = load_checkpoint(donor)["hook"] if donor.exists() else None
-        if saved is None:
-            raise FileNotFoundError(f"{donor}: the checkpoint lacks the local-steps state of rank {self.rank % old_world}")
+        donor = self.rank % old_world
+        sharded = [r for r in range(old_world) if r % self.world == self.rank]
+        parts = {}
+        for r in sorted({donor, *sharded}):  # each old rank's part read once
+            if not (path / f"rank{r}").exists():
+                raise FileNotFoundError(f"{path / f'rank{r}'}: the checkpoint lacks the local-steps state of rank {r}")
+            parts[r] = load_checkpoint(path / f"rank{r}")["hook"]
+        saved = parts[donor]
         load_optimizer(self.optimizer, saved["inner_optimizer"])
         compression = saved["local_steps"].get("compression")
         if compression is not None:
-            parts = {r: load_checkpoint(path / f"rank{r}")["hook"]["local_steps"]["compression"]["memory"]
-                     for r in range(old_world) if r % self.world == self.rank}
-            compression = {**compression, "memory": reshard_state(parts, old_world, self.world, self.rank),
+            memory = {r: parts[r]["local_steps"]["compression"]["memory"] for r in sharded}
+            compression = {**compression, "memory": reshard_state(memory, old_world, self.world, self.rank),
                            "drained": False}
         self.local.load_state_dict(saved["local_steps"], compression=compression)
         print(f"rayzip: rank {self.rank}: world size {old_world} -> {self.world}: local steps resume from rank "
