@@ -138,7 +138,9 @@ def test_controller_holds_its_ratio_when_prometheus_is_unreachable(ray_with_fast
                         query_timeout=0.5)
     spec.window = 0.1
     controller = AdaptiveController.remote("hold-test", "hold", spec.model_dump(), 50.0)
-    for step in range(5):
+    # Fewer steps than the cost model's early decision (from the workers' reports) needs:
+    # every decision here asks Prometheus.
+    for step in range(2):
         controller.report.remote(0, step, 2.0, 0.1, 0.05, 0.04, 1000, 100_000)
     deadline = time.time() + 20
     while time.time() < deadline and not any(d["source"] == "held" for d in ray.get(controller.history.remote())):
@@ -152,6 +154,50 @@ def test_controller_holds_its_ratio_when_prometheus_is_unreachable(ray_with_fast
     # Backoff: 0.2, 0.4, 0.8 s between attempts, not one every 0.2 s.
     assert len(held) <= 5, [d["at"] for d in held]
     ray.kill(controller)
+
+
+def test_the_first_decision_comes_three_steps_after_the_start_up_transfer(ray_with_fast_metrics):
+    # The ranks' start-up broadcast (rayzip.train.probe) put a dense exchange at 16 ms, against
+    # 100x steps whose codec takes 43 ms: three steps in, the controller measures dense. Rank 1
+    # reports each step first: the controller waits for rank 0's report of it (world 2)
+    # rather than combine rank 1's alone and hold back every later step.
+    spec = AdaptiveSpec(enabled=True, interval=30.0, window=60.0, min_ratio=4, max_ratio=200)
+    controller = AdaptiveController.remote("early-test", "early", spec.model_dump(), 100.0)
+    for rank in (1, 0):
+        controller.report_link.remote(rank, 17.4e6, 0.014, 1.0)
+    for step in range(3):
+        for rank in (1, 0):
+            controller.report.remote(rank, step, 2.0, 0.09, 0.045, 0.002, 200_000, 17_400_000, busy_s=0.045,
+                                     messages=12, density=0.01, world=2)
+    deadline = time.time() + 10
+    while time.time() < deadline and len(ray.get(controller.history.remote())) < 2:
+        time.sleep(0.05)
+    history = ray.get(controller.history.remote())
+    ray.get(controller.stop.remote())
+    ray.kill(controller)
+    assert len(history) >= 2, history
+    first = history[1]
+    assert first["ratio"] == 1.0 and first["inputs"]["probe"] and first["inputs"]["link_separable"], first
+
+
+def test_the_start_decision_comes_from_the_dry_step_before_any_step(ray_with_fast_metrics):
+    # Every rank's dry compressed exchange (step -1: rayzip.train.Telemetry.start) and its
+    # start-up broadcast, on a link where dense is fast: the run starts with a dense probe.
+    spec = AdaptiveSpec(enabled=True, interval=30.0, window=60.0, min_ratio=4, max_ratio=200)
+    controller = AdaptiveController.remote("start-test", "start", spec.model_dump(), 100.0)
+    assert ray.get(controller.start.remote()) is None  # nothing measured yet
+    for rank in (1, 0):
+        controller.report_link.remote(rank, 17.4e6, 0.014, 1.0)
+        controller.report.remote(rank, -1, float("nan"), 0.095, 0.05, 0.002, 200_000, 17_400_000, busy_s=0.05,
+                                 messages=12, density=0.01, world=2)
+    answer, deadline = None, time.time() + 10
+    while answer is None and time.time() < deadline:
+        answer = ray.get(controller.start.remote())
+    history = ray.get(controller.history.remote())
+    ray.get(controller.stop.remote())
+    ray.kill(controller)
+    assert answer == {"seq": 1, "ratio": 1.0}, history
+    assert history[-1]["source"] == "start" and history[-1]["inputs"]["probe"], history[-1]
 
 
 def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheus_outage(

@@ -186,3 +186,68 @@ def test_policy_is_pluggable_by_import_path():
     assert isinstance(make_policy(spec(policy="rayzip.adaptive.policy:CostModelPolicy")), CostModelPolicy)
     with pytest.raises(ValueError, match="unknown adaptive policy"):
         spec(policy="fastest")
+
+
+@pytest.mark.parametrize("bandwidth, dense_first", [(1.25e9, True), (12.5e6, False)])
+def test_the_start_up_broadcast_separates_latency_from_bandwidth_before_any_probe(bandwidth, dense_first):
+    # DDP's broadcast of the model at start (rayzip.train.probe), timed: a dense-sized payload.
+    cluster = Cluster(bandwidth=bandwidth)
+    model, policy = StepModel(), CostModelPolicy(spec())
+    model.add_link(messages=1, nbytes=DENSE_BYTES / 2, seconds=cluster.latency + DENSE_BYTES / 2 / bandwidth, at=0.0)
+    for i in range(3):  # the three compressed steps the controller waits for
+        model.add(cluster.step(200.0, 0.1 * (i + 1)))
+    model.fit()
+    assert model.alpha_known and model.link.beta == pytest.approx(1 / bandwidth, rel=0.1)
+    ratio, explain = policy.decide(PolicyInputs(model=model, importance=1.0, current=200.0, now=0.3))
+    # No payload probe: on a fast link the first decision measures dense at once; on a slow
+    # one it keeps compressing and never tries dense.
+    assert ratio == 1.0 if dense_first else (ratio > 1.0 and not explain["probe"]), (ratio, explain)
+    # The broadcast is a link sample only: no dense step to predict from, no compute of 0.
+    assert not model.dense and model.compute_s() == pytest.approx(cluster.compute_s, rel=0.05)
+
+
+@pytest.mark.parametrize("bandwidth, dense_first", [(1.25e9, True), (12.5e6, False)])
+def test_the_start_decision_reads_the_dry_step_and_the_start_up_broadcast(bandwidth, dense_first):
+    # Before the first step: the broadcast of the model, and one dry compressed exchange with
+    # the compute probe's time (rayzip.train.Telemetry.start), are all the model has.
+    cluster = Cluster(bandwidth=bandwidth)
+    model, policy = StepModel(), CostModelPolicy(spec())
+    model.add_link(messages=1, nbytes=DENSE_BYTES / 2, seconds=cluster.latency + DENSE_BYTES / 2 / bandwidth, at=0.0)
+    model.add(cluster.step(100.0, 0.0))
+    model.fit(0.0)
+    ratio, explain = policy.start(PolicyInputs(model=model, importance=1.0, current=100.0, now=0.0))
+    best = min([1.0, 4, 8, 16, 32, 64, 100, 200], key=cluster.true_step_s)
+    if dense_first:  # a dense probe: the next decision, after its steps, confirms it
+        assert ratio == 1.0 == best and explain["probe"], (ratio, explain)
+        for i in range(3):
+            model.add(cluster.step(1.0, 0.1 * (i + 1)))
+        model.fit(0.3)
+        decided, _ = policy.decide(PolicyInputs(model=model, importance=1.0, current=1.0, now=0.3))
+        assert decided == 1.0
+    else:  # compressing from step 0 at a ratio near the best, with no probe
+        assert ratio >= 100.0 and not explain["probe"], (ratio, explain)  # no less than the dry step's
+        assert cluster.true_step_s(ratio) <= 1.1 * cluster.true_step_s(best), (ratio, best)
+
+
+def test_a_run_kept_dense_by_a_slow_dry_step_probes_compression_and_takes_it():
+    # 1 Gbit/s, where compressing is about twice as fast as dense, but the only compressed
+    # step measured (the dry step before the first) took 300 ms of codec time: the start is
+    # dense. After probe_every (30 s here) without a compressed step, the controller measures
+    # the fastest ratio, and compresses.
+    cluster = Cluster(bandwidth=125e6)
+    assert cluster.true_step_s(100.0) < 0.6 * cluster.true_step_s(1.0)
+    model, policy = StepModel(), CostModelPolicy(spec(probe_every=30.0))
+    slow = cluster.step(100.0, 0.0)
+    model.add(StepSample(slow.messages, slow.bytes, slow.network_s, 0.3, slow.compute_s, slow.density,
+                         dense_bytes=DENSE_BYTES, at=0.0))
+    ratio, t, ratios = 1.0, 0.0, []
+    for _ in range(60):  # a decision a second
+        for _ in range(10):
+            t += 0.1
+            model.add(cluster.step(ratio, t))
+        model.fit(t)
+        ratio, _ = policy.decide(PolicyInputs(model=model, importance=1.0, current=ratio, now=t))
+        ratios.append(ratio)
+    first = next(i for i, r in enumerate(ratios) if r != 1.0)
+    assert 28 <= first <= 31, ratios  # dense until the probe is due
+    assert ratios[-1] > 1.0 and all(r > 1.0 for r in ratios[first + 2:]), ratios

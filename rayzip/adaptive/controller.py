@@ -36,7 +36,9 @@ NaN or nothing leaves the last decision in force: the attempt is recorded as ``h
 warning is logged once, and each further attempt waits twice as long (up to 8 intervals).
 An answer that lacks the series of a rank that reported to the controller within the
 window is held the same way, since the slowest rank counts. Training never waits for the
-controller. Decisions start once training has run for a window.
+controller. Decisions start once training has run for a window; the cost model starts after a
+few combined steps (three once the ranks' timed start-up transfer, DDP's broadcast of the
+model, has measured the link: ``report_link``).
 
 Every decision (and every hold) is logged with its inputs and kept in :meth:`history`;
 ``rayzip_controller_*`` series export them.
@@ -70,6 +72,7 @@ log = logging.getLogger("rayzip.adaptive")
 MAX_BACKOFF_DOUBLINGS = 3  # retries slow to 8 intervals apart, no further
 FIRST_LOOK_S = 0.25  # seconds between looks until the first decision
 EARLY_STEPS = 5  # a policy that decides early (the cost model) waits for this many combined steps
+EARLY_STEPS_LINK_KNOWN = 3  # ... or this many once a timed start-up transfer has measured the link
 PROBE_STEPS = 3  # a probe's steps measured before the controller decides again
 STEP_LAG = 8  # a step some rank has not reported this many steps later is combined without it
 
@@ -78,7 +81,7 @@ STEP_LAG = 8  # a step some rank has not reported this many steps later is combi
 class Decision:
     seq: int
     ratio: float  # compression ratio of the sparsifier, 1 / kept fraction; 1.0: compression off
-    source: str  # prometheus, workers, held, or initial
+    source: str  # prometheus, workers, held, initial, or start (before the first step)
     at: float
     inputs: dict = field(default_factory=dict)
     applied_step: int | None = None
@@ -147,8 +150,12 @@ class AdaptiveController:
         self.model = StepModel(window_s=self.spec.window, alpha_prior=self.spec.latency_prior)
         self.steps: dict[int, dict[int, RankStep]] = {}  # step -> rank -> report, until every rank's is in
         self.ranks: set[int] = set()
+        self.world: int | None = None  # as the workers report it (a resize changes it)
         self.probing: float | None = None  # the kept fraction (1.0: dense) a probe decision asked for
         self.probe_steps = 0
+        self.link_probes: dict[int, tuple[float, float, float]] = {}  # rank -> (messages, bytes, seconds)
+        self.link_probed = False
+        self.dry_step_in = False  # every rank's dry exchange before the first step (step -1) is a sample
         self.wake = threading.Event()
         self.metrics = ControllerMetrics(run, job)
         self.source = (PrometheusSource(self.spec.prometheus_url, run, self.spec.window, self.spec.query_timeout)
@@ -169,11 +176,14 @@ class AdaptiveController:
     # --- called by workers and the driver ------------------------------------------------
     def report(self, rank: int, step: int, loss: float, step_s: float, comm_s: float, network_s: float,
                bytes_sent: int, dense_bytes: int, busy_s: float | None = None, messages: int = 0,
-               density: float | None = None) -> None:
-        """One rank's step. ``density``: the kept fraction in force (None: dense)."""
+               density: float | None = None, world: int | None = None) -> None:
+        """One rank's step. ``density``: the kept fraction in force (None: dense); ``world``:
+        the number of ranks whose reports make up a step (without it, the ranks seen so far)."""
         with self.lock:
             now = time.time()
             self.first_report = self.first_report or now
+            if world:
+                self.world = world
             self.reports.append((now, rank, step, loss, step_s, comm_s, network_s, bytes_sent, dense_bytes))
             if math.isfinite(loss):
                 self.new_losses.append(loss)
@@ -182,22 +192,67 @@ class AdaptiveController:
                                                              network_s, bytes_sent, messages, dense_bytes, density)
             self._combine(now)
 
+    def report_link(self, rank: int, nbytes: float, seconds: float, messages: float) -> None:
+        """One rank's timed transfer before its first step (DDP's broadcast of the model,
+        :mod:`rayzip.train.probe`): ``nbytes`` over the busiest link in ``seconds``."""
+        with self.lock:
+            self.link_probes[rank] = (float(messages), float(nbytes), float(seconds))
+
+    def _early_steps(self) -> int:
+        return EARLY_STEPS_LINK_KNOWN if self.link_probes else EARLY_STEPS
+
+    def _add_link_probe(self, now: float) -> None:
+        """The ranks' start-up transfer as one link sample: the slowest rank's time, since
+        the transfer (timed after a barrier) is done when its last receiver has it."""
+        if self.link_probed or not self.link_probes:
+            return
+        self.link_probed = True
+        messages, nbytes, _ = next(iter(self.link_probes.values()))
+        self.model.add_link(messages, nbytes, max(p[2] for p in self.link_probes.values()), at=now)
+
     def _combine(self, now: float) -> None:
         """Steps every rank has reported, and steps left behind (a rank gone), become samples."""
         newest = max(self.steps)
         for step in sorted(self.steps):
             ranks = self.steps[step]
-            if len(ranks) < len(self.ranks) and step > newest - STEP_LAG:
+            # The ranks seen so far are too few to wait for while the first reports come in
+            # (the first rank's first step would be combined alone, and the next held back).
+            if len(ranks) < (self.world or len(self.ranks)) and step > newest - STEP_LAG:
                 break
             del self.steps[step]
             modes = {r.density for r in ranks.values()}
             if len(modes) == 1:  # a step that straddled an adoption has no single mode
                 sample = combine_ranks(list(ranks.values()), at=now)
                 self.model.add(sample)
+                self.dry_step_in = self.dry_step_in or step == -1
+                if len(self.decisions) == 1 and len(self.model.samples) >= self._early_steps():
+                    self.wake.set()  # enough steps for a first decision: take it now
                 if self.probing is not None and _same_mode(sample.density, self.probing):
                     self.probe_steps += 1
                     if self.probe_steps >= PROBE_STEPS:
                         self.wake.set()  # the probe is measured: decide now, not an interval later
+
+    def start(self) -> dict | None:
+        """The decision before the first step, from every rank's dry exchange (step -1) and
+        start-up transfer, through the policy's ``start``; None until they are in, or for a
+        policy that does not decide before a step. Rank 0 asks, and every rank applies it
+        from step 0 (:meth:`rayzip.train.Telemetry.start`)."""
+        starter = getattr(self.policy, "start", None)
+        with self.lock:
+            if starter is None or not self.dry_step_in:
+                return None
+            now = time.time()
+            self._add_link_probe(now)
+            self.model.fit(now)
+            ratio, explain = starter(PolicyInputs(model=self.model, importance=1.0, current=self.current.ratio,
+                                                  now=now))
+            seq = self.current.seq + (1 if ratio != self.current.ratio else 0)
+            self.probing, self.probe_steps = (1.0 / ratio if explain.get("probe") else None), 0
+            self.current = Decision(seq, ratio, "start", now, {**explain, "dense_bytes": self.model.dense_bytes()})
+            self.decisions.append(asdict(self.current))
+        self.metrics.record(ratio, explain.get("pressure"), 1.0, "start")
+        log.info("rayzip controller: ratio %.1f before the first step: %s", ratio, explain)
+        return {"seq": seq, "ratio": ratio}
 
     def decision(self) -> dict:
         with self.lock:
@@ -285,7 +340,8 @@ class AdaptiveController:
         if time.time() - started < self.spec.window:
             with self.lock:
                 fitted = len(self.model.samples)
-            if not getattr(self.policy, "decides_early", False) or fitted < EARLY_STEPS:
+                early_steps = self._early_steps()
+            if not getattr(self.policy, "decides_early", False) or fitted < early_steps:
                 return True
             early = True
         else:
@@ -311,6 +367,7 @@ class AdaptiveController:
             self._hold("delay per byte is 0: no bytes crossed the network yet")
             return False
         with self.lock:
+            self._add_link_probe(time.time())
             self.model.fit(time.time())
             current = self.current.ratio
             ratio, explain = self.policy.decide(PolicyInputs(

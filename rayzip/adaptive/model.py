@@ -14,6 +14,10 @@ kept fraction of a sparsifier (``None``: dense, compression off) and
 * ``bytes(d) = b0 + b1 * d`` and messages per step, as seen (dense: as reported by the
   workers, which count the fp32 ring allreduce's bytes even while compressing).
 
+The link fit also takes timed transfers outside the steps (:meth:`StepModel.add_link`): DDP's
+broadcast of the model at start is a dense-sized payload, which separates latency from
+bandwidth before any dense step or probe.
+
 A step's figures are combined across ranks before fitting, so that a slow worker is not read
 as a slow network: its peers wait for it *inside* the collective, but the last rank to
 arrive waits for nobody, so the **least** network time over the ranks is the transfer
@@ -151,6 +155,7 @@ class StepModel:
         self.samples: deque[StepSample] = deque(maxlen=4 * memory)
         self.compressed: deque[StepSample] = deque(maxlen=memory)
         self.dense: deque[StepSample] = deque(maxlen=memory)
+        self.link_only: deque[StepSample] = deque(maxlen=memory)  # timed transfers outside steps
         self.link: LinkFit | None = None
         self.fitted_at = 0.0
         self.alpha_known = False  # some window's payloads varied enough to fit the latency
@@ -158,6 +163,13 @@ class StepModel:
     def add(self, sample: StepSample) -> None:
         self.samples.append(sample)
         (self.dense if sample.density is None else self.compressed).append(sample)
+
+    def add_link(self, messages: float, nbytes: float, seconds: float, at: float) -> None:
+        """A timed transfer outside the steps (DDP's broadcast of the model at start): a
+        point for the link fit only, since it has no compute or codec time and is not an
+        allreduce."""
+        self.link_only.append(StepSample(messages=messages, bytes=nbytes, network_s=seconds, codec_s=0.0,
+                                         compute_s=0.0, density=None, at=at))
 
     def densities(self) -> tuple[float, float] | None:
         """The lowest and highest kept fraction measured (compressed steps only)."""
@@ -174,7 +186,7 @@ class StepModel:
             return self.link
         now = self.samples[-1].at if now is None else now
         self.fitted_at = now
-        fit = fit_link(self._window(self.samples, now), self.alpha)
+        fit = fit_link(self._window(self.link_only, now) + self._window(self.samples, now), self.alpha)
         if fit is not None:
             self.link = fit
             if fit.separable:

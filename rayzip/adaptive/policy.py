@@ -1,6 +1,7 @@
 """Decision rules for the adaptive controller: inputs in, a compression ratio out (1.0: off).
 
-A policy is any object with ``decide(inputs: PolicyInputs) -> (ratio, explain)``, built from
+A policy is any object with ``decide(inputs: PolicyInputs) -> (ratio, explain)`` (and, if it
+can decide before the first step, ``start`` with the same signature), built from
 the job's :class:`~rayzip.spec.AdaptiveSpec` (``adaptive.policy``: ``cost_model``, the
 default, ``pressure``, or ``module:Class`` for your own). ``explain`` is a flat dict recorded
 with the decision. Policies do no I/O and may keep state between decisions.
@@ -16,10 +17,15 @@ with the decision. Policies do no I/O and may keep state between decisions.
   bandwidth (small payloads on a fast link are all latency, which extrapolates to any dense
   time at all); then dense, if the model now gives dense a chance (within 2x of the chosen
   step) or still cannot tell. On a slow link the first rung shows the bandwidth and the
-  second is skipped. A switch off is always measured first: with no dense step in the
-  window, a decision for dense becomes a dense probe, and its measurement decides.
+  second is skipped. Symmetrically, while dense with no compressed step in ``probe_every``,
+  it probes the fastest ratio, if the model puts it within 2x of dense. A switch off is
+  always measured first: with no dense step in the window, a decision for dense becomes a
+  dense probe, and its measurement decides.
   Candidate ratios stay within 8x of the kept fractions measured (the codec's time is
-  fitted, not known, beyond them), so the ratio moves there step by step.
+  fitted, not known, beyond them), so the ratio moves there step by step. Its ``start``
+  decides before the first step, from the start-up measurements (the timed broadcast of the
+  model and one dry compressed step): a fast link starts dense (a dense probe), a slow one
+  at the chosen ratio, no less compression than the dry step's, with no probe.
 * :class:`PressurePolicy` is the first rule, kept for comparison: compression in proportion
   to delay per byte over the best seen. It reads fixed latency as pressure (a smaller
   payload has a larger delay per byte) and does not see codec time.
@@ -102,16 +108,52 @@ class CostModelPolicy:
         return [1.0] + ratios
 
     def decide(self, inputs: PolicyInputs) -> tuple[float, dict]:
-        spec, model = self.spec, inputs.model
+        model = inputs.model
         current = self.probing_from if self.probing_from is not None else inputs.current
         probed = self.probe
         self.probing_from = self.probe = None
         if not model.ready:
             return current, {"reason": "no steps fitted yet"}
-        if probed == 1.0:  # a dense probe just measured both modes: its verdict needs no second one
+        if probed is not None:  # a probe just measured both modes: its verdict needs no second one
             self.flip_verdicts = max(self.flip_verdicts, 1)
+        cap, predictions, now_p, explain = self._predict(inputs, current)
+        target = explain["target"]
+        choice = self._switch(current, target, now_p, predictions, cap)
+        explain["flip_verdicts"] = self.flip_verdicts
+        probe = self._probe(model, inputs.now, choice, predictions, predictions.get(choice, now_p), current)
+        explain["after_probe"] = probed
+        if probe is not None:
+            self.probing_from, self.probe = (current if choice == 1.0 else choice), probe
+            explain["probe"] = True
+            return probe, explain
+        return choice, explain
+
+    def start(self, inputs: PolicyInputs) -> tuple[float, dict]:
+        """The decision before the first step, from the start-up measurements alone (the
+        start-up broadcast and one dry compressed step at ``inputs.current``): the least
+        compression within ``slack`` of the fastest, dense or no less than ``current``, with
+        no probe; a start on dense is a dense probe, which the next decision, once its steps
+        are measured, confirms or not."""
+        if not inputs.model.ready:
+            return inputs.current, {"reason": "no start-up measurements"}
+        # One measured density says nothing of how the codec's time grows with k (top-k's
+        # selection does), so less compression than the dry step's would be a guess.
+        _, _, _, explain = self._predict(inputs, inputs.current, at_least=min(inputs.current, self.spec.max_ratio))
+        target = explain["target"]
+        if target == 1.0 and inputs.current != 1.0:
+            self.probing_from, self.probe = inputs.current, 1.0
+            explain["probe"] = True
+        return target, explain
+
+    def _predict(self, inputs: PolicyInputs, current: float, at_least: float = 1.0,
+                 ) -> tuple[float, dict[float, Prediction], Prediction, dict]:
+        """The importance cap, each candidate's predicted step (dense, and ratios of at least
+        ``at_least``), the current ratio's, and the record of them (``target``: the least
+        compression within slack of the fastest)."""
+        spec, model = self.spec, inputs.model
         cap = _cap(spec, inputs.importance)
-        predictions = {r: model.predict(None if r == 1.0 else 1.0 / r) for r in self.candidates(cap, model.densities())}
+        predictions = {r: model.predict(None if r == 1.0 else 1.0 / r) for r in self.candidates(cap, model.densities())
+                       if r == 1.0 or r >= at_least}
         target = _least_within_slack(predictions, spec.slack)
         now_p = model.predict(None if current == 1.0 else 1.0 / min(current, spec.max_ratio))
         link = model.link
@@ -124,15 +166,7 @@ class CostModelPolicy:
                    "predicted_step_s": predictions[target].total_s, "predicted_current_s": now_p.total_s,
                    "predicted_dense_s": predictions[1.0].total_s, "compute_s": predictions[1.0].compute_s,
                    "dense_comm_share": _share(predictions[1.0]), "probe": False}
-        choice = self._switch(current, target, now_p, predictions, cap)
-        explain["flip_verdicts"] = self.flip_verdicts
-        probe = self._probe(model, inputs.now, choice, predictions[1.0], predictions.get(choice, now_p), current)
-        explain["after_probe"] = probed
-        if probe is not None:
-            self.probing_from, self.probe = (current if choice == 1.0 else choice), probe
-            explain["probe"] = True
-            return probe, explain
-        return choice, explain
+        return cap, predictions, now_p, explain
 
     def _switch(self, current: float, target: float, now_p: Prediction, predictions: dict[float, Prediction],
                 cap: float) -> float:
@@ -154,14 +188,23 @@ class CostModelPolicy:
         self.flip_verdicts = 0
         return target
 
-    def _probe(self, model: StepModel, now: float, choice: float, dense: Prediction,
+    def _probe(self, model: StepModel, now: float, choice: float, predictions: dict[float, Prediction],
                chosen: Prediction, current: float) -> float | None:
         """The ratio to probe next (1.0: dense), or None (see the module docstring)."""
+        dense = predictions[1.0]
         newest_dense = model.dense[-1].at if model.dense else None
         if choice == 1.0:
             # Off on a prediction alone would run dense until the next decision: measure first.
             measured = newest_dense is not None and now - newest_dense <= model.window_s
-            return 1.0 if current != 1.0 and not measured else None
+            if current != 1.0:
+                return 1.0 if not measured else None
+            # Staying dense on compressed steps measured long ago (the dry step before the
+            # first, perhaps): measure the fastest ratio again, if it may beat dense.
+            newest = model.compressed[-1].at if model.compressed else None
+            ratio, fastest = min(((r, p) for r, p in predictions.items() if r != 1.0), key=lambda rp: rp[1].total_s,
+                                 default=(None, None))
+            stale = newest is not None and now - newest > self.spec.probe_every
+            return ratio if stale and ratio is not None and fastest.total_s <= PROBE_WITHIN * dense.total_s else None
         if newest_dense is not None and now - newest_dense <= self.spec.probe_every:
             return None
         if not model.alpha_known:

@@ -128,10 +128,13 @@ class CompressionState:
                  on_nonfinite: str = "raise", grad_scaler=None):
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}")
+        parameters = list(parameters)
         if not parameters:
             raise ValueError("no trainable parameters: nothing to compress")
         self.spec = spec
         self.on_nonfinite = on_nonfinite
+        self._twin = (parameters, process_group, device, momentum, adam_betas)  # for dry_run
+        self.link_probe = None  # the timed DDP broadcast of the model, where the caller timed it (rayzip.train.probe)
         self.grad_scaler = grad_scaler
         # One gradient in parameter order, cut into segments of whole parameters by size
         # alone: what the codec sees (its groups, its top k) then does not depend on how DDP
@@ -221,6 +224,25 @@ class CompressionState:
         while still running that step."""
         with self._requests:
             self._stop = True
+
+    def dry_run(self, repeats: int = 2) -> "StepStats":
+        """A compressed exchange of a seeded random gradient, at the ratio in force, through
+        a twin of this state (the same spec, parameters and process group; its own error
+        feedback, codec and counters), so that nothing of the run's state moves: what one
+        compressed step's exchange costs on this network and this codec, before the first
+        step. Every rank must call it; the last of ``repeats`` counts (the first sets up
+        buffers). The adaptive controller's first sample (:class:`rayzip.train.Telemetry`)."""
+        parameters, group, device, momentum, adam_betas = self._twin
+        twin = CompressionState(self.spec, parameters, group, device, momentum=momentum, adam_betas=adam_betas,
+                                names=self._names)
+        if self.ratio is not None:
+            twin.set_ratio(self.ratio)
+        twin.step = self.spec.warmup_steps  # past the warm-up, which would send it dense
+        generator = torch.Generator().manual_seed(self.rank)
+        grad = (torch.randn(self._numel, generator=generator) * 1e-3).to(device)
+        for _ in range(repeats):
+            twin.average(grad)
+        return twin.last_step
 
     def _apply_ratio(self, ratio: float) -> None:
         """Swap in the codec at ``ratio``, keeping its state (a seeded codec's call count);

@@ -42,6 +42,7 @@ from ..spec import CompressionSpec
 from ..torch.hook import CompressionState, compress, ddp_kwargs
 from .checkpoints import (GroupCheckpoints, load_optimizer, load_trainer, restore_hook, take_parts, unwrap,
                           write_parts, write_taken)
+from .probe import prepare_timed
 
 __all__ = ["CompressionConfig", "compression_state", "flush", "prepare_model", "report", "restore",
            "save_checkpoint"]
@@ -72,12 +73,13 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | None 
                          "in your own loop, choose auto, ring, allreduce or allgather")
     if compression is not None and "parallel_strategy_kwargs" not in prepare_kwargs:
         prepare_kwargs["parallel_strategy_kwargs"] = ddp_kwargs(compression)
-    prepared = ray.train.torch.prepare_model(model, **prepare_kwargs)
+    prepared, probe = prepare_timed(model, **prepare_kwargs)
     state = None
     if isinstance(prepared, DistributedDataParallel) and compression is not None:
         state = compress(prepared, compression, momentum=momentum if compression.momentum_correction else None,
                          adam_betas=adam_betas if compression.adam_correction else None,
                          on_nonfinite=on_nonfinite, grad_scaler=grad_scaler)
+        state.link_probe = probe
     object.__setattr__(prepared, _ATTRIBUTE, state)  # a plain attribute, not a submodule
     return prepared
 

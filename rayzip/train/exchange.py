@@ -44,6 +44,7 @@ from ..torch.baselines import register_torch_hook
 from ..torch.local_steps import LocalSteps
 from ..torch.optim import build_optimizer
 from .checkpoints import load_optimizer, load_trainer, restore_hook, unwrap
+from .probe import prepare_timed
 from .records import Traffic, traffic_of
 
 __all__ = ["DenseExchange", "Exchange", "HookExchange", "LocalStepsExchange", "ParameterServerExchange",
@@ -334,8 +335,8 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
         return ParameterServerExchange(spec, model, rank, world, client)
     hooked = comp.torch_hook is None and (comp.codec != "none" or comp.verify or comp.momentum_correction
                                           or comp.hierarchy == "node")
-    model = ray.train.torch.prepare_model(model, parallel_strategy="ddp",
-                                          parallel_strategy_kwargs=ddp_kwargs(comp) if hooked else None)
+    model, probe = prepare_timed(model, parallel_strategy="ddp",
+                                 parallel_strategy_kwargs=ddp_kwargs(comp) if hooked else None)
     ddp = isinstance(model, DistributedDataParallel)
     if ddp and comp.torch_hook is not None:
         counter = register_torch_hook(model, comp.torch_hook, comp.powersgd_rank, comp.powersgd_start_iter)
@@ -345,6 +346,7 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
         state = compress(model, comp, momentum=training.momentum if comp.momentum_correction else None,
                          adam_betas=tuple(training.betas) if comp.adam_correction else None,
                          on_nonfinite=training.on_nonfinite)
+        state.link_probe = probe
         optimizer = build_optimizer(training, model.parameters(), momentum_elsewhere=comp.momentum_correction,
                                     adam_elsewhere=comp.adam_correction)
         exchange = HookExchange(spec, model, rank, world, optimizer, state=state)

@@ -146,6 +146,8 @@ def _train(spec: JobSpec, config: dict, task: Task, exchange: Exchange, run: _Ru
     telemetry = Telemetry(rank=rank, run=config.get("run_id", spec.name), job=spec.name,
                           metrics=spec.metrics.enabled, state=exchange.state if exchange.name == "rayzip" else None,
                           controller=ray.get_actor(config["controller"]) if config.get("controller") else None)
+    if exchange.ddp:
+        telemetry.start(exchange.compute_probe_s)  # the controller's decision before the first step
     run.train_start = time.perf_counter() - run.totals.train_s
     run.tx_start = _interface_tx_bytes()
     model = exchange.model

@@ -11,7 +11,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-__all__ = ["StepRecord", "Totals", "Traffic", "traffic_of"]
+__all__ = ["LinkProbe", "StepRecord", "Totals", "Traffic", "traffic_of"]
+
+
+@dataclass(frozen=True)
+class LinkProbe:
+    """One timed dense transfer at start (DDP's broadcast of the model): the busiest link's
+    bytes, the seconds it took, and its latency-bound messages."""
+
+    bytes: float
+    seconds: float
+    messages: float
 
 
 @dataclass

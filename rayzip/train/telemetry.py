@@ -19,6 +19,7 @@ step (:class:`Adoption`). Every rank must call ``begin_step``/``end_step`` at ev
 
 from __future__ import annotations
 
+import math
 import time
 
 import ray
@@ -28,6 +29,8 @@ from ..metrics import WorkerMetrics
 from .records import StepRecord, Traffic, traffic_of
 
 __all__ = ["Adoption", "Telemetry"]
+
+START_WAIT_S = 5.0  # how long every rank waits, before the first step, for the start decision
 
 
 class Adoption:
@@ -82,6 +85,8 @@ class Telemetry:
         if rank is None:
             rank = ray.train.get_context().get_world_rank()
         self.rank = rank
+        self.world = (torch.distributed.get_world_size()  # None: the controller counts the ranks it sees
+                      if torch.distributed.is_available() and torch.distributed.is_initialized() else None)
         self.state = state if state is not None else (compression_state(model) if model is not None else None)
         self.model = model
         self.metrics = WorkerMetrics(run, job or run, rank) if metrics else None
@@ -91,6 +96,56 @@ class Telemetry:
         self.adoption = (Adoption.from_controller(controller, rank, self.state)
                          if controller is not None and self.state is not None else None)
         self._started: float | None = None
+        probe = getattr(self.state, "link_probe", None)  # the timed start-up sync (rayzip.train.probe)
+        if self.controller is not None and probe is not None:
+            # Now, not with the first step: a handle's first call waits for the actor's
+            # address, and the controller combines a step only once every rank's report is in.
+            self.controller.report_link.remote(self.rank, probe.bytes, probe.seconds, probe.messages)
+
+    def start(self, compute_s: float) -> None:
+        """Before the first step, on every rank (``rayzip run``'s loops call it): a dry
+        compressed exchange (:meth:`~rayzip.torch.hook.CompressionState.dry_run`), reported
+        to the controller as step -1 with ``compute_s`` (a compute-only forward and backward),
+        then the controller's start decision, which rank 0 fetches and every rank applies
+        from step 0. So a fast link starts dense and a slow one at the ratio the cost model
+        picks, rather than at the spec's ratio until a few steps are measured. Without a
+        controller that decides before a step, it changes nothing."""
+        if self.controller is None or self.state is None or getattr(self.state, "link_probe", None) is None:
+            return
+        dry = self.state.dry_run()
+        self.controller.report.remote(self.rank, -1, float("nan"), compute_s + dry.comm_s, dry.comm_s, dry.network_s,
+                                      dry.bytes_sent, dry.dense_bytes, busy_s=dry.busy_s, messages=dry.hops,
+                                      density=dry.ratio, world=self.world)
+        torch.distributed.barrier()  # every rank's dry step is on its way before rank 0 asks
+        decision = torch.full((2,), float("nan"), dtype=torch.float64, device=self.state.transport.device)
+        if self.rank == 0:
+            answer = self._start_decision()
+            if answer is not None:
+                decision[0], decision[1] = answer["seq"], answer["ratio"]
+        torch.distributed.broadcast(decision, 0)  # NCCL: on the hook's device
+        seq, ratio = decision.tolist()
+        if math.isnan(ratio):
+            return  # no decision in time: the spec's ratio until the controller's first
+        seq = int(seq)
+        self.state.set_enabled(ratio > 1.0)
+        if ratio > 1.0 and self.state.ratio is not None:
+            self.state.set_ratio(1.0 / ratio)
+        if self.adoption is not None:
+            self.adoption.proposed_seq = self.adoption.applied_seq = seq  # in force: not proposed again
+        if self.rank == 0:
+            self.controller.applied.remote(seq, 0)
+
+    def _start_decision(self) -> dict | None:
+        """Rank 0: the controller's start decision, once it has every rank's dry step."""
+        deadline = time.monotonic() + START_WAIT_S
+        while True:
+            try:
+                answer = ray.get(self.controller.start.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # a controller that is gone or too slow: training does not wait
+                return None
+            if answer is not None or time.monotonic() >= deadline:
+                return answer
+            time.sleep(0.02)
 
     def begin_step(self) -> None:
         if self.adoption is not None:
@@ -118,7 +173,7 @@ class Telemetry:
         if self.controller is not None:
             self.controller.report.remote(self.rank, record.step, record.loss, record.step_s, t.comm_s, t.network_s,
                                           t.bytes_sent, t.dense_bytes, busy_s=t.busy_s, messages=t.messages,
-                                          density=t.ratio if t.compressed else None)
+                                          density=t.ratio if t.compressed else None, world=self.world)
         if self.adoption is not None:
             self.adoption.after_step(record.step)
 
