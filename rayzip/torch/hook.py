@@ -463,6 +463,12 @@ class CompressionState:
             return  # a later segment's word repeated an older proposal
         seq, compression_ratio = proposal
         self.current.adopted = proposal
+        self.compress_at(compression_ratio)
+
+    def compress_at(self, compression_ratio: float) -> None:
+        """From the next step on, compress at ``compression_ratio`` (1 / kept fraction; 1 or
+        less: off). Every rank must call it for the same step, as :meth:`propose`'s agreed
+        proposals do."""
         self._pending_enabled = compression_ratio > 1.0
         if compression_ratio > 1.0 and hasattr(self.codec, "ratio"):
             self._pending_ratio = 1.0 / compression_ratio

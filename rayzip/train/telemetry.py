@@ -113,9 +113,8 @@ class Telemetry:
         if self.controller is None or self.state is None or getattr(self.state, "link_probe", None) is None:
             return
         dry = self.state.dry_run()
-        self.controller.report.remote(self.rank, -1, float("nan"), compute_s + dry.comm_s, dry.comm_s, dry.network_s,
-                                      dry.bytes_sent, dry.dense_bytes, busy_s=dry.busy_s, messages=dry.hops,
-                                      density=dry.ratio, world=self.world)
+        self._report(StepRecord(step=-1, loss=float("nan"), lr=0.0, step_s=compute_s + dry.comm_s,
+                                traffic=traffic_of(dry)))
         torch.distributed.barrier()  # every rank's dry step is on its way before rank 0 asks
         decision = torch.full((2,), float("nan"), dtype=torch.float64, device=self.state.transport.device)
         if self.rank == 0:
@@ -127,9 +126,7 @@ class Telemetry:
         if math.isnan(ratio):
             return  # no decision in time: the spec's ratio until the controller's first
         seq = int(seq)
-        self.state.set_enabled(ratio > 1.0)
-        if ratio > 1.0 and self.state.ratio is not None:
-            self.state.set_ratio(1.0 / ratio)
+        self.state.compress_at(ratio)
         if self.adoption is not None:
             self.adoption.proposed_seq = self.adoption.applied_seq = seq  # in force: not proposed again
         if self.rank == 0:
@@ -171,11 +168,15 @@ class Telemetry:
             self.metrics.record(record.step, record.step_s, t.comm_s, t.network_s, t.bytes_sent, t.dense_bytes,
                                 record.loss)
         if self.controller is not None:
-            self.controller.report.remote(self.rank, record.step, record.loss, record.step_s, t.comm_s, t.network_s,
-                                          t.bytes_sent, t.dense_bytes, busy_s=t.busy_s, messages=t.messages,
-                                          density=t.ratio if t.compressed else None, world=self.world)
+            self._report(record)
         if self.adoption is not None:
             self.adoption.after_step(record.step)
+
+    def _report(self, record: StepRecord) -> None:
+        t = record.traffic
+        self.controller.report.remote(self.rank, record.step, record.loss, record.step_s, t.comm_s, t.network_s,
+                                      t.bytes_sent, t.dense_bytes, busy_s=t.busy_s, messages=t.messages,
+                                      density=t.ratio if t.compressed else None, world=self.world)
 
     def record_checkpoint(self, stored_bytes: int, raw_bytes: int) -> None:
         if self.metrics is not None:
