@@ -16,6 +16,8 @@ Usage::
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
 from ..codecs import Codec, CodecError, Payload
@@ -41,6 +43,13 @@ class Communicator:
     def average(self, codec: Codec, payload: Payload):
         """The mean over all workers of the decoded payloads (encoded at ``input_scale``)."""
         raise NotImplementedError
+
+    def start(self, codec: Codec, payload: Payload) -> Callable[[], Any]:
+        """Begin :meth:`average`; the returned call finishes it and gives the mean. Between
+        the two, the caller may encode and agree on the next segment (every rank in the
+        same order) while this payload is on the wire. By default all the work is done here."""
+        average = self.average(codec, payload)
+        return lambda: average
 
     def documented_bytes(self, codec: Codec, payload: Payload) -> int:
         """What the last ``average`` of ``payload`` should have sent, by the wire formulas."""
@@ -73,7 +82,13 @@ class AllGather(Communicator):
     name = "allgather"
 
     def average(self, codec, payload):
-        gathered = self.transport.all_gather(to_torch(payload.to_array()))
+        return self.start(codec, payload)()
+
+    def start(self, codec, payload):
+        gathered = self.transport.start_all_gather(to_torch(payload.to_array()))
+        return lambda: self._sum(codec, payload, gathered())
+
+    def _sum(self, codec, payload, gathered):
         total = None
         for wire in gathered:
             arr = as_array(wire)[0]

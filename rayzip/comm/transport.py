@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -81,12 +82,24 @@ class Transport:
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every worker's ``tensor`` (all the same size), in rank order."""
+        return self.start_all_gather(tensor)()
+
+    def start_all_gather(self, tensor: torch.Tensor) -> Callable[[], list[torch.Tensor]]:
+        """Begin :meth:`all_gather`; the returned call waits for it and gives its result.
+        The caller may run other collectives meanwhile (every rank in the same order): the
+        wait alone counts as network time, what the wire did meanwhile is overlapped."""
         out = [torch.empty_like(tensor) for _ in range(self.world)]
         nbytes = (self.world - 1) * tensor.numel() * tensor.element_size()
-        with self._on_network(nbytes):
-            dist.all_gather(out, tensor, group=self.group)
+        with self._on_network(0):
+            work = dist.all_gather(out, tensor, group=self.group, async_op=True)
         self._count(nbytes, hops=self.world - 1)
-        return out
+
+        def wait(_sending: torch.Tensor = tensor) -> list[torch.Tensor]:  # held until the collective is done
+            with self._on_network(nbytes):
+                work.wait()
+            return out
+
+        return wait
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Group rank ``src``'s ``tensor`` on every worker, in place. Counted as the root

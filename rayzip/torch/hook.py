@@ -349,14 +349,24 @@ class CompressionState:
         self._follow_loss_scale()
         snapshot = self.memory.snapshot()
         reason = None
+        # A pipeline of two: segment k's payload is on the wire while segment k+1 is encoded
+        # and agreed on; k is then finished (decoded, averaged) before k+1's payload is sent.
+        in_flight = None
         try:
             for k, (lo, hi) in enumerate(self.segments):
                 if ready is not None:
                     ready(k)
-                average, reason = self._exchange_segment(self._segment_names[k], lo, flat[lo:hi])
+                finish, reason = self._start_segment(self._segment_names[k], lo, flat[lo:hi])
+                if in_flight is not None:  # the earlier segment's reason comes first, as it would serially
+                    reason = self._finish_segment(*in_flight, out) or reason
+                    in_flight = None
                 if reason is not None:  # every rank has the same reason at the same segment
+                    if finish is not None:
+                        finish()  # its collective is under way on every rank: let it end
                     break
-                out[lo:hi].copy_(average)
+                in_flight = (finish, lo, hi)
+            if in_flight is not None:
+                reason = self._finish_segment(*in_flight, out)
         finally:
             stats.bytes_sent += sum(t.bytes_sent for t in transports) - sum(sent_before)
             stats.network_s += sum(t.network_s for t in transports) - sum(network_before)
@@ -380,8 +390,16 @@ class CompressionState:
             return [self.transport]
         return [t for t in (self.transport, self.hierarchy.local, self.hierarchy.leaders) if t is not None]
 
-    def _exchange_segment(self, name: str, offset: int, grad: torch.Tensor):
-        """(this segment's average, None), or (None, why every rank skips the step)."""
+    def _finish_segment(self, finish, lo: int, hi: int, out: torch.Tensor) -> str | None:
+        """Put a started segment's average into ``out[lo:hi]``; why every rank skips the step, if so."""
+        average, reason = finish()
+        if reason is None:
+            out[lo:hi].copy_(average)
+        return reason
+
+    def _start_segment(self, name: str, offset: int, grad: torch.Tensor):
+        """(a call that finishes this segment, giving (its average, None) or (None, why every
+        rank skips the step)), or (None, why every rank skips the step) when it cannot start."""
         stats = self.current
         communicator, codec = (self.communicator, self.codec) if stats.compressed else (self.dense, self.dense_codec)
         hierarchy = self.hierarchy
@@ -408,16 +426,19 @@ class CompressionState:
             what = (f"overflows the {getattr(codec, 'value_dtype', None) or codec.name} wire type" if overflow
                     else "is not finite")
             return None, f"rank {rank}'s gradient {what} at {self._where(index)}"
+        stats.dense_bytes += ring_allreduce_bytes(4 * grad.numel(), self.world)
+        stats.numel += grad.numel()
+        stats.buckets.append(grad.numel())
         if hierarchy is None:
-            average = to_torch(communicator.average(codec, payload))
+            pending = communicator.start(codec, payload)
+            if not self.spec.verify:  # the caller finishes it once the next segment is under way
+                return lambda: self._checked(to_torch(pending()), communicator, codec), None
+            average = to_torch(pending())
         else:  # one node alone: its sum is already everyone's mean
             average = to_torch(communicator.average(codec, payload)) if payload is not None else grad
             average = hierarchy.broadcast(average.to(torch.float32).contiguous())
-        if not all_finite(average):
-            via = communicator.name if communicator is not None else "node's broadcast"
-            return None, (f"the averaged gradient is not finite after the {via} (the sum "
-                          f"overflowed {getattr(codec, 'value_dtype', None) or codec.name} on the wire)")
-        if self.spec.verify:
+        result = self._checked(average, communicator, codec)
+        if self.spec.verify and result[1] is None:
             documented = control
             if payload is not None:
                 _verify(self, communicator, codec, payload, average)
@@ -425,9 +446,15 @@ class CompressionState:
             if hierarchy is not None:
                 documented += hierarchy.documented_bytes(grad.numel())
             stats.verify_documented_bytes = (stats.verify_documented_bytes or 0) + documented
-        stats.dense_bytes += ring_allreduce_bytes(4 * grad.numel(), self.world)
-        stats.numel += grad.numel()
-        stats.buckets.append(grad.numel())
+        return lambda: result, None
+
+    @staticmethod
+    def _checked(average: torch.Tensor, communicator, codec):
+        """(average, None), or (None, why every rank skips the step: the sum is not finite)."""
+        if not all_finite(average):
+            via = communicator.name if communicator is not None else "node's broadcast"
+            return None, (f"the averaged gradient is not finite after the {via} (the sum "
+                          f"overflowed {getattr(codec, 'value_dtype', None) or codec.name} on the wire)")
         return average, None
 
     def _agree(self, bad: int = 0, failure: Exception | None = None):
