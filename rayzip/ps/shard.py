@@ -23,7 +23,7 @@ import torch
 
 from ..codecs import get_codec
 from ..spec import JobSpec
-from ..torch.optim import build_optimizer
+from ..torch.optim import build_optimizer, load_optimizer
 from .pull import encode_pull, message_nbytes
 
 __all__ = ["ParameterShard", "StaleGeneration", "merge_optimizer_states", "slice_optimizer_state"]
@@ -77,7 +77,7 @@ class ParameterShard:
         self.optimizer = build_optimizer(self.training, [self.param],
                                          momentum_elsewhere=self.compression.momentum_correction)
         if optimizer_state is not None:
-            self.optimizer.load_state_dict(optimizer_state)
+            load_optimizer(self.optimizer, optimizer_state)
         self.step, self.version = int(step), 0
         self.generation, self.world = None, 0
         self._reset_group()

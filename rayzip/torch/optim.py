@@ -3,6 +3,7 @@
 Usage::
 
     optimizer = build_optimizer(spec.training, model.parameters())
+    load_optimizer(optimizer, saved)  # a checkpoint's state, keeping this run's settings
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 
 from ..spec import TrainingSpec
 
-__all__ = ["build_optimizer"]
+__all__ = ["build_optimizer", "fused_where_possible", "load_optimizer"]
 
 
 def build_optimizer(training: TrainingSpec, params, momentum_elsewhere: bool = False,
@@ -19,11 +20,45 @@ def build_optimizer(training: TrainingSpec, params, momentum_elsewhere: bool = F
     """SGD (with the spec's momentum, or none when ``momentum_elsewhere``: momentum correction
     keeps it on the workers), Adam or AdamW, at the spec's base learning rate. With
     ``adam_elsewhere`` (Adam correction: the hook sends each worker's AdamW direction), SGD
-    without momentum whose L2 term is AdamW's decoupled decay: ``p -= lr * (d + wd * p)``."""
+    without momentum whose L2 term is AdamW's decoupled decay: ``p -= lr * (d + wd * p)``.
+    Fused where torch has the kernel (:func:`fused_where_possible`)."""
     if adam_elsewhere:
-        return torch.optim.SGD(params, lr=training.lr, momentum=0.0, weight_decay=training.weight_decay)
+        return fused_where_possible(torch.optim.SGD, params, lr=training.lr, momentum=0.0,
+                                    weight_decay=training.weight_decay)
     if training.optimizer == "sgd":
         momentum = 0.0 if momentum_elsewhere else training.momentum
-        return torch.optim.SGD(params, lr=training.lr, momentum=momentum, weight_decay=training.weight_decay)
+        return fused_where_possible(torch.optim.SGD, params, lr=training.lr, momentum=momentum,
+                                    weight_decay=training.weight_decay)
     cls = torch.optim.Adam if training.optimizer == "adam" else torch.optim.AdamW
-    return cls(params, lr=training.lr, betas=tuple(training.betas), weight_decay=training.weight_decay)
+    return fused_where_possible(cls, params, lr=training.lr, betas=tuple(training.betas),
+                                weight_decay=training.weight_decay)
+
+
+def fused_where_possible(cls: type[torch.optim.Optimizer], params, **settings) -> torch.optim.Optimizer:
+    """``cls(params, fused=True, **settings)``: one vectorized kernel over all the tensors.
+    On CPU torch's default is a loop of per-tensor ops (AdamW over the 7.25M-parameter GPT:
+    14.2 ms a step against 4.7 ms fused, one thread). Torch's default where the fused kernel
+    cannot take the parameters (sparse or integer tensors, other devices, torch before 2.4 on
+    CPU)."""
+    params = list(params)
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    if tensors and all(p.is_floating_point() and p.layout == torch.strided and p.device.type in ("cpu", "cuda")
+                       for p in tensors):
+        try:
+            return cls(params, fused=True, **settings)
+        except RuntimeError:  # this torch has no fused kernel for these parameters
+            pass
+    return cls(params, **settings)
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """``optimizer.load_state_dict(saved)``, keeping this run's momentum: the saved param
+    groups carry theirs, which lives in the hook (momentum correction) or in the optimizer
+    depending on the world size that saved them. This run's kernel choice (``fused``,
+    ``foreach``) is kept too: a checkpoint saved without the fused kernel does not turn it off."""
+    kept = [{k: group[k] for k in ("momentum", "fused", "foreach")
+             if k in group and (k != "momentum" or group[k] is not None)}
+            for group in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, values in zip(optimizer.param_groups, kept):
+        group.update(values)

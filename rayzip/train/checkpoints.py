@@ -27,6 +27,7 @@ from ..checkpoint.background import BackgroundWriter, SnapshotBuffers, snapshot
 from ..checkpoint import load as load_checkpoint
 from ..checkpoint import save as save_checkpoint
 from ..codecs.memory import reshard_state
+from ..torch.optim import load_optimizer
 
 __all__ = ["GroupCheckpoints", "Parts", "holder_parts", "load_optimizer", "load_trainer", "restore_hook", "take_parts", "unwrap",
            "write_parts", "write_taken"]
@@ -94,17 +95,6 @@ def load_trainer(path: Path, model: torch.nn.Module, chain: DeltaChain | None = 
     unwrap(model).load_state_dict(trainer["model"])
     torch.set_rng_state(trainer["torch_rng"])
     return trainer
-
-
-def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    """``optimizer.load_state_dict(saved)``, keeping this run's momentum: the saved param
-    groups carry theirs, which lives in the hook (momentum correction) or in the optimizer
-    depending on the world size that saved them."""
-    momentum = [group.get("momentum") for group in optimizer.param_groups]
-    optimizer.load_state_dict(saved)
-    for group, value in zip(optimizer.param_groups, momentum):
-        if value is not None:
-            group["momentum"] = value
 
 
 def holder_parts(old_holders: dict[int, tuple[int, int]], new_holder: tuple[int, int] | None) -> dict[int, int]:
