@@ -299,9 +299,15 @@ def test_a_flipped_byte_names_the_file_and_the_tensor(tmp_path):
 def test_a_truncated_file_names_the_first_tensor_cut(tmp_path):
     path, info = _saved(tmp_path)
     manifest = json.loads((path / "manifest.json").read_text())
-    cut = manifest["tensors"]["/model/b"]["streams"][0]["offset"] + 1
+    cut = manifest["tensors"]["/optimizer/m"]["streams"][0]["offset"] + 1
     (path / "tensors.bin").write_bytes((path / "tensors.bin").read_bytes()[:cut])
-    with pytest.raises(CheckpointError, match=r"tensors\.bin: .*truncated.*'/model/b'"):
+    with pytest.raises(CheckpointError, match=r"tensors\.bin: .*truncated.*'/optimizer/m'"):
+        checkpoint.load(path)
+    # /model/w and /model/b are small tensors of one kind: coded together, and named together.
+    pack = manifest["tensors"]["/model/b"]["pack"][0]
+    cut = manifest["packs"][pack]["streams"][-1]["offset"] + 1
+    (path / "tensors.bin").write_bytes((path / "tensors.bin").read_bytes()[:cut])
+    with pytest.raises(CheckpointError, match=r"tensors\.bin: .*truncated.*tensors '/model/w', '/model/b' \(coded together\)"):
         checkpoint.load(path)
 
 
@@ -434,11 +440,79 @@ def test_a_family_of_layers_is_planned_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(store, "choose", counting)
     gen = torch.Generator().manual_seed(0)
-    state = {"model": {f"blocks.{i}.mlp.weight": torch.randn(40_000 + i, generator=gen) for i in range(6)},
-             "optimizer": {i: {"exp_avg": torch.randn(40_000 + i, generator=gen) * 1e-3} for i in range(6)}}
+    # Above the small-tensor size, so that each is coded alone (small ones are packed).
+    state = {"model": {f"blocks.{i}.mlp.weight": torch.randn(70_000 + i, generator=gen) for i in range(6)},
+             "optimizer": {i: {"exp_avg": torch.randn(70_000 + i, generator=gen) * 1e-3} for i in range(6)}}
     checkpoint.save(tmp_path / "c", state, threads=1)
-    assert sorted(calls) == [40_005, 40_005]  # one per family: the largest of each
+    assert sorted(calls) == [70_005, 70_005]  # one per family: the largest of each
     back = checkpoint.load(tmp_path / "c")
     for i in range(6):
         assert torch.equal(back["model"][f"blocks.{i}.mlp.weight"], state["model"][f"blocks.{i}.mlp.weight"])
         assert torch.equal(back["optimizer"][i]["exp_avg"], state["optimizer"][i]["exp_avg"])
+
+
+def _many_small_tensors():
+    gen = torch.Generator().manual_seed(0)
+    model = {}
+    for i in range(40):
+        model[f"blocks.{i}.ln.weight"] = 1 + 0.01 * torch.randn(384, generator=gen)
+        model[f"blocks.{i}.ln.bias"] = 0.01 * torch.randn(384, generator=gen)
+    model["embed.weight"] = torch.randn(100_000, generator=gen)  # above the small-tensor size: coded alone
+    optimizer = {i: {"step": torch.tensor(7.0), "exp_avg": 1e-3 * torch.randn(384, generator=gen)} for i in range(40)}
+    return {"model": model, "optimizer": optimizer}
+
+
+def test_small_tensors_are_coded_together_each_restored_and_named_exactly(tmp_path):
+    state = _many_small_tensors()
+    manifest = checkpoint.save(tmp_path / "c", state)
+    # Weights and optimizer state are packed apart; the large tensor has its own streams.
+    assert len(manifest["packs"]) == 2
+    small = {name: e for name, e in manifest["tensors"].items() if name != "/model/embed.weight"}
+    assert all(e["codec"] == "packed" and not e["streams"] for e in small.values())
+    assert manifest["tensors"]["/model/embed.weight"]["streams"]
+    streams = sum(len(e["streams"]) for e in [*manifest["tensors"].values(), *manifest["packs"]])
+    assert streams <= 16, streams  # 160 small tensors: a few streams in all, not 4 each
+    back = checkpoint.load(tmp_path / "c")
+    for name, value in state["model"].items():
+        assert_bit_exact(value, back["model"][name], name)
+    for i, moments in state["optimizer"].items():
+        for key, value in moments.items():
+            assert_bit_exact(value, back["optimizer"][i][key], f"{i}/{key}")
+    info = checkpoint.inspect(tmp_path / "c")
+    assert abs(sum(r["stored_bytes"] for r in info["tensors"]) - info["stored_bytes"]) <= len(info["tensors"])
+    # A damaged byte in a pack names its tensors.
+    pack = manifest["packs"][manifest["tensors"]["/model/blocks.0.ln.bias"]["pack"][0]]
+    stream = max(pack["streams"], key=lambda s: s["stored"])
+    data = bytearray((tmp_path / "c" / "tensors.bin").read_bytes())
+    data[stream["offset"] + stream["stored"] // 2] ^= 0x04
+    (tmp_path / "c" / "tensors.bin").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"tensors\.bin: tensors '/model/blocks\.0\.ln\.weight', "
+                                              r"'/model/blocks\.0\.ln\.bias', .* and 77 more \(coded together\): .*checksum"):
+        checkpoint.load(tmp_path / "c")
+
+
+def test_small_tensors_as_deltas_against_a_base_restore(tmp_path):
+    state = _many_small_tensors()
+    checkpoint.save(tmp_path / "a", state)
+    later = {"model": {k: v + 1e-4 if "bias" in k else v for k, v in state["model"].items()},
+             "optimizer": state["optimizer"]}
+    manifest = checkpoint.save(tmp_path / "b", later, base=tmp_path / "a")
+    assert all(p["delta"] for p in manifest["packs"])
+    back = checkpoint.load(tmp_path / "b")
+    for name, value in later["model"].items():
+        assert_bit_exact(value, back["model"][name], name)
+
+
+def test_a_version_2_checkpoint_without_packs_still_loads(tmp_path, monkeypatch):
+    from rayzip.checkpoint import store
+
+    state = _many_small_tensors()
+    monkeypatch.setattr(store, "PACK_BYTES", 0)  # every tensor coded alone, as version 2 did
+    manifest = checkpoint.save(tmp_path / "c", state)
+    assert not manifest["packs"]
+    del manifest["packs"]
+    manifest["version"] = 2
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(manifest))
+    back = checkpoint.load(tmp_path / "c")
+    assert_bit_exact(state["model"]["blocks.3.ln.bias"], back["model"]["blocks.3.ln.bias"])
+    assert checkpoint.verify(tmp_path / "c")["tensors"] == 161

@@ -98,12 +98,15 @@ def _fuzz_state() -> dict:
 def _refresh_checksums(manifest: dict, data: bytes) -> None:
     """What an attacker who can write the files does: make every checksum match again, so the
     mutated bytes reach the decoders instead of stopping at the first checksum."""
-    for entry in manifest["tensors"].values():
-        for s in entry["streams"]:
-            s["xxh3"] = xxhash.xxh3_64_hexdigest(data[s["offset"]: s["offset"] + s["stored"]])
+    for s in _streams(manifest):
+        s["xxh3"] = xxhash.xxh3_64_hexdigest(data[s["offset"]: s["offset"] + s["stored"]])
     manifest["data_bytes"] = len(data)
-    manifest["checksum"] = store_module._whole([s["xxh3"] for e in manifest["tensors"].values()
-                                                for s in e["streams"]])
+    manifest["checksum"] = store_module._whole(store_module._stream_hashes(manifest["tensors"], manifest["packs"]))
+
+
+def _streams(manifest: dict) -> list[dict]:
+    """Every stream: the tensors' own, and the packs' that hold the small ones together."""
+    return [s for e in [*manifest["tensors"].values(), *manifest["packs"]] for s in e["streams"]]
 
 
 def test_fuzzed_streams_raise_checkpoint_error_and_never_crash(tmp_path, monkeypatch):
@@ -117,10 +120,11 @@ def test_fuzzed_streams_raise_checkpoint_error_and_never_crash(tmp_path, monkeyp
     source = tmp_path / "source"
     checkpoint.save(source, later, base=base)  # deltas, prefix mapping, planes and Huffman all in play
     clean_manifest = json.loads((source / "manifest.json").read_text())
-    codings = {s["coding"] for e in clean_manifest["tensors"].values() for s in e["streams"]}
+    codings = {s["coding"] for s in _streams(clean_manifest)}
     assert {"huffman", "raw"} <= codings
-    assert {"prefix", "planes"} <= {e["codec"] for e in clean_manifest["tensors"].values()}
+    assert {"prefix", "planes"} <= {e["codec"] for e in [*clean_manifest["tensors"].values(), *clean_manifest["packs"]]}
     assert any(e["delta"] for e in clean_manifest["tensors"].values())
+    assert clean_manifest["packs"] and any(e["codec"] == "packed" for e in clean_manifest["tensors"].values())
     clean_data = (source / "tensors.bin").read_bytes()
     rng = random.Random(16)
     outcomes = {"error": 0, "exact": 0}
@@ -128,8 +132,7 @@ def test_fuzzed_streams_raise_checkpoint_error_and_never_crash(tmp_path, monkeyp
     for _ in range(FUZZ_CASES):
         manifest = json.loads(json.dumps(clean_manifest))
         data = bytearray(clean_data)
-        name = rng.choice(sorted(manifest["tensors"]))
-        stream = rng.choice(manifest["tensors"][name]["streams"])
+        stream = rng.choice(_streams(manifest))
         kind = rng.choice(["flip", "bytes", "truncate", "extend", "nbytes", "zero"])
         start, stored = stream["offset"], stream["stored"]
         if kind == "flip" and stored:
@@ -174,5 +177,5 @@ def test_truncated_data_file_names_the_first_tensor_affected(tmp_path):
     data = (tmp_path / "ckpt" / "tensors.bin").read_bytes()
     for cut in (0, 1, len(data) // 3, len(data) - 1):
         (tmp_path / "ckpt" / "tensors.bin").write_bytes(data[:cut])
-        with pytest.raises(CheckpointError, match=r"tensors.bin: \d+ bytes, the manifest records .*first tensor affected: '/"):
+        with pytest.raises(CheckpointError, match=r"tensors.bin: \d+ bytes, the manifest records .*first tensor affected: (tensors )?'/"):
             checkpoint.load(tmp_path / "ckpt")

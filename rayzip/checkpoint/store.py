@@ -10,9 +10,12 @@ which trusts whoever could write the file.
 The manifest lists, per tensor: name (its path in the nest), dtype, shape, codec and codec
 parameters, whether it is a delta against the base, the byte range of each of its streams
 in ``tensors.bin`` and how each is coded, and two XXH3-64 checksums, of its stored bytes
-and of its restored words. It also names the base checkpoint (by path relative to this one,
-and the base's own checksum) and carries a checksum of ``tensors.bin`` as a whole. Every mismatch raises
-:class:`CheckpointError` naming the file and the tensor.
+and of its restored words. Small tensors of one kind are coded together as a *pack*: the
+manifest's ``packs`` hold each pack's codec, streams and checksums, and each member's entry its
+place in the pack and the checksum of its own words. The manifest also names the base
+checkpoint (by path relative to this one, and the base's own checksum) and carries a checksum
+of ``tensors.bin`` as a whole. Every mismatch raises :class:`CheckpointError` naming the file
+and the tensor (for a pack's stream, the tensors coded in it).
 
 Usage::
 
@@ -43,7 +46,8 @@ from .transforms import WORD_DTYPES, tensor_words, words_to_tensor
 __all__ = ["CheckpointError", "FORMAT", "decode", "encode", "inspect", "load", "save", "verify"]
 
 FORMAT = "rayzip-checkpoint"
-VERSION = 2
+VERSION = 3  # 3: packs of small tensors
+READABLE_VERSIONS = (2, 3)
 MANIFEST = "manifest.json"
 DATA = "tensors.bin"
 
@@ -168,6 +172,7 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
         base_ref = {"path": str(where) if relative_to is None else os.path.relpath(where, relative_to),
                     "checksum": checksum}
     entries = {}
+    packs: list[dict | None] = []
     offset = 0
 
     def put(blob, nbytes: int, coding: str, digest: str) -> dict:
@@ -181,16 +186,23 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
     # thread pool (the kernels, zstd and xxhash release the GIL); this thread only writes the
     # results, in order. With as many busy threads as cores, a transform does not preempt
     # the coding of the streams before it. A window bounds how many tensors are in flight.
-    # Small tensors (biases, norms) are coded in batches, one task each, so that a model's
-    # hundreds of them do not pay a dispatch each.
+    # Small tensors are packed (below); one alone of its kind is coded in a batch with others
+    # of that size, one task per batch.
+    def base_of(name: str) -> Any:
+        """The base's words for a tensor stored as a delta, else None."""
+        tensor, base_words = tensors[name], base_tensors.get(name)
+        if (base_words is not None and base_words[1] == _dtype_name(tensor)
+                and tuple(base_words[2]) == tuple(tensor.shape) and wants_delta(name)):
+            return base_words[0]
+        return None
+
     def prepare(name: str, submit: Callable[..., Future]) -> tuple[dict, list[Future], Future]:
         tensor = tensors[name]
         words, xp = tensor_words(tensor)
         dtype = _dtype_name(tensor)
-        base_words = base_tensors.get(name)
-        is_delta = (base_words is not None and base_words[1] == dtype
-                    and tuple(base_words[2]) == tuple(tensor.shape) and wants_delta(name))
-        prior = xp.asarray(base_words[0]) if is_delta else None
+        base_words = base_of(name)
+        is_delta = base_words is not None
+        prior = xp.asarray(base_words) if is_delta else None
         codec = choose_for_family(name, words, prior, dtype, xp, is_delta)
         streams, params = codec.encode(words, prior, xp)
         entry = {"dtype": dtype, "shape": list(tensor.shape), "codec": codec.name, "params": params,
@@ -222,34 +234,99 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
     def prepare_batch(names: list[str]) -> list[tuple[dict, list[Future], Future]]:
         return [prepare(name, _completed) for name in names]
 
+    # Small tensors of one kind (dtype, delta or not, weights or optimizer state) are coded
+    # together, as one pack of their words in manifest order: a model's hundreds of biases
+    # and norms then cost one codec choice, a few streams and their checksums, not that
+    # much each. Each member keeps its own entry, with its place in the pack and the
+    # checksum of its words.
+    def prepare_pack(index: int, names: list[str], submit: Callable[..., Future]):
+        parts = [tensor_words(tensors[name])[0] for name in names]
+        dtype, words = _dtype_name(tensors[names[0]]), np.concatenate(parts)
+        priors = [base_of(name) for name in names]
+        prior = np.concatenate([np.asarray(p) for p in priors]) if priors[0] is not None else None
+        codec = choose(words, prior, dtype, np, is_optimizer(names[0]))
+        streams, params = codec.encode(words, prior, np)
+        start = 0
+        for name, part in zip(names, parts):
+            members[name] = {"dtype": dtype, "shape": list(tensors[name].shape), "codec": "packed", "params": {},
+                             "delta": prior is not None, "pack": [index, start], "streams": [], "xxh3": _hash(part)}
+            start += part.size
+        entry = {"dtype": dtype, "count": int(words.size), "codec": codec.name, "params": params,
+                 "delta": prior is not None, "members": names}
+        return [(entry, [submit(_pack, stream) for stream in streams], submit(_hash, words))]
+
+    members: dict[str, dict] = {}
     pending: deque = deque()
 
     def drain(keep: int) -> None:
         while len(pending) > keep:
-            names, prepared = pending.popleft()
-            for name, (entry, futures, words_hash) in zip(names, prepared.result()):
+            keep_entry, prepared = pending.popleft()
+            for store_entry, (entry, futures, words_hash) in zip(keep_entry, prepared.result()):
                 entry["streams"] = [put(*future.result()) for future in futures]
                 entry["xxh3"] = words_hash.result()
-                entries[name] = entry
+                store_entry(entry)
 
-    # The largest tensors go first, so that the threads end on small ones together.
+    def into_entries(name: str) -> Callable[[dict], None]:
+        return lambda entry: entries.__setitem__(name, entry)
+
+    def into_packs(index: int) -> Callable[[dict], None]:
+        return lambda entry: packs.__setitem__(index, entry)
+
+    groups = _pack_groups(tensors, lambda name: (base_of(name) is not None, bool(is_optimizer(name))))
+    packed = {name for names in groups for name in names}
+    alone = {name: int(tensor.nbytes) for name, tensor in tensors.items() if name not in packed}
+    # The packs, then the largest tensors first, so that the threads end on small ones together.
     with _pool(threads) as pool:
-        for names in _batches({name: int(tensor.nbytes) for name, tensor in tensors.items()}):
+        for index, names in enumerate(groups):
+            packs.append(None)
+            pending.append(([into_packs(index)], pool.submit(prepare_pack, index, names, pool.submit)))
+            drain(keep=2 * pool.workers)
+        for names in _batches(alone):
             if tensors[names[0]].nbytes >= SMALL_TENSOR_BYTES:  # alone in its batch
-                pending.append((names, pool.submit(lambda name=names[0]: [prepare(name, pool.submit)])))
+                pending.append(([into_entries(names[0])],
+                                pool.submit(lambda name=names[0]: [prepare(name, pool.submit)])))
             else:
-                pending.append((names, pool.submit(prepare_batch, names)))
+                pending.append(([into_entries(name) for name in names], pool.submit(prepare_batch, names)))
             drain(keep=2 * pool.workers)
         drain(keep=0)
+    entries.update(members)
     entries = {name: entries[name] for name in tensors}  # the manifest lists them as the state does
     for name, blob in objects.items():
         entries[name] = {"pickle": True, "streams": [put(blob, len(blob), "raw", _hash(blob))]}
     return {"format": FORMAT, "version": VERSION, "base": base_ref, "data": DATA, "data_bytes": offset,
-            "checksum": _whole([s["xxh3"] for entry in entries.values() for s in entry["streams"]]),
-            "tree": tree, "tensors": entries}
+            "checksum": _whole(_stream_hashes(entries, packs)), "tree": tree, "tensors": entries, "packs": packs}
 
 
-SMALL_TENSOR_BYTES = 1 << 18  # tensors below this are coded (and restored) in batches
+def _on_host(x: Any) -> bool:
+    return x.device.type == "cpu" if is_torch(x) else isinstance(x, np.ndarray)
+
+
+def _pack_groups(tensors: dict[str, Any], kind: Callable[[str], tuple]) -> list[list[str]]:
+    """Names of the small host tensors to code together: of one dtype and ``kind``, in
+    state order, packs of up to ``PACK_BYTES``; a tensor alone of its kind is not packed."""
+    groups: dict[tuple, list[list[str]]] = {}
+    sizes: dict[tuple, int] = {}
+    for name, tensor in tensors.items():
+        nbytes = int(tensor.nbytes)
+        if not 0 < nbytes < SMALL_TENSOR_BYTES or not _on_host(tensor):
+            continue
+        key = (_dtype_name(tensor), *kind(name))
+        if key not in groups or sizes[key] + nbytes > PACK_BYTES:
+            groups.setdefault(key, []).append([])
+            sizes[key] = 0
+        groups[key][-1].append(name)
+        sizes[key] += nbytes
+    return [names for packs in groups.values() for names in packs if len(names) > 1]
+
+
+def _stream_hashes(entries: dict, packs: list) -> list[str]:
+    """Every stream's checksum: the tensors' in manifest order, then the packs'."""
+    return ([s["xxh3"] for entry in entries.values() for s in entry["streams"]]
+            + [s["xxh3"] for pack in packs for s in pack["streams"]])
+
+
+SMALL_TENSOR_BYTES = 1 << 18  # tensors below this are coded together (and restored) in packs
+PACK_BYTES = 1 << 23  # at most this many bytes of them in one pack
 BATCH_BYTES = 1 << 21  # of about this many bytes each
 
 
@@ -359,7 +436,7 @@ def _read_manifest(directory: Path) -> dict:
         raise CheckpointError(f"{path}: no manifest; not a rayzip checkpoint") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: manifest is not valid JSON ({exc})") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if manifest.get("format") != FORMAT or manifest.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{path}: not a {FORMAT} v{VERSION} manifest")
     return manifest
 
@@ -422,33 +499,66 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
         raise CheckpointError(f"{data_path}: {len(data)} bytes, the manifest records {manifest['data_bytes']} "
                               f"(truncated or appended); first tensor affected: "
                               f"{_first_beyond(manifest, len(data))}")
+    packs = manifest.get("packs") or []
     needs_base = any(e.get("delta") for e in manifest["tensors"].values())
     base = _load_tensors(base_dir, words_only=True, threads=threads) if base_dir is not None and needs_base else {}
 
-    def named(name: str, fn: Callable, *args) -> Any:
+    def named(name: str, fn: Callable, *args, what: str | None = None) -> Any:
         """``fn(*args)``, any failure of a decoder on bad input raised as a CheckpointError
-        naming the tensor."""
+        naming the tensor (or ``what``: a pack's tensors)."""
         try:
             return fn(*args)
         except CheckpointError:
             raise
         except Exception as exc:  # a stream or manifest entry that its decoder cannot take
-            raise CheckpointError(f"{data_path}: tensor {name!r}: cannot be restored "
+            raise CheckpointError(f"{data_path}: {what or f'tensor {name!r}'}: cannot be restored "
                                   f"({type(exc).__name__}: {exc})") from None
 
-    def unpack(name: str, entry: dict, s: dict) -> np.ndarray:
+    def unpack(name: str, entry: dict, s: dict, what: str | None = None) -> np.ndarray:
         """One stream's bytes, checked against its checksum and size."""
+        what = what or f"tensor {name!r}"
         blob = data[s["offset"]: s["offset"] + s["stored"]]
         if _hash(blob) != s["xxh3"]:
-            raise CheckpointError(f"{data_path}: tensor {name!r}: stored bytes fail their checksum (corrupt)")
+            raise CheckpointError(f"{data_path}: {what}: stored bytes fail their checksum (corrupt)")
         try:
             stream = unpack_stream(blob, s["coding"], s["nbytes"])
         except Exception as exc:
-            raise CheckpointError(f"{data_path}: tensor {name!r}: cannot decompress ({exc})") from None
+            raise CheckpointError(f"{data_path}: {what}: cannot decompress ({exc})") from None
         if not entry.get("pickle") and s["nbytes"] > _most_stream_bytes(entry):
-            raise CheckpointError(f"{data_path}: tensor {name!r}: a stream of {s['nbytes']} bytes is "
+            raise CheckpointError(f"{data_path}: {what}: a stream of {s['nbytes']} bytes is "
                                   "larger than the tensor could need")
         return stream
+
+    def restore_pack(index: int) -> dict[str, np.ndarray]:
+        """{member: its words} of one pack, each checked against its own checksum."""
+        pack = packs[index]
+        names = list(pack["members"])
+        what = _pack_label(names)
+        dtype, count = pack["dtype"], int(pack["count"])
+        streams = [unpack(names[0], pack, s, what) for s in pack["streams"]]
+        prior = None
+        if pack["delta"]:
+            missing = [name for name in names if name not in base]
+            if missing:
+                raise CheckpointError(f"{data_path}: tensor {missing[0]!r} is a delta, but base {base_dir} "
+                                      "does not hold it")
+            prior = np.concatenate([base[name][0] for name in names])
+        words = named(names[0], CODECS[pack["codec"]]().decode, streams, pack["params"], count,
+                      WORD_DTYPES[_itemsize(dtype)], prior, np, what=what)
+        if words.size != count or _hash(words) != pack["xxh3"]:
+            raise CheckpointError(f"{data_path}: {what}: restored words fail their checksum")
+        restored = {}
+        for name in names:
+            entry = manifest["tensors"][name]
+            size = int(np.prod(entry["shape"], dtype=np.int64))
+            where, start = entry["pack"]
+            if where != index or entry["dtype"] != dtype or not 0 <= start <= count - size:
+                raise CheckpointError(f"{data_path}: tensor {name!r}: its place in pack {index} is not there")
+            part = words[start: start + size]
+            if _hash(part) != entry["xxh3"]:
+                raise CheckpointError(f"{data_path}: tensor {name!r}: restored words fail their checksum")
+            restored[name] = part
+        return restored
 
     def join(name: str, entry: dict, streams: list) -> Any:
         """The tensor's words from its streams, or a pickled object's bytes."""
@@ -478,7 +588,17 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
     # first bad tensor in that order is the one an error names.
     tensors, objects = {}, {}
     wanted = [(name, entry) for name, entry in manifest["tensors"].items() if names is None or name in names]
+    in_packs = {name: entry["pack"] for name, entry in wanted if "pack" in entry}
+    wanted = [(name, entry) for name, entry in wanted if name not in in_packs]
     with _pool(threads) as pool:
+        pack_work = {}
+        for name, where in in_packs.items():
+            index = where[0] if isinstance(where, list) and where and isinstance(where[0], int) else None
+            if index is None or not 0 <= index < len(packs):
+                raise CheckpointError(f"{data_path}: tensor {name!r}: its pack {where!r} is not in the manifest")
+            if index not in pack_work:
+                what = f"pack {index} (with tensor {name!r})"
+                pack_work[index] = pool.submit(lambda n=name, i=index, w=what: named(n, restore_pack, i, what=w))
         submitted = []
         for batch in _in_order_batches(wanted):
             name, entry = batch[0]
@@ -506,7 +626,14 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
                 else:
                     dtype, shape = entry["dtype"], tuple(entry["shape"])
                     tensors[name] = (restored, dtype, shape) if words_only else words_to_tensor(restored, dtype, shape)
-    if names is None and _whole([s["xxh3"] for e in manifest["tensors"].values() for s in e["streams"]]) != manifest["checksum"]:
+        for name, where in in_packs.items():
+            restored = pack_work[where[0]].result().get(name)
+            if restored is None:
+                raise CheckpointError(f"{data_path}: tensor {name!r}: not among the members of its pack {where[0]}")
+            entry = manifest["tensors"][name]
+            dtype, shape = entry["dtype"], tuple(entry["shape"])
+            tensors[name] = (restored, dtype, shape) if words_only else words_to_tensor(restored, dtype, shape)
+    if names is None and _whole(_stream_hashes(manifest["tensors"], packs)) != manifest["checksum"]:
         raise CheckpointError(f"{data_path.parent / MANIFEST}: the stream checksums do not add up to its whole "
                               f"checksum {manifest['checksum']} (the manifest was edited)")
     if words_only:
@@ -515,9 +642,17 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
 
 
 def _most_stream_bytes(entry: dict) -> int:
-    """No stream of a tensor is larger than two bytes per element (prefix escapes) or its raw size."""
-    count = int(np.prod(entry["shape"], dtype=np.int64))
+    """No stream of a tensor (or pack) is larger than two bytes per element (prefix escapes)
+    or its raw size."""
+    count = int(entry["count"]) if "count" in entry else int(np.prod(entry["shape"], dtype=np.int64))
     return max(2, _itemsize(entry["dtype"])) * count
+
+
+def _pack_label(names: list[str]) -> str:
+    """How errors name a pack: by its tensors."""
+    shown = ", ".join(repr(name) for name in names[:3])
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return f"tensors {shown}{more} (coded together)"
 
 
 def _hash(data) -> str:
@@ -533,10 +668,12 @@ def _whole(hashes: list[str]) -> str:
 
 
 def _first_beyond(manifest: dict, size: int) -> str:
-    for name, entry in manifest["tensors"].items():
-        if any(s["offset"] + s["stored"] > size for s in entry["streams"]):
-            return repr(name)
-    return "none"
+    """The tensor (or pack) of the first stream, in file order, that ends past ``size``."""
+    cut = [(s["offset"], repr(name)) for name, entry in manifest["tensors"].items() for s in entry["streams"]
+           if s["offset"] + s["stored"] > size]
+    cut += [(s["offset"], _pack_label(pack["members"])) for pack in manifest.get("packs") or []
+            for s in pack["streams"] if s["offset"] + s["stored"] > size]
+    return min(cut)[1] if cut else "none"
 
 
 def _itemsize(dtype: str) -> int:
@@ -562,13 +699,18 @@ def verify(directory: str | os.PathLike) -> dict:
 def inspect(directory: str | os.PathLike) -> dict:
     """Per-tensor sizes and codecs, without decompressing."""
     manifest = _read_manifest(Path(directory))
+    packs = manifest.get("packs") or []
     rows = []
     for name, entry in manifest["tensors"].items():
         raw = (sum(s["nbytes"] for s in entry["streams"]) if entry.get("pickle")
                else int(np.prod(entry["shape"], dtype=np.int64)) * _itemsize(entry["dtype"]))
-        stored = sum(s["stored"] for s in entry["streams"])
+        stored, codec, params = sum(s["stored"] for s in entry["streams"]), entry.get("codec", "pickle"), entry.get("params", {})
+        if "pack" in entry:  # its share of the pack's stored bytes, by raw size
+            pack = packs[entry["pack"][0]]
+            stored = round(sum(s["stored"] for s in pack["streams"]) * raw / (int(pack["count"]) * _itemsize(pack["dtype"])))
+            codec, params = f"{pack['codec']} (packed)", pack["params"]
         rows.append({"name": name, "dtype": entry.get("dtype", "pickle"), "shape": entry.get("shape"),
-                     "codec": entry.get("codec", "pickle"), "params": {k: v for k, v in entry.get("params", {}).items() if k != "table"},
+                     "codec": codec, "params": {k: v for k, v in params.items() if k != "table"},
                      "delta": entry.get("delta", False), "raw_bytes": raw, "stored_bytes": stored})
     raw = sum(r["raw_bytes"] for r in rows)
     return {"base": manifest.get("base"), "checksum": manifest["checksum"], "tensors": rows,
