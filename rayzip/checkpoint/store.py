@@ -587,6 +587,11 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
     # submits each join once its streams are in. Results are taken in manifest order, so the
     # first bad tensor in that order is the one an error names.
     tensors, objects = {}, {}
+
+    def keep(name: str, entry: dict, words: np.ndarray) -> None:
+        dtype, shape = entry["dtype"], tuple(entry["shape"])
+        tensors[name] = (words, dtype, shape) if words_only else words_to_tensor(words, dtype, shape)
+
     wanted = [(name, entry) for name, entry in manifest["tensors"].items() if names is None or name in names]
     in_packs = {name: entry["pack"] for name, entry in wanted if "pack" in entry}
     wanted = [(name, entry) for name, entry in wanted if name not in in_packs]
@@ -624,15 +629,12 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
                 if entry.get("pickle"):
                     objects[name] = restored
                 else:
-                    dtype, shape = entry["dtype"], tuple(entry["shape"])
-                    tensors[name] = (restored, dtype, shape) if words_only else words_to_tensor(restored, dtype, shape)
+                    keep(name, entry, restored)
         for name, where in in_packs.items():
             restored = pack_work[where[0]].result().get(name)
             if restored is None:
                 raise CheckpointError(f"{data_path}: tensor {name!r}: not among the members of its pack {where[0]}")
-            entry = manifest["tensors"][name]
-            dtype, shape = entry["dtype"], tuple(entry["shape"])
-            tensors[name] = (restored, dtype, shape) if words_only else words_to_tensor(restored, dtype, shape)
+            keep(name, manifest["tensors"][name], restored)
     if names is None and _whole(_stream_hashes(manifest["tensors"], packs)) != manifest["checksum"]:
         raise CheckpointError(f"{data_path.parent / MANIFEST}: the stream checksums do not add up to its whole "
                               f"checksum {manifest['checksum']} (the manifest was edited)")
