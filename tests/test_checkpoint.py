@@ -158,6 +158,36 @@ def test_large_huffman_streams_round_trip_and_code_the_same_bytes_every_time(n):
             assert np.array_equal(back, data), (kind, order)
 
 
+def test_huffman_into_a_buffer_writes_the_same_stream_and_refuses_one_too_small():
+    for kind in range(5):
+        data = skewed_bytes(kind, 300_000, kind)
+        stream = transforms.kernels.huffman_encode(data, 0)
+        out = np.full(len(stream) + 100, 0xAB, dtype=np.uint8)
+        assert transforms.kernels.huffman_encode(data, 0, out) == len(stream)
+        assert out[: len(stream)].tobytes() == stream and (out[len(stream):] == 0xAB).all()
+        assert transforms.kernels.huffman_encode(data, 0, out[: len(stream) - 1]) == -1
+
+
+def test_scratch_buffers_are_reused_only_after_every_view_of_them_is_gone():
+    from rayzip.checkpoint import scratch
+
+    if scratch.LIMIT < 1 << 22:
+        pytest.skip("the scratch pool is turned off (RAYZIP_CHECKPOINT_SCRATCH_MB)")
+    loan = scratch.take(1 << 20)
+    address = loan.ctypes.data
+    planes = loan.reshape(4, -1)[1:]  # a view outlives the loan's own name
+    planes[:] = 7
+    del loan
+    second = scratch.take(1 << 20)
+    assert second.ctypes.data != address and (planes == 7).all()
+    del planes
+    third = scratch.take((1 << 20) - 5000)  # the same size class: the returned buffer
+    assert third.ctypes.data == address
+    assert scratch.take(100).ctypes.data != address  # small: not pooled
+    del second, third
+    assert scratch.kept_bytes() >= 2 << 20
+
+
 @pytest.mark.parametrize("kind", range(5))
 def test_stream_statistics_match_numpy(kind):
     data = skewed_bytes(kind, 30_000, kind)
@@ -210,6 +240,72 @@ def test_planes_and_prefix_kernels_match_numpy():
         assert fast[1] == slow[1]
         assert all(np.array_equal(np.asarray(a).view(np.uint8).ravel(), np.asarray(b).view(np.uint8).ravel())
                    for a, b in zip(fast[0], slow[0]))
+
+
+def adam_second_moment(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Squared gradients averaged as Adam does, with the row and column scales a layer's
+    gradients have: near a product of a row factor and a column factor, times noise."""
+    g = torch.Generator().manual_seed(seed)
+    row = torch.exp(2 * torch.randn(rows, 1, generator=g))
+    col = torch.exp(2 * torch.randn(1, cols, generator=g))
+    grads = torch.randn(8, rows, cols, generator=g) * (row * col).sqrt()
+    return (grads ** 2).mean(0)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (3, 700), (257, 63), (64, 5, 9)])
+def test_exponent_model_kernel_matches_numpy_and_inverts(shape):
+    rng = np.random.default_rng(sum(shape))
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    for top in (rng.integers(0, 256, (rows, cols), dtype=np.uint8),  # predictions clamp at both ends
+                np.full((rows, cols), 255, np.uint8), np.zeros((rows, cols), np.uint8),
+                (100 + rng.integers(0, 30, (rows, 1)) + rng.integers(0, 30, (1, cols))).astype(np.uint8)):
+        fast = top.copy()
+        fast_model = transforms.exponent_residual(fast, np)
+        slow = top.copy()
+        with engine("numpy"):
+            slow_model = transforms.exponent_residual(slow, np)
+        assert np.array_equal(fast, slow)
+        assert all(np.array_equal(a, b) for a, b in zip(fast_model, slow_model))
+        for name in ("kernels", "numpy"):
+            back = fast.copy()
+            with engine(name):
+                transforms.exponent_restore(back, *fast_model, np)
+            assert np.array_equal(back, top), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_factored_codec_round_trips_bit_exactly(dtype):
+    t = special_tensor(dtype, (300, 170), 5)
+    t[7] = adam_second_moment(1, 170, 1).to(dtype)
+    words, xp = tensor_words(t)
+    codec = codecs.Factored()
+    for name in ("kernels", "numpy"):
+        with engine(name):
+            streams, params = codec.encode(words, None, xp, shape=tuple(t.shape))
+            back = codec.decode([np.ascontiguousarray(s).view(np.uint8) for s in streams], params, words.size,
+                                words.dtype, None, np)
+        assert np.array_equal(back, words), name
+    with pytest.raises(ValueError, match="matrix without a base"):
+        codec.encode(words, words, xp, shape=tuple(t.shape))
+
+
+def test_adam_second_moment_is_coded_by_its_rows_and_columns(tmp_path):
+    v = adam_second_moment(512, 384, 0)
+    weights = torch.randn(512, 384) * 0.02  # no row or column structure: the model cannot help
+    words = tensor_words(v)[0]
+    assert isinstance(codecs.choose(words, None, "float32", np, True, tuple(v.shape)), codecs.Factored)
+    assert not isinstance(codecs.choose(tensor_words(weights)[0], None, "float32", np, False, tuple(weights.shape)),
+                          codecs.Factored)
+    assert not isinstance(codecs.choose(words, None, "float32", np, True, (v.numel(),)), codecs.Factored)
+    checkpoint.save(tmp_path / "c", {"optimizer": {"state": {0: {"exp_avg_sq": v}}}, "model": {"w": weights}})
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    entry = manifest["tensors"]["/optimizer/state/0/exp_avg_sq"]
+    assert entry["codec"] == "factored" and entry["params"] == {"columns": 384}
+    assert manifest["tensors"]["/model/w"]["codec"] != "factored"
+    assert_bit_exact(v, checkpoint.load(tmp_path / "c")["optimizer"]["state"][0]["exp_avg_sq"])
+    planes_bytes = sum(len(codecs.pack_stream(s)[0]) for s in Planes(rotate=1).encode(words, None, np)[0])
+    stored = sum(stream["stored"] for stream in entry["streams"])
+    assert stored < 0.97 * planes_bytes, (stored, planes_bytes)
 
 
 def test_threads_write_the_same_bytes(tmp_path):
@@ -434,9 +530,9 @@ def test_a_family_of_layers_is_planned_once(tmp_path, monkeypatch):
     calls = []
     original = store.choose
 
-    def counting(words, base, dtype, xp, optimizer_state=False):
+    def counting(words, base, dtype, xp, optimizer_state=False, shape=None):
         calls.append(words.size)
-        return original(words, base, dtype, xp, optimizer_state)
+        return original(words, base, dtype, xp, optimizer_state, shape)
 
     monkeypatch.setattr(store, "choose", counting)
     gen = torch.Generator().manual_seed(0)

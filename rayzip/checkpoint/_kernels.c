@@ -227,19 +227,28 @@ static inline void count_segments(const uint8_t *in, const Py_ssize_t start[SEGM
 #define PAD 8
 #define PAIRS_FROM (1 << 18)
 
+/* huffman_encode(src, order[, dst]): the coded stream as bytes; with dst (a writable buffer),
+ * written at its start instead, returning its length, or -1 where it does not fit. */
 static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
-    Py_buffer src;
+    Py_buffer src, dst = {0};
     int order;
-    if (!PyArg_ParseTuple(args, "y*i", &src, &order)) return NULL;
-    if (order != 0 && order != 1) {
+    PyObject *dst_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "y*i|O", &src, &order, &dst_obj)) return NULL;
+    if (dst_obj != Py_None && PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE) < 0) {
         PyBuffer_Release(&src);
+        return NULL;
+    }
+    const int into = dst_obj != Py_None;
+#define RELEASE_IO() { PyBuffer_Release(&src); if (into) PyBuffer_Release(&dst); }
+    if (order != 0 && order != 1) {
+        RELEASE_IO()
         PyErr_SetString(PyExc_ValueError, "order must be 0 or 1");
         return NULL;
     }
     const uint8_t *in = src.buf;
     Py_ssize_t n = src.len, start[SEGMENTS + 1];
     if ((uint64_t)n >= ((uint64_t)SEGMENTS << 32)) {  /* per-segment counts are 32-bit */
-        PyBuffer_Release(&src);
+        RELEASE_IO()
         PyErr_SetString(PyExc_ValueError, "huffman_encode: stream too large (split it)");
         return NULL;
     }
@@ -251,7 +260,7 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
     /* Large order-0 streams are coded a pair of bytes at a time (without the table, one at a time). */
     uint32_t *pairs = order == 0 && n >= PAIRS_FROM ? malloc(65536 * sizeof(uint32_t)) : NULL;
     if (!cells || !entry || !lengths) {
-        free(cells); free(entry); free(lengths); free(pairs); PyBuffer_Release(&src);
+        free(cells); free(entry); free(lengths); free(pairs); RELEASE_IO()
         return PyErr_NoMemory();
     }
     int contexts = 0;
@@ -287,12 +296,16 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
         offset[k] = total;
         total += stored[k];
     }
-    PyObject *result = PyBytes_FromStringAndSize(NULL, total);
-    if (!result) {
-        free(entry); free(lengths); free(pairs); PyBuffer_Release(&src);
+    if (into && total > dst.len) {
+        free(entry); free(lengths); free(pairs); RELEASE_IO()
+        return PyLong_FromSsize_t(-1);
+    }
+    PyObject *result = into ? NULL : PyBytes_FromStringAndSize(NULL, total);
+    if (!into && !result) {
+        free(entry); free(lengths); free(pairs); RELEASE_IO()
         return NULL;
     }
-    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result), *o = out;
+    uint8_t *out = into ? (uint8_t *)dst.buf : (uint8_t *)PyBytes_AS_STRING(result), *o = out;
     *o++ = (uint8_t)order;
     memcpy(o, bitmap, 32); o += 32;
     for (int c = 0; c < 256; c++) {
@@ -360,14 +373,15 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     free(entry); free(lengths); free(pairs);
-    PyBuffer_Release(&src);
+    RELEASE_IO()
     if (mismatch) {  /* the sizes computed from the counts are what the writers wrote */
-        Py_DECREF(result);
+        Py_XDECREF(result);
         PyErr_SetString(PyExc_SystemError, "huffman_encode: a segment's size differs from its counts");
         return NULL;
     }
-    return result;
+    return into ? PyLong_FromSsize_t(total) : result;
 }
+#undef RELEASE_IO
 
 typedef struct { const uint8_t *p, *end; uint64_t acc; int bits; unsigned prev; } BitReader;
 
@@ -722,15 +736,106 @@ static PyObject *py_prefix_map(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(escaped);
 }
 
+/* The exponent model of a matrix (rows x cols bytes, row-major): each byte, the exponent of
+ * a float, is predicted from its row's and its column's mean, as Adafactor factors Adam's
+ * second moment, and replaced by its difference from the prediction (mod 256). In fixed
+ * point, 1/16: row_fix[i] = round(16 * row mean), col_fix[j] = round(16 * column mean of
+ * (byte - row mean)), prediction = clamp((row_fix[i] + col_fix[j] + 8) >> 4, 0, 255). The
+ * numpy fallback (transforms.exponent_residual) computes the same integers. */
+static inline int64_t floor_div(int64_t a, int64_t b) {  /* b > 0 */
+    int64_t q = a / b;
+    return (a % b != 0 && a < 0) ? q - 1 : q;
+}
+
+static int exponent_fit(const uint8_t *e, Py_ssize_t rows, Py_ssize_t cols, int16_t *row_fix, int16_t *col_fix) {
+    uint64_t *col_sum = calloc((size_t)cols, sizeof(uint64_t));
+    if (!col_sum) return -1;
+    int64_t row_total = 0;
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        const uint8_t *row = e + i * cols;
+        uint64_t sum = 0;
+        for (Py_ssize_t j = 0; j < cols; j++) { sum += row[j]; col_sum[j] += row[j]; }
+        row_fix[i] = (int16_t)((32 * sum + (uint64_t)cols) / (2 * (uint64_t)cols));
+        row_total += row_fix[i];
+    }
+    for (Py_ssize_t j = 0; j < cols; j++)
+        col_fix[j] = (int16_t)floor_div(32 * (int64_t)col_sum[j] - 2 * row_total + rows, 2 * (int64_t)rows);
+    free(col_sum);
+    return 0;
+}
+
+/* sign = -1: byte - prediction (encode); +1: residual + prediction (decode). In place. */
+static void exponent_apply(uint8_t *e, Py_ssize_t rows, Py_ssize_t cols, const int16_t *row_fix,
+                           const int16_t *restrict col_fix, int sign) {
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        uint8_t *restrict row = e + i * cols;
+        const int r = row_fix[i] + 8;
+        for (Py_ssize_t j = 0; j < cols; j++) {
+            int x = r + col_fix[j];
+            x = x < 0 ? 0 : x > 4095 ? 4095 : x;
+            const uint8_t p = (uint8_t)(x >> 4);
+            row[j] = (uint8_t)(sign < 0 ? row[j] - p : row[j] + p);
+        }
+    }
+}
+
+static int parse_exponents(PyObject *args, Py_buffer *top, Py_ssize_t *rows, Py_ssize_t *cols,
+                           Py_buffer *row_fix, Py_buffer *col_fix, int writable_fix) {
+    PyObject *row_obj, *col_obj;
+    if (!PyArg_ParseTuple(args, "w*nnOO", top, rows, cols, &row_obj, &col_obj)) return -1;
+    int flags = writable_fix ? PyBUF_WRITABLE : PyBUF_SIMPLE;
+    if (PyObject_GetBuffer(row_obj, row_fix, flags) < 0) { PyBuffer_Release(top); return -1; }
+    if (PyObject_GetBuffer(col_obj, col_fix, flags) < 0) { PyBuffer_Release(top); PyBuffer_Release(row_fix); return -1; }
+    const char *error = NULL;
+    if (*rows < 1 || *cols < 1 || top->len != *rows * *cols) error = "top must hold rows x cols bytes";
+    else if (row_fix->len != 2 * *rows || col_fix->len != 2 * *cols) error = "row_fix and col_fix must hold rows and cols int16";
+    if (error) {
+        PyBuffer_Release(top); PyBuffer_Release(row_fix); PyBuffer_Release(col_fix);
+        PyErr_SetString(PyExc_ValueError, error);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_exponent_residual(PyObject *self, PyObject *args) {
+    Py_buffer top, row_fix, col_fix;
+    Py_ssize_t rows, cols;
+    if (parse_exponents(args, &top, &rows, &cols, &row_fix, &col_fix, 1) < 0) return NULL;
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = exponent_fit(top.buf, rows, cols, row_fix.buf, col_fix.buf);
+    if (!failed) exponent_apply(top.buf, rows, cols, row_fix.buf, col_fix.buf, -1);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&top); PyBuffer_Release(&row_fix); PyBuffer_Release(&col_fix);
+    if (failed) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_exponent_restore(PyObject *self, PyObject *args) {
+    Py_buffer top, row_fix, col_fix;
+    Py_ssize_t rows, cols;
+    if (parse_exponents(args, &top, &rows, &cols, &row_fix, &col_fix, 0) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    exponent_apply(top.buf, rows, cols, row_fix.buf, col_fix.buf, 1);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&top); PyBuffer_Release(&row_fix); PyBuffer_Release(&col_fix);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"stream_stats", py_stream_stats, METH_VARARGS,
      "stream_stats(src, max_contexts) -> (order-0 bits, order-1 bits or -1, contexts, distinct values)."},
-    {"huffman_encode", py_huffman_encode, METH_VARARGS, "huffman_encode(src, order) -> bytes; order 0 or 1."},
+    {"huffman_encode", py_huffman_encode, METH_VARARGS, "huffman_encode(src, order[, dst]) -> bytes, or its length written into dst (-1: too small); order 0 or 1."},
     {"huffman_decode", py_huffman_decode, METH_VARARGS, "huffman_decode(stream, dst): fills dst; ValueError if invalid."},
     {"prefix_histogram", py_prefix_histogram, METH_VARARGS,
      "prefix_histogram(words, width, bits, base|None, out): counts of the top bits."},
     {"prefix_map", py_prefix_map, METH_VARARGS,
      "prefix_map(words, width, bits, base|None, lookup, escape, indices, escapes, low_planes) -> escapes."},
+    {"exponent_residual", py_exponent_residual, METH_VARARGS,
+     "exponent_residual(top, rows, cols, row_fix, col_fix): fits the row and column model (int16 out) and "
+     "replaces top by its residual, in place."},
+    {"exponent_restore", py_exponent_restore, METH_VARARGS,
+     "exponent_restore(residual, rows, cols, row_fix, col_fix): the inverse, in place."},
     {"split_planes", py_split_planes, METH_VARARGS,
      "split_planes(words, planes, width, rotate, base|None): XOR, rotate left, byte planes."},
     {"join_planes", py_join_planes, METH_VARARGS,

@@ -10,8 +10,10 @@ zstd-compressed where that pays and raw where it does not (near-random mantissa 
   moments have few distinct exponents, so their sign-and-exponent prefix costs a few bits.
   The index stream is entropy-coded by zstd's Huffman stage, or bit-packed, whichever is
   smaller.
+* ``factored``: byte planes whose exponent plane is the residual from a model of the
+  matrix's rows and columns (Adam's moments: their exponents follow rows and columns).
 
-Each codec gives ``encode(words, base, xp) -> (streams, params)`` and
+Each codec gives ``encode(words, base, xp, shape=None) -> (streams, params)`` and
 ``decode(streams, params, count, dtype, base, xp) -> words``; ``params`` is JSON.
 :func:`choose` picks the codec and prefix width per tensor by trying them on a sample.
 """
@@ -26,9 +28,11 @@ import threading
 
 from ..codecs.bitpack import pack_bits, unpack_bits
 from ..xp import asnumpy
-from .transforms import byte_planes, from_byte_planes, kernels, prefix_join, prefix_split
+from . import scratch
+from .transforms import (byte_planes, exponent_residual, exponent_restore, from_byte_planes, kernels, prefix_join,
+                         prefix_split)
 
-__all__ = ["CODECS", "StreamCodec", "choose", "pack_stream", "stream_stats", "unpack_stream"]
+__all__ = ["CODECS", "Factored", "StreamCodec", "choose", "pack_stream", "stream_stats", "unpack_stream"]
 
 ZSTD_LEVEL = 1  # higher levels gain < 2% on float planes at several times the time
 SAMPLE = 1 << 14  # elements tried per candidate when choosing
@@ -142,8 +146,12 @@ def pack_stream(data, level: int = ZSTD_LEVEL) -> tuple[Any, str]:
         return arr, "raw"
     if kernels is not None:
         coding, parameter, _ = _plan(arr)
-        packed = (arr if coding == "raw" else kernels.huffman_encode(arr, parameter) if coding == "huffman"
-                  else _compressor(parameter).compress(arr))
+        if coding == "huffman":
+            # Coded into reused memory; a code no smaller than the bytes does not fit (-1).
+            out = scratch.take(arr.size)
+            length = kernels.huffman_encode(arr, parameter, out)
+            return (out[:length], coding) if 0 <= length < arr.size else (arr, "raw")
+        packed = arr if coding == "raw" else _compressor(parameter).compress(arr)
         return (packed, coding) if len(packed) < arr.size else (arr, "raw")
     compressor = _compressor(level)
     if arr.size > 4 * PROBE and len(compressor.compress(arr[:PROBE])) > 0.98 * PROBE:
@@ -156,7 +164,7 @@ def unpack_stream(blob: bytes, coding: str, nbytes: int) -> np.ndarray:
     if coding == "huffman":
         if kernels is None:
             raise ValueError("the stream is Huffman-coded and rayzip's C kernels are not built")
-        data = np.empty(nbytes, dtype=np.uint8)
+        data = scratch.take(nbytes)
         kernels.huffman_decode(blob, data)
         return data
     data = zstandard.ZstdDecompressor().decompress(blob, max_output_size=nbytes) if coding == "zstd" else blob
@@ -168,7 +176,7 @@ def unpack_stream(blob: bytes, coding: str, nbytes: int) -> np.ndarray:
 class StreamCodec:
     name = ""
 
-    def encode(self, words, base, xp) -> tuple[list[Any], dict]:
+    def encode(self, words, base, xp, shape: tuple[int, ...] | None = None) -> tuple[list[Any], dict]:
         raise NotImplementedError
 
     def decode(self, streams: list[np.ndarray], params: dict, count: int, dtype, base, xp):
@@ -182,7 +190,7 @@ class StreamCodec:
 class Raw(StreamCodec):
     name = "raw"
 
-    def encode(self, words, base, xp):
+    def encode(self, words, base, xp, shape=None):
         return [words.view(xp.uint8)], {}
 
     def decode(self, streams, params, count, dtype, base, xp):
@@ -197,7 +205,7 @@ class Planes(StreamCodec):
         # byte of fp32 and bf16 is exactly the exponent: one few-valued plane for zstd.
         self.rotate = rotate
 
-    def encode(self, words, base, xp):
+    def encode(self, words, base, xp, shape=None):
         return list(byte_planes(words, xp, base=base, rotate=self.rotate)), {"rotate": self.rotate}
 
     def decode(self, streams, params, count, dtype, base, xp):
@@ -210,7 +218,7 @@ class Prefix(StreamCodec):
     def __init__(self, bits: int | None = None):
         self.bits = bits
 
-    def encode(self, words, base, xp):
+    def encode(self, words, base, xp, shape=None):
         width = 8 * words.dtype.itemsize
         bits = self.bits or default_prefix_bits(width)
         fused = kernels is not None and xp is np
@@ -235,9 +243,9 @@ class Prefix(StreamCodec):
         lookup[table] = xp.arange(table.size, dtype=lookup.dtype)
         low_count = -(-(width - bits) // 8)
         if fused:
-            indices = np.empty(words.size, dtype=lookup.dtype)
-            escaped = np.empty(2 * words.size, dtype=np.uint8)
-            low_planes = np.empty((low_count, words.size), dtype=np.uint8)
+            indices = scratch.take(words.size * lookup.dtype.itemsize, lookup.dtype)
+            escaped = scratch.take(2 * words.size)
+            low_planes = scratch.take(low_count * words.size).reshape(low_count, words.size)
             escaped = escaped[: 2 * kernels.prefix_map(words, width // 8, bits, base, lookup, escape,
                                                        indices, escaped, low_planes)]
         else:
@@ -272,6 +280,46 @@ class Prefix(StreamCodec):
         return self._delta(prefix_join(prefix, low, bits, xp), base)
 
 
+class Factored(StreamCodec):
+    """Byte planes of the words rotated left by one, whose top plane (the exponents of fp32
+    and bf16) is coded as its residual from a row-and-column model of the matrix
+    (:func:`~rayzip.checkpoint.transforms.exponent_residual`), the model's two int16
+    vectors as two more streams. For matrices without a base: Adam's moments, whose
+    exponents follow their rows and columns. Costs one pass over the exponents more than
+    ``planes``."""
+
+    name = "factored"
+    margin = 0.005  # about as fast as planes: any real saving pays
+
+    @staticmethod
+    def matrix(shape) -> tuple[int, int] | None:
+        """``(rows, columns)`` of a tensor seen as a matrix (the last dimension its columns),
+        or None where there is no matrix to model."""
+        if shape is None or len(shape) < 2:
+            return None
+        rows, cols = int(np.prod(shape[:-1], dtype=np.int64)), int(shape[-1])
+        return (rows, cols) if rows >= 2 and cols >= 2 else None
+
+    def encode(self, words, base, xp, shape=None):
+        matrix = self.matrix(shape)
+        if matrix is None or base is not None or matrix[0] * matrix[1] != words.size:
+            raise ValueError(f"factored codes a matrix without a base, not shape {shape} with base {base is not None}")
+        planes = byte_planes(words, xp, rotate=1)
+        row_fix, col_fix = exponent_residual(planes[-1].reshape(matrix), xp)
+        return [*planes, row_fix.astype("<i2").view(xp.uint8), col_fix.astype("<i2").view(xp.uint8)], \
+            {"columns": matrix[1]}
+
+    def decode(self, streams, params, count, dtype, base, xp):
+        cols = params["columns"]
+        planes = [xp.asarray(s) for s in streams[:-2]]
+        top = planes[-1]
+        if not getattr(top.flags, "writeable", True):  # a stream stored raw is the file's bytes
+            top = top.copy()
+        exponent_restore(top.reshape(count // cols, cols), xp.asarray(streams[-2]).view("<i2"),
+                         xp.asarray(streams[-1]).view("<i2"), xp)
+        return from_byte_planes([*planes[:-1], top], dtype, xp, rotate=1)
+
+
 def default_prefix_bits(width: int) -> int:
     """Sign plus exponent: 9 bits of an fp32 word, 6 of an fp16 one (bf16 would be 9)."""
     return {32: 9, 16: 6, 64: 12}[width]
@@ -295,38 +343,61 @@ def _index_bits(counts: np.ndarray, total: int, bits: int) -> int:
     return best
 
 
-CODECS = {"raw": Raw, "planes": Planes, "prefix": Prefix}
+CODECS = {"raw": Raw, "planes": Planes, "prefix": Prefix, "factored": Factored}
 
 
-def candidates(dtype: str, optimizer_state: bool) -> list[StreamCodec]:
+def candidates(dtype: str, optimizer_state: bool, shape: tuple[int, ...] | None = None,
+               delta: bool = False) -> list[StreamCodec]:
     """The codecs worth trying for a dtype, the default (fastest) first."""
     if dtype in ("float32", "float16", "bfloat16", "float64"):
         bits = {"float32": (9, 12), "float16": (6, 8), "bfloat16": (9, 12), "float64": (12,)}[dtype]
         prefixes = [Prefix(b) for b in bits]
         planes = [Planes(rotate=1), Planes()]
-        return [*prefixes, *planes] if optimizer_state and PREFIX_FIRST else [*planes, *prefixes]
+        factored = [Factored()] if Factored.matrix(shape) and not delta else []
+        return [*prefixes, *planes, *factored] if optimizer_state and PREFIX_FIRST else [*planes, *prefixes, *factored]
     if dtype.startswith(("int", "uint")) or dtype == "bool":
         return [Planes()]
     return [Raw()]
 
 
 PREFIX_FIRST = False
-MARGIN = 0.02  # another codec replaces the default only when it stores the sample this much smaller
+MARGIN = 0.02  # another codec replaces the default only when it stores the sample this much
+# smaller (prefix costs an index table and numpy work on both sides), unless it says otherwise
 
 
-def choose(words, base, dtype: str, xp, optimizer_state: bool = False) -> StreamCodec:
-    """The default codec, unless another stores a sample of ``words`` at least 2% smaller."""
-    options = candidates(dtype, optimizer_state)
+def choose(words, base, dtype: str, xp, optimizer_state: bool = False,
+           shape: tuple[int, ...] | None = None) -> StreamCodec:
+    """The default codec, unless another stores a sample of ``words`` smaller by its margin
+    (``MARGIN`` unless the codec has its own). ``shape`` lets matrix codecs be tried."""
+    options = candidates(dtype, optimizer_state, shape, base is not None)
     if len(options) == 1 or words.size <= SAMPLE:
         return options[0]
-    # Sixteen evenly spaced runs keep the local structure that order-1 codes and zstd use.
+    sample, sample_base, sample_shape = _choice_sample(words, base, shape, xp)
+    sizes = []
+    for codec in options:
+        streams, _ = codec.encode(sample, sample_base, xp, shape=sample_shape)
+        sizes.append(sum(_plan(_bytes(s))[2] for s in streams))
+    best, best_size = options[0], sizes[0]
+    for codec, size in zip(options[1:], sizes[1:]):
+        if size < (1 - getattr(codec, "margin", MARGIN)) * sizes[0] and size < best_size:
+            best, best_size = codec, size
+    return best
+
+
+def _choice_sample(words, base, shape, xp):
+    """``(words, base, shape)`` of a sample: evenly spaced whole rows of a matrix (a model of
+    rows and columns needs them), else sixteen evenly spaced runs, which keep the local
+    structure that order-1 codes and zstd use."""
+    matrix = Factored.matrix(shape) if base is None else None
+    if matrix is not None:
+        rows, cols = matrix
+        count = max(2, -(-SAMPLE // cols))
+        if count < rows:
+            picked = np.linspace(0, rows - 1, count).astype(np.int64)
+            return words.reshape(rows, cols)[xp.asarray(picked)].reshape(-1), None, (count, cols)
+        return words, None, shape
     run = SAMPLE // 16
     starts = np.linspace(0, words.size - run, 16).astype(np.int64)
     sample = xp.concatenate([words[s: s + run] for s in starts])
     sample_base = None if base is None else xp.concatenate([base[s: s + run] for s in starts])
-    sizes = []
-    for codec in options:
-        streams, _ = codec.encode(sample, sample_base, xp)
-        sizes.append(sum(_plan(_bytes(s))[2] for s in streams))
-    best = int(np.argmin(sizes))
-    return options[best] if sizes[best] < (1 - MARGIN) * sizes[0] else options[0]
+    return sample, sample_base, None

@@ -40,7 +40,7 @@ import numpy as np
 import xxhash
 
 from ..xp import asnumpy, is_torch
-from .codecs import CODECS, SAMPLE, choose, pack_stream, unpack_stream
+from .codecs import CODECS, SAMPLE, Factored, choose, pack_stream, unpack_stream
 from .transforms import WORD_DTYPES, tensor_words, words_to_tensor
 
 __all__ = ["CheckpointError", "FORMAT", "decode", "encode", "inspect", "load", "save", "verify"]
@@ -203,30 +203,32 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
         base_words = base_of(name)
         is_delta = base_words is not None
         prior = xp.asarray(base_words) if is_delta else None
-        codec = choose_for_family(name, words, prior, dtype, xp, is_delta)
-        streams, params = codec.encode(words, prior, xp)
+        codec = choose_for_family(name, words, prior, dtype, xp, is_delta, tuple(tensor.shape))
+        streams, params = codec.encode(words, prior, xp, shape=tuple(tensor.shape))
         entry = {"dtype": dtype, "shape": list(tensor.shape), "codec": codec.name, "params": params,
                  "delta": is_delta}
         return entry, [submit(_pack, stream) for stream in streams], submit(_hash, asnumpy(words))
 
     # A model's layers repeat: the codec chosen for the largest tensor of a family (same
-    # dtype, delta or not, weights or optimizer state, and the last part of the name:
-    # "weight" of "/model/blocks.0.mlp.weight", "exp_avg_sq") serves the others, which then skip the trial encodings. Tensors too
-    # small to sample take the default codec anyway.
+    # dtype, delta or not, weights or optimizer state, matrix or not, and the last part of
+    # the name: "weight" of "/model/blocks.0.mlp.weight", "exp_avg_sq") serves the others,
+    # which then skip the trial encodings. Tensors too small to sample take the default
+    # codec anyway.
     families: dict[tuple, Future] = {}
     families_lock = threading.Lock()
 
-    def choose_for_family(name: str, words, prior, dtype: str, xp, is_delta: bool):
+    def choose_for_family(name: str, words, prior, dtype: str, xp, is_delta: bool, shape: tuple[int, ...]):
         if words.size <= SAMPLE:
-            return choose(words, prior, dtype, xp, is_optimizer(name))
-        key = (dtype, is_delta, is_optimizer(name), name.rsplit("/", 1)[-1].rsplit(".", 1)[-1])
+            return choose(words, prior, dtype, xp, is_optimizer(name), shape)
+        key = (dtype, is_delta, is_optimizer(name), Factored.matrix(shape) is not None,
+               name.rsplit("/", 1)[-1].rsplit(".", 1)[-1])
         with families_lock:
             decided, mine = families.get(key), None
             if decided is None:
                 decided = mine = families[key] = Future()
         if mine is not None:
             try:
-                mine.set_result(choose(words, prior, dtype, xp, is_optimizer(name)))
+                mine.set_result(choose(words, prior, dtype, xp, is_optimizer(name), shape))
             except BaseException as exc:
                 mine.set_exception(exc)
         return decided.result()

@@ -12,6 +12,8 @@ payloads, -0.0 and denormals included, survives unchanged. The transforms:
   are left as they are.
 * ``prefix split``: the top ``n`` bits of each word (sign and exponent by default) and the
   remaining low bits, for the index mapping of optimizer state.
+* ``exponent residual``: a matrix's exponent plane minus a prediction from its row and
+  column means, for the optimizer state's moments.
 
 Usage::
 
@@ -27,14 +29,15 @@ from typing import Any
 import numpy as np
 
 from ..xp import array_module, is_torch
+from . import scratch
 
 try:  # the C kernels (setup.py); numpy does the same work, slower, without them
     from . import _kernels as kernels
 except ImportError:  # pragma: no cover - depends on the build
     kernels = None
 
-__all__ = ["WORD_DTYPES", "byte_planes", "from_byte_planes", "kernels", "prefix_split", "prefix_join",
-           "rotate_left", "tensor_words", "words_to_tensor"]
+__all__ = ["WORD_DTYPES", "byte_planes", "exponent_residual", "exponent_restore", "from_byte_planes", "kernels",
+           "prefix_split", "prefix_join", "rotate_left", "tensor_words", "words_to_tensor"]
 
 WORD_DTYPES = {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
@@ -76,7 +79,7 @@ def byte_planes(words, xp, base=None, rotate: int = 0):
     the word is XORed with ``base`` (when given) and rotated left by ``rotate`` bits."""
     width = words.dtype.itemsize
     if kernels is not None and xp is np:
-        planes = np.empty((width, words.size), dtype=np.uint8)
+        planes = scratch.take(width * words.size).reshape(width, words.size)
         kernels.split_planes(np.ascontiguousarray(words), planes, width, rotate,
                              None if base is None else np.ascontiguousarray(base))
         return planes
@@ -107,6 +110,44 @@ def from_byte_planes(planes, dtype, xp, base=None, rotate: int = 0):
     if rotate:
         words = rotate_left(words, 8 * width - rotate)
     return words if base is None else words ^ base
+
+
+def exponent_residual(top, xp):
+    """Replaces ``top`` (a ``(rows, cols)`` uint8 matrix: the exponents of a float matrix) in
+    place by each byte's difference, mod 256, from a prediction from its row's and its
+    column's mean, and returns the model, ``(row_fix, col_fix)`` (int16, 1/16 fixed point).
+
+    Adam's second moment is close to a product of a row factor and a column factor (the
+    observation behind Adafactor), so its exponents are close to a sum: given the model, an
+    exponent costs about 1.9 bits on the GPT workload's ``exp_avg_sq`` instead of 3, and the
+    first moment, which scales with its square root, gains about half as much."""
+    rows, cols = top.shape
+    row_fix = xp.empty(rows, dtype=xp.int16)
+    col_fix = xp.empty(cols, dtype=xp.int16)
+    if kernels is not None and xp is np:
+        kernels.exponent_residual(top, rows, cols, row_fix, col_fix)
+        return row_fix, col_fix
+    row_sum = top.sum(axis=1, dtype=xp.int64)
+    row_fix[:] = (32 * row_sum + cols) // (2 * cols)
+    col_sum = top.sum(axis=0, dtype=xp.int64)
+    col_fix[:] = (32 * col_sum - 2 * int(row_fix.astype(xp.int64).sum()) + rows) // (2 * rows)
+    top -= _exponent_prediction(row_fix, col_fix, xp)
+    return row_fix, col_fix
+
+
+def exponent_restore(residual, row_fix, col_fix, xp) -> None:
+    """Inverse of :func:`exponent_residual`, in place."""
+    rows, cols = residual.shape
+    if kernels is not None and xp is np:
+        kernels.exponent_restore(residual, rows, cols, np.ascontiguousarray(row_fix, dtype=np.int16),
+                                 np.ascontiguousarray(col_fix, dtype=np.int16))
+        return
+    residual += _exponent_prediction(row_fix, col_fix, xp)
+
+
+def _exponent_prediction(row_fix, col_fix, xp):
+    total = row_fix.astype(xp.int32)[:, None] + col_fix.astype(xp.int32)[None, :] + 8
+    return (xp.clip(total, 0, 4095) >> 4).astype(xp.uint8)
 
 
 def rotate_left(words, r: int):
