@@ -308,6 +308,24 @@ def test_adam_second_moment_is_coded_by_its_rows_and_columns(tmp_path):
     assert stored < 0.97 * planes_bytes, (stored, planes_bytes)
 
 
+def test_a_tensor_changed_everywhere_since_its_base_is_coded_alone(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.randn(256, 384, generator=gen)
+    base = {"model": {"w": weights}, "optimizer": {"state": {0: {"exp_avg_sq": adam_second_moment(256, 384, 1)}}}}
+    checkpoint.save(tmp_path / "base", base)
+    # The weights moved in their low bits (a delta pays); the moment is another one entirely.
+    state = {"model": {"w": weights + 1e-6 * torch.randn(256, 384, generator=gen)},
+             "optimizer": {"state": {0: {"exp_avg_sq": adam_second_moment(256, 384, 2)}}}}
+    checkpoint.save(tmp_path / "c", state, base=tmp_path / "base")
+    tensors = json.loads((tmp_path / "c" / "manifest.json").read_text())["tensors"]
+    assert tensors["/model/w"]["delta"] is True
+    moment = tensors["/optimizer/state/0/exp_avg_sq"]
+    assert moment["delta"] is False and moment["codec"] == "factored"
+    back = checkpoint.load(tmp_path / "c")
+    assert_bit_exact(state["model"]["w"], back["model"]["w"])
+    assert_bit_exact(state["optimizer"]["state"][0]["exp_avg_sq"], back["optimizer"]["state"][0]["exp_avg_sq"])
+
+
 def test_threads_write_the_same_bytes(tmp_path):
     state = adam_state(0)(3)
     one, blobs_one = checkpoint.encode(state, threads=1)

@@ -32,7 +32,8 @@ from . import scratch
 from .transforms import (byte_planes, exponent_residual, exponent_restore, from_byte_planes, kernels, prefix_join,
                          prefix_split)
 
-__all__ = ["CODECS", "Factored", "StreamCodec", "choose", "pack_stream", "stream_stats", "unpack_stream"]
+__all__ = ["CODECS", "Factored", "StreamCodec", "choose", "choose_delta", "pack_stream", "stream_stats",
+           "unpack_stream"]
 
 ZSTD_LEVEL = 1  # higher levels gain < 2% on float planes at several times the time
 SAMPLE = 1 << 14  # elements tried per candidate when choosing
@@ -369,9 +370,28 @@ def choose(words, base, dtype: str, xp, optimizer_state: bool = False,
            shape: tuple[int, ...] | None = None) -> StreamCodec:
     """The default codec, unless another stores a sample of ``words`` smaller by its margin
     (``MARGIN`` unless the codec has its own). ``shape`` lets matrix codecs be tried."""
+    return _choose(words, base, dtype, xp, optimizer_state, shape)[0]
+
+
+def choose_delta(words, base, dtype: str, xp, optimizer_state: bool = False,
+                 shape: tuple[int, ...] | None = None) -> tuple[StreamCodec, bool]:
+    """For a tensor that has a base: ``(codec, whether to code it against the base)``. An XOR
+    delta pays while a tensor has changed little since its base; once most of its bits have
+    changed (AdamW's weight decay moves every weight at every step), the tensor coded alone,
+    with the codecs only a tensor without a base can use, stores smaller."""
+    against, size_against = _choose(words, base, dtype, xp, optimizer_state, shape)
+    alone, size_alone = _choose(words, None, dtype, xp, optimizer_state, shape)
+    if size_against is None or size_alone is None or size_against <= size_alone:
+        return against, True
+    return alone, False
+
+
+def _choose(words, base, dtype: str, xp, optimizer_state: bool,
+            shape: tuple[int, ...] | None) -> tuple[StreamCodec, float | None]:
+    """``(codec, its estimated stored bytes per element)``; None where nothing was tried."""
     options = candidates(dtype, optimizer_state, shape, base is not None)
     if len(options) == 1 or words.size <= SAMPLE:
-        return options[0]
+        return options[0], None
     sample, sample_base, sample_shape = _choice_sample(words, base, shape, xp)
     sizes = []
     for codec in options:
@@ -381,7 +401,7 @@ def choose(words, base, dtype: str, xp, optimizer_state: bool = False,
     for codec, size in zip(options[1:], sizes[1:]):
         if size < (1 - getattr(codec, "margin", MARGIN)) * sizes[0] and size < best_size:
             best, best_size = codec, size
-    return best
+    return best, best_size / sample.size
 
 
 def _choice_sample(words, base, shape, xp):

@@ -40,7 +40,7 @@ import numpy as np
 import xxhash
 
 from ..xp import asnumpy, is_torch
-from .codecs import CODECS, SAMPLE, Factored, choose, pack_stream, unpack_stream
+from .codecs import CODECS, SAMPLE, Factored, choose, choose_delta, pack_stream, unpack_stream
 from .transforms import WORD_DTYPES, tensor_words, words_to_tensor
 
 __all__ = ["CheckpointError", "FORMAT", "decode", "encode", "inspect", "load", "save", "verify"]
@@ -201,9 +201,10 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
         words, xp = tensor_words(tensor)
         dtype = _dtype_name(tensor)
         base_words = base_of(name)
-        is_delta = base_words is not None
-        prior = xp.asarray(base_words) if is_delta else None
-        codec = choose_for_family(name, words, prior, dtype, xp, is_delta, tuple(tensor.shape))
+        prior = xp.asarray(base_words) if base_words is not None else None
+        codec, against_base = choose_for_family(name, words, prior, dtype, xp, tuple(tensor.shape))
+        prior = prior if against_base else None
+        is_delta = prior is not None
         streams, params = codec.encode(words, prior, xp, shape=tuple(tensor.shape))
         entry = {"dtype": dtype, "shape": list(tensor.shape), "codec": codec.name, "params": params,
                  "delta": is_delta}
@@ -217,10 +218,11 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
     families: dict[tuple, Future] = {}
     families_lock = threading.Lock()
 
-    def choose_for_family(name: str, words, prior, dtype: str, xp, is_delta: bool, shape: tuple[int, ...]):
+    def choose_for_family(name: str, words, prior, dtype: str, xp, shape: tuple[int, ...]):
+        """``(codec, whether to code against the base)``; False where there is none."""
         if words.size <= SAMPLE:
-            return choose(words, prior, dtype, xp, is_optimizer(name), shape)
-        key = (dtype, is_delta, is_optimizer(name), Factored.matrix(shape) is not None,
+            return choose_for(words, prior, dtype, xp, is_optimizer(name), shape)
+        key = (dtype, prior is not None, is_optimizer(name), Factored.matrix(shape) is not None,
                name.rsplit("/", 1)[-1].rsplit(".", 1)[-1])
         with families_lock:
             decided, mine = families.get(key), None
@@ -228,7 +230,7 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
                 decided = mine = families[key] = Future()
         if mine is not None:
             try:
-                mine.set_result(choose(words, prior, dtype, xp, is_optimizer(name), shape))
+                mine.set_result(choose_for(words, prior, dtype, xp, is_optimizer(name), shape))
             except BaseException as exc:
                 mine.set_exception(exc)
         return decided.result()
@@ -246,7 +248,8 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
         dtype, words = _dtype_name(tensors[names[0]]), np.concatenate(parts)
         priors = [base_of(name) for name in names]
         prior = np.concatenate([np.asarray(p) for p in priors]) if priors[0] is not None else None
-        codec = choose(words, prior, dtype, np, is_optimizer(names[0]))
+        codec, against_base = choose_for(words, prior, dtype, np, is_optimizer(names[0]))
+        prior = prior if against_base else None
         streams, params = codec.encode(words, prior, np)
         start = 0
         for name, part in zip(names, parts):
@@ -297,6 +300,13 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
         entries[name] = {"pickle": True, "streams": [put(blob, len(blob), "raw", _hash(blob))]}
     return {"format": FORMAT, "version": VERSION, "base": base_ref, "data": DATA, "data_bytes": offset,
             "checksum": _whole(_stream_hashes(entries, packs)), "tree": tree, "tensors": entries, "packs": packs}
+
+
+def choose_for(words, prior, dtype: str, xp, optimizer_state: bool, shape: tuple[int, ...] | None = None):
+    """``(codec, whether to code against the base)`` for a tensor, or a pack, with or without one."""
+    if prior is None:
+        return choose(words, None, dtype, xp, optimizer_state, shape), False
+    return choose_delta(words, prior, dtype, xp, optimizer_state, shape)
 
 
 def _on_host(x: Any) -> bool:
