@@ -226,6 +226,10 @@ def _summary_table(summary: dict):
             ("sent per worker", f"{summary['bytes_sent_per_worker'] / 1e6:.3f} MB ({summary['bytes_source']})"),
             ("fp32 ring allreduce would send", f"{summary['dense_bytes_per_worker'] / 1e6:.3f} MB"),
         ]
+    if summary.get("local_every") is not None:
+        seen = [h["local_every"] for h in summary.get("history", []) if h.get("local_every")]
+        tuned = f" (tuned; {min(seen)}..{max(seen)} at evaluations)" if summary.get("local_every_tuned") and seen else ""
+        rows.append(("local steps between synchronizations", f"{summary['local_every']}{tuned}"))
     rows += [
         ("wire compression", f"{ratio:.1f}x" if ratio else "-"),
         ("wall time", f"{summary['wall_s']:.1f} s"),

@@ -62,7 +62,7 @@ class ProgressActor:
         self.latest = metrics
         if metrics.get("evaluated"):
             self.history.append({k: metrics.get(k) for k in ("step", "train_s", "elapsed_s", "test_accuracy", "val_loss",
-                                                                   "loss")})
+                                                                   "loss", "local_every")})
 
     def get(self) -> dict | None:
         return self.latest
@@ -147,6 +147,8 @@ def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
         "torch_hook": spec.compression.torch_hook,
         "interface_tx_bytes": metrics.get("interface_tx_bytes"),
         "skipped_steps": metrics.get("skipped_steps", 0),
+        "local_every": metrics.get("local_every"),  # local steps: H at the end (tuned or the spec's)
+        "local_every_tuned": spec.local_steps.enabled and spec.local_steps.adaptive,
     }
 
 

@@ -339,10 +339,20 @@ class LocalStepsSpec(_Strict):
     inner steps with ``training``'s optimizer on its own batches, exchanging nothing; then the
     workers average their pseudo-gradients (the parameters at the last synchronization minus
     their own) through ``compression``'s codec, error feedback and collective, and an outer
-    optimizer, SGD with Nesterov momentum, applies the average."""
+    optimizer, SGD with Nesterov momentum, applies the average. With ``adaptive``, H is
+    chosen again after every synchronization (rayzip.adaptive.every)."""
 
     enabled: bool = False
-    every: int = Field(10, ge=1, description="H: inner steps between synchronizations (1: every step).")
+    every: int = Field(10, ge=1, description="H: inner steps between synchronizations (1: every step); with "
+                                             "adaptive, the first H.")
+    adaptive: bool = Field(False, description="Tune H after every synchronization: the smallest H in [min_every, "
+                                              "max_every] whose step (compute + synchronization / H, measured) is "
+                                              "within slack of max_every's. Evaluations and checkpoints then "
+                                              "synchronize on their own steps.")
+    min_every: int = Field(1, ge=1, description="adaptive: the least H.")
+    max_every: int = Field(100, ge=1, description="adaptive: the most H.")
+    slack: float = Field(0.1, ge=0, lt=1, description="adaptive: the smallest H whose predicted step is within "
+                                                      "this share of max_every's.")
     outer_lr: float = Field(0.7, gt=0, description="The outer optimizer's learning rate (DiLoCo: 0.7).")
     outer_momentum: float = Field(0.5, ge=0, lt=1, description="The outer optimizer's momentum (DiLoCo, at H "
                                                                "in the hundreds under AdamW: 0.9).")
@@ -483,9 +493,10 @@ class JobSpec(_Strict):
         local, c = self.local_steps, self.compression
         if not local.enabled:
             return self
-        if c.collective == "ps":
-            raise ValueError("local_steps synchronizes the workers among themselves: not with compression.collective "
-                             "ps (the shards would need to run the outer optimizer)")
+        if c.collective == "ps" and local.adaptive:
+            raise ValueError("local_steps.adaptive with compression.collective ps: the shards count "
+                             "synchronizations, and a new worker group resumes at their count times H, so H must "
+                             "be fixed there")
         if c.torch_hook is not None:
             raise ValueError(f"local_steps sends its pseudo-gradients through rayzip's codecs, not torch's "
                              f"{c.torch_hook} hook")
@@ -493,8 +504,14 @@ class JobSpec(_Strict):
             raise ValueError("local_steps keeps momentum in the inner and outer optimizers: set "
                              "compression.momentum_correction and compression.adam_correction to false")
         if self.adaptive.enabled:
-            raise ValueError("adaptive.enabled does not tune local_steps yet: set local_steps.every yourself")
+            raise ValueError("adaptive.enabled tunes the ratio of per-step compression; local steps keep the spec's "
+                             "ratio and tune H themselves: set local_steps.adaptive instead")
         every = local.every
+        if local.adaptive:
+            if not local.min_every <= every <= local.max_every:
+                raise ValueError(f"local_steps.every ({every}), the first H, must lie within min_every "
+                                 f"({local.min_every}) and max_every ({local.max_every})")
+            return self  # evaluations and checkpoints synchronize on their own steps
         if self.training.eval_every % every:
             raise ValueError(f"training.eval_every ({self.training.eval_every}) must be a multiple of "
                              f"local_steps.every ({every}): the synchronized model is the one evaluated")

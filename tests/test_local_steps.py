@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,9 @@ try:
     from gloo_world import run_world
 except ImportError:
     from tests.gloo_world import run_world
+from rayzip.adaptive.every import EveryTuner, choose_every
 from rayzip.codecs import NonFiniteError, get_codec
+from rayzip.comm import ring_allreduce_bytes
 from rayzip.comm.control import control_nbytes
 from rayzip.runner import run_job
 from rayzip.spec import CompressionSpec, SpecError, load_spec, parse_spec
@@ -153,9 +156,12 @@ def _spec(**sections):
     ({"local_steps": {"enabled": True, "every": 4}, "training": {"eval_every": 10}}, "training.eval_every"),
     ({"local_steps": {"enabled": True, "every": 5}, "checkpoint": {"every_steps": 12}, "training": {"eval_every": 5}},
      "checkpoint.every_steps"),
-    ({"local_steps": {"enabled": True, "every": 5}, "training": {"eval_every": 5}, "checkpoint": {"every_steps": 5},
-      "compression": {"collective": "ps"}}, "collective ps"),
+    ({"local_steps": {"enabled": True, "every": 5, "adaptive": True}, "compression": {"collective": "ps"}},
+     "collective ps"),
     ({"local_steps": {"enabled": True, "every": 0}}, "local_steps.every"),
+    ({"local_steps": {"enabled": True, "every": 10, "adaptive": True, "min_every": 20}}, "local_steps.every"),
+    ({"local_steps": {"enabled": True, "every": 10}, "training": {"eval_every": 10}, "checkpoint": {"every_steps": 10},
+      "adaptive": {"enabled": True}, "compression": {"codec": "group_topk", "ratio": 0.01}}, "local_steps.adaptive"),
 ])
 def test_the_spec_refuses_what_local_steps_cannot_do(sections, field):
     with pytest.raises(SpecError) as info:
@@ -167,6 +173,103 @@ def test_a_valid_local_steps_spec_parses():
     spec = parse_spec(_spec(local_steps={"enabled": True, "every": 10}, training={"eval_every": 50},
                             checkpoint={"every_steps": 100}, compression={"codec": "group_topk", "ratio": 0.01}))
     assert spec.local_steps.every == 10 and spec.local_steps.nesterov
+    # A tuned H puts no rule on the evaluation and checkpoint steps: they force synchronizations.
+    tuned = parse_spec(_spec(local_steps={"enabled": True, "every": 10, "adaptive": True}, training={"eval_every": 7},
+                             checkpoint={"every_steps": 13}))
+    assert tuned.local_steps.adaptive and tuned.local_steps.max_every == 100
+
+
+@pytest.mark.parametrize("sync_s, compute_s", [(2.0, 0.9), (23.0, 1.2), (0.02, 1.2), (0.5, 0.001), (1.0, 0.0),
+                                               (0.0, 1.0)])
+@pytest.mark.parametrize("low, high, slack", [(1, 100, 0.1), (5, 50, 0.03), (1, 1, 0.1), (1, 200, 0.0)])
+def test_the_tuned_h_is_the_smallest_within_slack_of_the_fastest(sync_s, compute_s, low, high, slack):
+    every = choose_every(sync_s, compute_s, low, high, slack)
+    assert low <= every <= high
+
+    def step(h):
+        return compute_s + sync_s / h
+
+    fastest = step(high)
+    assert every == high or step(every) <= (1 + slack) * fastest * (1 + 1e-12)
+    assert every == low or step(every - 1) > (1 + slack) * fastest  # one fewer is too slow
+
+
+def test_the_tuner_takes_medians_and_its_state_round_trips():
+    tuner = EveryTuner(1, 100, 0.1)
+    assert tuner.observe(2.0, 0.9) == tuner.observe(2.0, 0.9) == 18
+    assert tuner.observe(60.0, 0.9) == 18  # one slow round alone: the median is still 2.0 s
+    assert tuner.observe(3.0, 0.9) == choose_every(3.0, 0.9, 1, 100, 0.1)
+    again = EveryTuner(1, 100, 0.1)
+    again.load_state_dict(tuner.state_dict())
+    assert again.observe(0.1, 0.9) == tuner.observe(0.1, 0.9)
+    # The H in force is kept while fast enough and at most a quarter above the choice.
+    steady = EveryTuner(1, 100, 0.1)
+    assert steady.observe(2.0, 0.9, current=20) == 20 and steady.observe(2.0, 0.9, current=23) == 23
+    assert steady.observe(2.0, 0.9, current=24) == 18 and steady.observe(2.0, 0.9, current=17) == 18
+
+
+def _tuned_rank(rank, world, steps, sync_delay_s, straggler_s):
+    """LocalSteps with a tuner (H from 2 within 1 .. 16). ``sync_delay_s``: every rank's
+    synchronization is that much slower (a slow link); ``straggler_s``: rank 1 computes that
+    much longer each step. Returns (synced, H, bytes sent) per step, and the changes."""
+    model = _model()
+    local = LocalSteps(model.named_parameters(), every=2, outer_lr=0.7, outer_momentum=0.5,
+                       compression=CompressionSpec(), tuner=EveryTuner(1, 16, 0.1))
+    average = local.state.average
+
+    def slow_link(grad):
+        time.sleep(sync_delay_s)
+        return average(grad)
+
+    local.state.average = slow_link
+    optimizer, gen = _sgd(model.parameters()), torch.Generator().manual_seed(rank)
+    trace = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        x, y = _batch(gen)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        if rank == 1:
+            time.sleep(straggler_s)
+        before = local.state.totals["bytes_sent"]
+        synced = local.after_inner_step(force=step == steps - 1)
+        trace.append((synced, local.every, local.state.totals["bytes_sent"] - before))
+    return trace, local.changes, _flat(model)
+
+
+def test_every_rank_tunes_h_alike_from_the_synchronization_time():
+    steps = 60
+    numel = sum(p.numel() for p in _model().parameters())
+    dense = ring_allreduce_bytes(4 * numel, 2)
+    # A slow link: 0.2 s a synchronization against a few ms of compute, so H climbs to the
+    # bound; every rank takes each H at the same step.
+    slow = run_world(_tuned_rank, 2, steps, 0.2, 0.0)
+    assert slow[0][0] == slow[1][0] and slow[0][1] == slow[1][1]
+    trace, changes, _ = slow[0]
+    assert changes and trace[-1][1] >= 12, changes
+    np.testing.assert_array_equal(slow[0][2], slow[1][2])
+    for synced, _, sent in trace:  # the payload, the control word and the tuner's 16-byte word
+        assert sent == (dense + control_nbytes(2) + ring_allreduce_bytes(16, 2) if synced else 0)
+    # A fast link with a straggler: rank 0 waits for rank 1 at every synchronization, which
+    # is not the link's time (the tuner takes the shortest), so H falls to the least.
+    fast = run_world(_tuned_rank, 2, 30, 0.0, 0.03)
+    assert fast[0][0] == fast[1][0]
+    assert fast[0][0][-1][1] <= 2, fast[0][1]
+
+
+def test_a_tuned_h_and_its_measurements_come_back_from_a_checkpoint():
+    model = _model()
+    local = LocalSteps(model.named_parameters(), every=3, tuner=EveryTuner(2, 40, 0.1))
+    for _ in range(7):
+        local.after_inner_step(compute_s=0.001)
+    local.after_inner_step(force=True, compute_s=0.001)
+    saved = local.state_dict()
+    again = LocalSteps(model.named_parameters(), every=3, tuner=EveryTuner(2, 40, 0.1))
+    again.load_state_dict(saved)
+    assert again.every == local.every and again.tuner.state_dict() == local.tuner.state_dict()
+    fixed = LocalSteps(model.named_parameters(), every=5)
+    fixed.load_state_dict(saved)
+    assert fixed.every == 5  # a fixed H is this run's, not the checkpoint's
 
 
 def _example(name: str, every_steps: int = 50):
@@ -214,6 +317,8 @@ def test_bench_methods_name_the_local_steps():
     assert spec.training.eval_every == 50 and spec.checkpoint.every_steps == 0  # rounded up to a multiple of H
     assert spec.compression.codec == "group_topk" and not spec.compression.momentum_correction
     assert parse_spec(method_spec("local", base, "x")).local_steps.every == 10
+    tuned = parse_spec(method_spec("local_gtopk@auto", base, "x"))
+    assert tuned.local_steps.adaptive and tuned.local_steps.max_every == tuned.training.eval_every == 50
     with pytest.raises(ValueError, match="not a number of local steps"):
         method_spec("local@ten", base, "x")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from rayzip.codecs import get_codec
 from rayzip.ps import (ParameterShard, StaleGeneration, decode_pull, encode_pull, merge_optimizer_states,
                        message_nbytes, shard_bounds, slice_optimizer_state)
 from rayzip.runner import run_job
-from rayzip.spec import JobSpec, SpecError, load_spec, parse_spec
+from rayzip.spec import DatasetSpec, JobSpec, SpecError, load_spec, parse_spec
 
 
 # --- pure functions -------------------------------------------------------------------------
@@ -217,6 +218,44 @@ def test_ps_training_equals_ddp_allreduce_training(local_ray, tmp_path):
     assert totals["bytes_pushed"] == 2 * 30 * 4 * numel
     assert totals["bytes_pulled"] == 2 * 31 * 4 * numel
     assert totals["updates"] == 2 * 30 and ps["ps"]["shards"] == 2
+
+
+@pytest.mark.ray
+def test_local_steps_through_the_shards_equal_local_steps_among_the_workers(local_ray, tmp_path):
+    """Local steps in parameter-server mode: 5 inner SGD steps per worker, then the shards'
+    outer optimizer (SGD, Nesterov momentum) applies the mean pseudo-gradient. Without a
+    codec it is the same arithmetic as local steps averaged among the workers."""
+    local = {"enabled": True, "every": 5, "outer_lr": 0.7, "outer_momentum": 0.5}
+    among = JobSpec.model_validate({**_job("local-among", {"codec": "none"}).model_dump(), "local_steps": local})
+    shards = JobSpec.model_validate({**_job("local-shards", {"codec": "none", "collective": "ps"}, {"shards": 2})
+                                     .model_dump(), "local_steps": local})
+    a_run = run_job(among, storage_path=str(tmp_path / "among"))
+    b_run = run_job(shards, storage_path=str(tmp_path / "shards"))
+    assert a_run["steps"] == b_run["steps"] == 30
+    a, b = _final_weights(a_run), _final_weights(b_run)
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-6), (name, (a[name] - b[name]).abs().max())
+    assert b_run["final_test_accuracy"] > 0.8 and b_run["local_every"] == 5
+    # 6 synchronizations: each pushes and pulls 4 * numel per worker; inner steps send nothing.
+    numel = 64 * 64 + 64 + 64 * 10 + 10
+    assert b_run["bytes_sent_per_worker"] == b_run["bytes_received_per_worker"] == 6 * 4 * numel
+    assert b_run["dense_bytes_per_worker"] == 30 * 4 * numel  # a dense push every step
+    totals = b_run["ps"]["totals"]
+    assert totals["updates"] == 2 * 6 and totals["bytes_pushed"] == 2 * 6 * 4 * numel
+
+
+@pytest.mark.ray
+def test_a_nan_on_one_worker_stops_every_worker_through_the_shards(local_ray, tmp_path):
+    """Rank 1's gradient is NaN at step 0: it tells the shards, whose pulls answer rank 0
+    with the reason, so both stop at once, instead of rank 0 waiting for rank 1's push."""
+    from rayzip.runner import TrainingFailed
+
+    spec = _job("ps-nan", {"codec": "group_topk", "ratio": 0.05, "collective": "ps"}, {"shards": 2},
+                on_nonfinite="raise").model_copy(update={"dataset": DatasetSpec(name="poisoned_data:digits_with_a_nan_shard")})
+    started = time.perf_counter()
+    with pytest.raises(TrainingFailed, match=r"NonFiniteError: rank 1, step 0, gradient slice of shard 0"):
+        run_job(spec, storage_path=str(tmp_path))
+    assert time.perf_counter() - started < 120
 
 
 @pytest.mark.ray

@@ -51,11 +51,13 @@ METHODS: dict[str, dict[str, Any]] = {
     "ps": {"codec": "group_topk", "ratio": 0.01, "collective": "ps"},
     "ps-dense": {"codec": "none", "collective": "ps"},
     # Local steps (DiLoCo-style): ``local@H`` synchronizes every H steps with a dense fp32
-    # outer update, ``local_gtopk@H`` sends the pseudo-gradient through group top-k at 1%.
+    # outer update, ``local_gtopk@H`` sends the pseudo-gradient through group top-k at 1%;
+    # ``@auto`` tunes H (local_steps.adaptive, from H = 10 within 1 .. LOCAL_AUTO_MAX).
     "local": {"codec": "none"},
     "local_gtopk": {"codec": "group_topk", "ratio": 0.01, "collective": "allgather"},
 }
 LOCAL = {"local": 10, "local_gtopk": 10}  # H when the method gives no @H
+LOCAL_AUTO_MAX = 50  # @auto: the most H, and the evaluation interval (each evaluation synchronizes)
 PS = {"ps": {"cpus_per_shard": 0, "pull": "codec"}, "ps-dense": {"cpus_per_shard": 0, "pull": "dense"}}
 ADAPTIVE = {"enabled": True, "interval": 2.0, "window": 6.0, "min_ratio": 4, "max_ratio": 200}
 SCALING_SKIP = 10  # bench scaling: steps left out of the step time (start-up)
@@ -79,10 +81,10 @@ def _method_base(method: str) -> tuple[str, dict[str, Any]]:
         "bits" if "bits" in METHODS.get(name, {}) else None
     if name not in METHODS or (value and knob is None):
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)} "
-                         "(sparse ones also as NAME@RATIO, e.g. group_topk@0.05; dct_quant@BITS; local@H)")
+                         "(sparse ones also as NAME@RATIO, e.g. group_topk@0.05; dct_quant@BITS; local@H, local@auto)")
     compression = dict(METHODS[name])
     if value and knob == "every":
-        if not value.isdigit() or int(value) < 1:
+        if value != "auto" and (not value.isdigit() or int(value) < 1):
             raise ValueError(f"method {method!r}: {value!r} is not a number of local steps")
         return name, compression  # H goes to the local_steps section (method_spec)
     if value:
@@ -131,9 +133,13 @@ def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 1
         spec["ps"] = dict(PS[name])
     if name in LOCAL:
         value = method.partition(":")[0].partition("@")[2]
-        every = int(value) if value else LOCAL[name]
-        spec["local_steps"] = {"enabled": True, "every": every}
-        # Evaluations and checkpoints fall on synchronizations: the next multiple of H.
+        tuned = value == "auto"
+        every = int(value) if value and not tuned else LOCAL[name]
+        spec["local_steps"] = {"enabled": True, "every": every,
+                               **({"adaptive": True, "max_every": LOCAL_AUTO_MAX} if tuned else {})}
+        # Evaluations and checkpoints fall on synchronizations: the next multiple of H (tuned:
+        # of its bound, as each forces a synchronization, which would cap H below it).
+        every = LOCAL_AUTO_MAX if tuned else every
         training = spec["training"] = dict(spec.get("training", {}))
         eval_every = training.get("eval_every", TrainingSpec().eval_every)
         training["eval_every"] = -(-eval_every // every) * every

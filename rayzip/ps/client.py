@@ -141,7 +141,7 @@ class ParameterServerClient:
             except NonFiniteError as exc:
                 first = getattr(exc, "first_index", None)
                 where = f" (flat element {a + first} of the model)" if first is not None else ""
-                raise NonFiniteError(f"rank {self.rank}, step {step}, gradient slice of shard {index}: {exc}{where}") from None
+                self.abort(f"rank {self.rank}, step {step}, gradient slice of shard {index}: {exc}{where}")
             wire = asnumpy(payload.to_array())  # on a GPU, only the compressed bytes reach the host
             stats.bytes_sent += int(wire.nbytes)
             stats.messages.append(int(wire.nbytes))
@@ -158,6 +158,13 @@ class ParameterServerClient:
             self.totals[key] += getattr(stats, key)
         return stats
 
+    def abort(self, reason: str) -> None:
+        """Stop every worker of the group: the shards answer their pulls with ``reason``
+        (the others would otherwise wait for this worker's push). Raises
+        :class:`NonFiniteError` here."""
+        ray.get([shard.abort.remote(self.generation, self.rank, reason) for shard in self.shards])
+        raise NonFiniteError(reason)
+
     def _pull(self, step: int, pushes: list | None = None) -> tuple[np.ndarray, int, float]:
         pulls = [shard.pull.remote(self.generation, self.rank, step) for shard in self.shards]
         waited = time.perf_counter()
@@ -165,6 +172,9 @@ class ParameterServerClient:
             ray.get(pushes)  # a failed push raises here, naming the shard's reason
         messages = ray.get(pulls)
         network_s = time.perf_counter() - waited
+        for message in messages:
+            if message["kind"] == "abort":  # another worker's gradient was not finite
+                raise NonFiniteError(message["reason"])
         received = 0
         for index, (message, (a, b)) in enumerate(zip(messages, self.bounds)):
             self.copies[index] = decode_pull(message, self.copies[index], b - a)

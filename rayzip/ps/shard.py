@@ -38,6 +38,7 @@ class ParameterShard:
         spec = JobSpec.model_validate(spec)
         self.index = index
         self.training, self.compression, self.ps = spec.training, spec.compression, spec.ps
+        self.local_steps = spec.local_steps
         self.start = self.stop = 0
         self.param: torch.Tensor | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -45,6 +46,7 @@ class ParameterShard:
         self.version = 0  # optimizer updates applied
         self.generation: str | None = None
         self.world = 0
+        self.failure: str | None = None  # a worker's reason to stop this group (abort)
         self.total: np.ndarray | None = None
         self.arrived: set[int] = set()
         self.clocks: dict[int, int] = {}
@@ -74,8 +76,13 @@ class ParameterShard:
             raise ValueError(f"shard {self.index}: {params.size} values for the slice [{start}, {stop})")
         self.start, self.stop = start, stop
         self.param = torch.nn.Parameter(torch.tensor(np.asarray(params, dtype=np.float32)))
-        self.optimizer = build_optimizer(self.training, [self.param],
-                                         momentum_elsewhere=self.compression.momentum_correction)
+        if self.local_steps.enabled:  # pushes are pseudo-gradients: the outer optimizer applies them
+            local = self.local_steps
+            self.optimizer = torch.optim.SGD([self.param], lr=local.outer_lr, momentum=local.outer_momentum,
+                                             nesterov=bool(local.nesterov and local.outer_momentum > 0))
+        else:
+            self.optimizer = build_optimizer(self.training, [self.param],
+                                             momentum_elsewhere=self.compression.momentum_correction)
         if optimizer_state is not None:
             load_optimizer(self.optimizer, optimizer_state)
         self.step, self.version = int(step), 0
@@ -107,12 +114,21 @@ class ParameterShard:
         if self.arrived:
             self.counters["dropped_partial_steps"] += 1
         self.generation, self.world, self.step = generation, int(world), int(step)
+        self.failure = None
         self.clocks = {rank: self.step for rank in range(self.world)}
         self._reset_group()
         self.counters["generations"] += 1
         self.membership.append({"generation": generation, "world": self.world, "step": self.step})
         await self._notify()
         return self.info()
+
+    async def abort(self, generation: str, rank: int, reason: str) -> None:
+        """Worker ``rank`` stops its group (a non-finite gradient): every pull waiting or to
+        come answers with ``reason``, so that every worker stops, none waits for a push that
+        will not come."""
+        if generation == self.generation and self.failure is None:
+            self.failure = reason
+        await self._notify()
 
     # --- push and pull --------------------------------------------------------------------
     async def push(self, generation: str, rank: int, step: int, lr: float, codec: str, codec_params: dict,
@@ -150,8 +166,10 @@ class ParameterShard:
             ready = lambda: self.step >= step  # noqa: E731
         condition = self._condition()
         async with condition:
-            await condition.wait_for(lambda: ready() or self.generation != generation)
+            await condition.wait_for(lambda: ready() or self.generation != generation or self.failure is not None)
         self._check_generation(generation, rank)
+        if self.failure is not None:
+            return {"kind": "abort", "reason": self.failure, "step": self.step, "version": self.version}
         message = self._message_for(rank)
         self.counters["pulls"] += 1
         self.counters["dense_pulls"] += message["kind"] == "dense"

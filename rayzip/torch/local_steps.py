@@ -9,6 +9,11 @@ outer optimizer (SGD with Nesterov momentum, as in DiLoCo) applies the mean pseu
 to the synchronized parameters, and every worker goes on from the result. The inner
 optimizer's state stays each worker's own.
 
+With a ``tuner`` (:class:`rayzip.adaptive.every.EveryTuner`), H is chosen again after each
+synchronization from its measured time against the inner steps' compute: every rank's
+slowest compute and the shortest synchronization, all-reduced with one 16-byte word, so
+every rank takes the same H at the same step.
+
 At H = 1, with no codec and an outer SGD of learning rate 1 without momentum, this is
 data-parallel training: the mean of theta - lr * g_r is theta - lr * mean(g), and with SGD
 momentum inside, the mean of the workers' buffers follows DDP's buffer (both are linear).
@@ -26,6 +31,7 @@ Usage::
 
 from __future__ import annotations
 
+import time
 from typing import Iterable
 
 import torch
@@ -48,7 +54,7 @@ class LocalSteps:
     def __init__(self, named_parameters: Iterable[tuple[str, torch.Tensor]], every: int = 10,
                  outer_lr: float = 0.7, outer_momentum: float = 0.5, nesterov: bool = True,
                  compression: CompressionSpec | None = None, process_group=None, on_nonfinite: str = "raise",
-                 max_skipped_rounds: int = 10):
+                 max_skipped_rounds: int = 10, tuner=None):
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
         if on_nonfinite not in NONFINITE_POLICIES:
@@ -77,6 +83,13 @@ class LocalSteps:
         self.last_sync: StepStats | None = None
         self.bad: str | None = None  # the parameter of this rank's first non-finite gradient this round
         self.skipped_in_a_row = 0  # synchronizations every rank dropped, in a row
+        self.tuner = tuner  # chooses every after each synchronization (None: every is fixed)
+        if tuner is not None:
+            self.every = min(tuner.high, max(tuner.low, self.every))
+        self.compute_s = 0.0  # this round's inner steps, as after_inner_step measured them
+        self.sync_s = 0.0  # the last synchronization's time on this rank
+        self.changes: list[tuple[int, int]] = []  # (round, H from then on), as the tuner chose
+        self._mark = time.perf_counter()
 
     # --- inner steps ----------------------------------------------------------------------
     def gradient_ok(self, step: int) -> bool:
@@ -93,13 +106,18 @@ class LocalSteps:
                 return False
         return True
 
-    def after_inner_step(self, force: bool = False) -> bool:
+    def after_inner_step(self, force: bool = False, compute_s: float | None = None) -> bool:
         """Count an inner step; synchronize after the H-th since the last (or now, with
-        ``force``: every rank must force at the same step). Whether it synchronized."""
+        ``force``: every rank must force at the same step). Whether it synchronized.
+        ``compute_s``: the inner step's time, for the tuner (default: the time since the
+        previous call returned)."""
+        now = time.perf_counter()
+        self.compute_s += compute_s if compute_s is not None else now - self._mark
         self.inner += 1
         self.synced = force or self.inner >= self.every
         if self.synced:
             self.synchronize()
+        self._mark = time.perf_counter()
         return self.synced
 
     # --- synchronization ------------------------------------------------------------------
@@ -120,8 +138,10 @@ class LocalSteps:
         """Average the pseudo-gradients, step the outer optimizer, and set every rank's
         parameters to the result. A round every rank skips (a non-finite average, under
         ``"skip"``) goes back to the synchronized parameters."""
+        started = time.perf_counter()
+        inner, compute_s = max(1, self.inner), self.compute_s
         delta = self.pseudo_gradient()
-        self.inner, self.bad = 0, None
+        self.inner, self.bad, self.compute_s = 0, None, 0.0
         if self.state is None:
             mean, skipped = delta, not all_finite(delta)
             reason = f"synchronization {self.rounds}: the pseudo-gradient is not finite"
@@ -146,6 +166,32 @@ class LocalSteps:
         for anchor, p in zip(self.anchor, self.params):
             p.copy_(anchor)
         self.rounds += 1
+        self.sync_s = time.perf_counter() - started
+        if self.tuner is not None:
+            self._tune(compute_s / inner)
+
+    def _tune(self, compute_s: float) -> None:
+        """Every rank's slowest compute and shortest synchronization, then the tuner's H."""
+        sync_s = self.sync_s
+        if self.state is not None:
+            transport = self.state.transport
+            word = torch.tensor([compute_s, -sync_s], dtype=torch.float64, device=transport.device)
+            sent = transport.bytes_sent
+            transport.all_reduce(word, op=dist.ReduceOp.MAX)
+            sent = transport.bytes_sent - sent  # counted with the round's control word
+            self.state.totals["bytes_sent"] += sent
+            if self.last_sync is not None:
+                self.last_sync.bytes_sent += sent
+                self.last_sync.control_bytes += sent
+            compute_s, sync_s = word.tolist()
+            sync_s = -sync_s
+        every = self.tuner.observe(sync_s, compute_s, current=self.every)
+        if every != self.every:
+            if self.rank == 0:
+                print(f"rayzip: local steps: H {self.every} -> {every} after synchronization {self.rounds} "
+                      f"({sync_s:.3g} s to synchronize, {compute_s:.3g} s of compute a step)")
+            self.every = every
+            self.changes.append((self.rounds, every))
 
     # --- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -156,7 +202,8 @@ class LocalSteps:
             raise RuntimeError(f"a LocalSteps checkpoint is taken at a synchronization, not {self.inner} inner "
                                "steps after one")
         return {"rounds": self.rounds, "every": self.every, "outer": self.outer.state_dict(),
-                "compression": self.state.state_dict() if self.state is not None else None}
+                "compression": self.state.state_dict() if self.state is not None else None,
+                "tuner": self.tuner.state_dict() if self.tuner is not None else None}
 
     def load_state_dict(self, state: dict, compression: dict | None = None) -> None:
         """Restore :meth:`state_dict` onto parameters already loaded with the checkpoint's
@@ -166,7 +213,10 @@ class LocalSteps:
             for anchor, p in zip(self.anchor, self.params):
                 anchor.copy_(p.detach().to(torch.float32))
         self.outer.load_state_dict(state["outer"])
-        self.rounds, self.inner, self.bad = int(state["rounds"]), 0, None
+        self.rounds, self.inner, self.bad, self.compute_s = int(state["rounds"]), 0, None, 0.0
+        if self.tuner is not None:  # a fixed H is the caller's, which may differ from the saved one
+            self.every = min(self.tuner.high, max(self.tuner.low, int(state["every"])))
+            self.tuner.load_state_dict(state.get("tuner"))
         saved = compression if compression is not None else state.get("compression")
         if self.state is not None and saved is not None:
             self.state.load_state_dict(saved)

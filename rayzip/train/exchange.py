@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ..adaptive.every import EveryTuner
 from ..checkpoint import DeltaChain
 from ..checkpoint import load as load_checkpoint
 from ..codecs.memory import reshard_state
@@ -179,6 +180,7 @@ class ParameterServerExchange(Exchange):
     died) are loaded from the checkpoint, or from this model at step 0."""
 
     name = "ps"
+    every = 1  # training steps per push (local steps: H), for the shards' count of pushes
 
     def __init__(self, spec: JobSpec, model: torch.nn.Module, rank: int, world: int, client: ParameterServerClient):
         super().__init__(spec, model, rank, world, optimizer=None, state=client)
@@ -212,17 +214,93 @@ class ParameterServerExchange(Exchange):
         if self.rank == 0:
             initial = {"params": torch.nn.utils.parameters_to_vector(self.model.parameters()).detach().cpu().numpy(),
                        "optimizer": trainer["optimizer"] if trainer else None,
-                       "step": trainer["step"] + 1 if trainer else 0}
+                       "step": (trainer["step"] + 1) // self.every if trainer else 0}
             self.client.begin_group(generation[0], sum(p.numel() for p in self.model.parameters()), initial)
         if dist.is_initialized():
             dist.barrier()
-        start = self.client.join(generation[0], self.model)
-        if saved is not None and saved["hook"]["step"] == start:
-            self.client.load_state_dict(saved["hook"])
+        pushes = self.client.join(generation[0], self.model)
+        start = pushes * self.every
+        if saved is not None and saved["hook"]["step"] == pushes:
+            self.state.load_state_dict(saved["hook"])
         elif saved is not None:
             print(f"rayzip: rank {self.rank} resumes at step {start}, its checkpoint holds step "
-                  f"{saved['hook']['step']}: error-feedback residuals reset")
+                  f"{saved['hook']['step'] * self.every}: error-feedback residuals reset")
+        self.joined()
         return start, trainer
+
+    def joined(self) -> None:
+        """After the pull that resumes this worker group."""
+
+
+class LocalStepsServerExchange(ParameterServerExchange):
+    """Local steps in parameter-server mode: H inner steps with this worker's own optimizer,
+    exchanging nothing; then the pseudo-gradient (the parameters of the last pull minus its
+    own) is pushed through the codec with error feedback, the shards' outer optimizer (SGD
+    with Nesterov momentum) applies the mean (sync), or each push on arrival (async), and the
+    pull is the new synchronized model. The shards count pushes, so training step s is
+    round s // H: H is fixed (the spec refuses a tuned one), and evaluations and checkpoints
+    fall on synchronizations. Each rank's checkpoint part holds its inner optimizer."""
+
+    def __init__(self, spec: JobSpec, model: torch.nn.Module, rank: int, world: int, client: ParameterServerClient,
+                 optimizer: torch.optim.Optimizer):
+        super().__init__(spec, model, rank, world, client)
+        self.optimizer, self.every = optimizer, spec.local_steps.every
+        self.state = _ServerLocalState(client, optimizer)
+        self.skips_together = False  # inner steps are each rank's own
+        self.inner, self.synced = 0, False
+        self.anchor: list[torch.Tensor] = []
+
+    def joined(self) -> None:
+        self.anchor = [p.detach().clone() for p in self.model.parameters()]
+        self.inner = 0
+
+    def begin_step(self, step: int, last: bool) -> None:
+        self._last = last
+
+    def skipped(self, step: int) -> bool:
+        """This rank's own gradient: under ``raise`` every worker stops (through the shards,
+        :meth:`ParameterServerClient.abort`); under ``skip`` this rank skips the inner step."""
+        for name, p in self.model.named_parameters():
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                if self.spec.training.on_nonfinite == "raise":
+                    self.client.abort(f"step {step}: rank {self.rank}'s gradient of {name} is not finite")
+                return True
+        return False
+
+    def apply(self, step: int, lr: float, skipped: bool) -> None:
+        Exchange.apply(self, step, lr, skipped)  # the inner step
+        self.inner += 1
+        self.synced = self._last or self.inner >= self.every
+        if self.synced:
+            with torch.no_grad():
+                for p, anchor in zip(self.model.parameters(), self.anchor):
+                    p.grad = anchor - p.detach() if p.requires_grad else None  # frozen: pushed as zeros
+            self.client.update(self.model, step // self.every, self.spec.local_steps.outer_lr)
+            self.model.zero_grad(set_to_none=True)
+            self.joined()
+
+    def traffic(self, step_s: float) -> Traffic:
+        if self.synced:
+            traffic = traffic_of(self.client.last_step, source="ps")
+        else:
+            traffic = Traffic(comm_source="local step")
+        traffic.dense_bytes = 4 * self.numel  # a dense push every step, as plain ps would send
+        traffic.local_every = self.every
+        return traffic
+
+
+class _ServerLocalState:
+    """The client's state and this rank's inner optimizer, as one checkpoint part."""
+
+    def __init__(self, client: ParameterServerClient, optimizer: torch.optim.Optimizer):
+        self.client, self.optimizer = client, optimizer
+
+    def state_dict(self) -> dict:
+        return {**self.client.state_dict(), "inner_optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.client.load_state_dict(state)
+        load_optimizer(self.optimizer, state["inner_optimizer"])
 
 
 class LocalStepsExchange(Exchange):
@@ -241,22 +319,27 @@ class LocalStepsExchange(Exchange):
         self.skips_together = False  # inner steps are each rank's own; a round is dropped together
 
     def begin_step(self, step: int, last: bool) -> None:
-        self._last = last
+        # Every rank knows these steps alike. Under a fixed H the spec puts evaluations and
+        # checkpoints on synchronizations; under a tuned one they force them.
+        every_ckpt = self.spec.checkpoint.every_steps
+        self._force = (last or (step + 1) % self.spec.training.eval_every == 0
+                       or bool(every_ckpt and (step + 1) % every_ckpt == 0))
+        self._started = time.perf_counter()
 
     def skipped(self, step: int) -> bool:
         return not self.local.gradient_ok(step)
 
     def apply(self, step: int, lr: float, skipped: bool) -> None:
         super().apply(step, lr, skipped)
-        self.local.after_inner_step(force=self._last)  # every rank forces the last step alike
+        self.local.after_inner_step(force=self._force, compute_s=time.perf_counter() - self._started)
 
     def traffic(self, step_s: float) -> Traffic:
         dense = ring_allreduce_bytes(4 * self.numel, self.world)  # what DDP would send this step
         if self.local.synced and self.local.last_sync is not None:
             traffic = traffic_of(self.local.last_sync)
-            traffic.dense_bytes = dense
+            traffic.dense_bytes, traffic.local_every = dense, self.local.every
             return traffic
-        return Traffic(dense_bytes=dense, comm_source="local step")
+        return Traffic(dense_bytes=dense, comm_source="local step", local_every=self.local.every)
 
     def restore(self, checkpoint, chain: DeltaChain | None = None) -> tuple[int, dict | None]:
         if checkpoint is None:
@@ -318,14 +401,25 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
     """Prepare ``model`` for Ray Train (DDP unless in parameter-server mode or at world size
     1) and wrap it in the exchange its spec asks for, with its optimizer."""
     comp, training = spec.compression, spec.training
+    if spec.local_steps.enabled and comp.collective == "ps":
+        model = ray.train.torch.prepare_model(model, parallel_strategy=None)
+        client = ParameterServerClient(ps_shards, spec, rank, world)
+        return LocalStepsServerExchange(spec, model, rank, world, client, build_optimizer(training, model.parameters()))
     if spec.local_steps.enabled:
         # Inner steps exchange nothing: no DDP. Every rank starts from the same weights (the
         # seed) and each synchronization sets them alike.
         model = ray.train.torch.prepare_model(model, parallel_strategy=None)
         local = spec.local_steps
+        tuner = None
+        if local.adaptive:
+            # Evaluations and checkpoints force synchronizations: no H above their interval
+            # runs, so none is the fastest to compare with.
+            due = [training.eval_every, spec.checkpoint.every_steps or local.max_every]
+            tuner = EveryTuner(local.min_every, max(local.min_every, min(local.max_every, *due)), local.slack)
         synced = LocalSteps(model.named_parameters(), every=local.every, outer_lr=local.outer_lr,
                             outer_momentum=local.outer_momentum, nesterov=local.nesterov, compression=comp,
-                            on_nonfinite=training.on_nonfinite, max_skipped_rounds=training.max_skipped_steps)
+                            on_nonfinite=training.on_nonfinite, max_skipped_rounds=training.max_skipped_steps,
+                            tuner=tuner)
         return LocalStepsExchange(spec, model, rank, world, build_optimizer(training, model.parameters()), synced)
     if comp.collective == "ps":
         # The shards combine gradients: no DDP allreduce underneath.

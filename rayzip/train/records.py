@@ -44,6 +44,7 @@ class Traffic:
     verify_max_abs_err: float | None = None
     verify_documented_bytes: int | None = None
     stop: bool = False  # some rank asked every rank to stop after this step
+    local_every: int | None = None  # local steps: H, the inner steps between synchronizations, from now on
 
 
 def traffic_of(stats, source: str = "hook") -> Traffic:
