@@ -211,7 +211,9 @@ def test_the_tuner_takes_medians_and_its_state_round_trips():
 def _tuned_rank(rank, world, steps, sync_delay_s, straggler_s):
     """LocalSteps with a tuner (H from 2 within 1 .. 16). ``sync_delay_s``: every rank's
     synchronization is that much slower (a slow link); ``straggler_s``: rank 1 computes that
-    much longer each step. Returns (synced, H, bytes sent) per step, and the changes."""
+    much longer each step. Each step's compute is given to the tuner (5 ms, plus the straggler's
+    sleep), so that only the synchronizations are timed here, for real.
+    Returns (synced, H, bytes sent) per step, and the changes."""
     model = _model()
     local = LocalSteps(model.named_parameters(), every=2, outer_lr=0.7, outer_momentum=0.5,
                        compression=CompressionSpec(), tuner=EveryTuner(1, 16, 0.1))
@@ -232,7 +234,8 @@ def _tuned_rank(rank, world, steps, sync_delay_s, straggler_s):
         if rank == 1:
             time.sleep(straggler_s)
         before = local.state.totals["bytes_sent"]
-        synced = local.after_inner_step(force=step == steps - 1)
+        synced = local.after_inner_step(force=step == steps - 1,
+                                        compute_s=0.005 + (straggler_s if rank == 1 else 0.0))
         trace.append((synced, local.every, local.state.totals["bytes_sent"] - before))
     return trace, local.changes, _flat(model)
 
@@ -241,18 +244,19 @@ def test_every_rank_tunes_h_alike_from_the_synchronization_time():
     steps = 60
     numel = sum(p.numel() for p in _model().parameters())
     dense = ring_allreduce_bytes(4 * numel, 2)
-    # A slow link: 0.2 s a synchronization against a few ms of compute, so H climbs to the
-    # bound; every rank takes each H at the same step.
-    slow = run_world(_tuned_rank, 2, steps, 0.2, 0.0)
+    # A slow link: 0.5 s a synchronization against 5 ms of compute, so H climbs to the bound
+    # (15: within 10% of H = 16's step); every rank takes each H at the same step.
+    slow = run_world(_tuned_rank, 2, steps, 0.5, 0.0)
     assert slow[0][0] == slow[1][0] and slow[0][1] == slow[1][1]
     trace, changes, _ = slow[0]
-    assert changes and trace[-1][1] >= 12, changes
+    assert changes and trace[-1][1] >= 14, changes
     np.testing.assert_array_equal(slow[0][2], slow[1][2])
     for synced, _, sent in trace:  # the payload, the control word and the tuner's 16-byte word
         assert sent == (dense + control_nbytes(2) + ring_allreduce_bytes(16, 2) if synced else 0)
-    # A fast link with a straggler: rank 0 waits for rank 1 at every synchronization, which
-    # is not the link's time (the tuner takes the shortest), so H falls to the least.
-    fast = run_world(_tuned_rank, 2, 30, 0.0, 0.03)
+    # A fast link with a straggler: rank 0 waits 0.1 s a step for rank 1 at every
+    # synchronization, which is not the link's time (the tuner takes the shortest), so H
+    # falls to the least.
+    fast = run_world(_tuned_rank, 2, 20, 0.0, 0.1)
     assert fast[0][0] == fast[1][0]
     assert fast[0][0][-1][1] <= 2, fast[0][1]
 
