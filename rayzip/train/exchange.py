@@ -5,7 +5,9 @@
 * :class:`DenseExchange`: plain DDP allreduce, or a world of one (nothing to exchange);
 * :class:`ParameterServerExchange`: no DDP; push to the parameter shards, pull parameters;
 * :class:`LocalStepsExchange`: no DDP; H local steps, then a compressed outer update
-  (:mod:`rayzip.torch.local_steps`).
+  (:mod:`rayzip.torch.local_steps`);
+* :class:`LocalStepsServerExchange`: no DDP; H local steps, then a compressed push of the
+  pseudo-gradient to the shards, whose outer optimizer applies it, and a pull.
 
 A loop drives every mode the same way::
 
@@ -48,7 +50,8 @@ from .checkpoints import load_optimizer, load_trainer, restore_hook, unwrap
 from .probe import prepare_timed
 from .records import Traffic, traffic_of
 
-__all__ = ["DenseExchange", "Exchange", "HookExchange", "LocalStepsExchange", "ParameterServerExchange",
+__all__ = ["DenseExchange", "Exchange", "HookExchange", "LocalStepsExchange", "LocalStepsServerExchange",
+           "ParameterServerExchange",
            "TorchHookExchange", "build_exchange", "compute_time", "restore_collective"]
 
 
