@@ -23,7 +23,7 @@ import torch
 
 from ..codecs import get_codec
 from ..spec import JobSpec
-from ..torch.optim import build_optimizer, load_optimizer
+from ..torch.optim import build_optimizer, build_outer_optimizer, load_optimizer
 from .pull import encode_pull, message_nbytes
 
 __all__ = ["ParameterShard", "StaleGeneration", "merge_optimizer_states", "slice_optimizer_state"]
@@ -78,8 +78,7 @@ class ParameterShard:
         self.param = torch.nn.Parameter(torch.tensor(np.asarray(params, dtype=np.float32)))
         if self.local_steps.enabled:  # pushes are pseudo-gradients: the outer optimizer applies them
             local = self.local_steps
-            self.optimizer = torch.optim.SGD([self.param], lr=local.outer_lr, momentum=local.outer_momentum,
-                                             nesterov=bool(local.nesterov and local.outer_momentum > 0))
+            self.optimizer = build_outer_optimizer([self.param], local.outer_lr, local.outer_momentum, local.nesterov)
         else:
             self.optimizer = build_optimizer(self.training, [self.param],
                                              momentum_elsewhere=self.compression.momentum_correction)

@@ -41,6 +41,7 @@ from ..codecs import NonFiniteError
 from ..codecs.kernels import all_finite
 from ..spec import CompressionSpec
 from .hook import NONFINITE_POLICIES, CompressionState, StepStats
+from .optim import build_outer_optimizer
 
 __all__ = ["LocalSteps"]
 
@@ -68,8 +69,7 @@ class LocalSteps:
         # The synchronized parameters, which the outer optimizer steps: float32 whatever the
         # model's dtype, so that small outer updates are not rounded away.
         self.anchor = [p.detach().to(torch.float32).clone() for p in self.params]
-        self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=outer_momentum,
-                                     nesterov=bool(nesterov and outer_momentum > 0))
+        self.outer = build_outer_optimizer(self.anchor, outer_lr, outer_momentum, nesterov)
         compression = compression or CompressionSpec()
         exchanging = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
         self.state = (CompressionState(compression, self.params, process_group=process_group,

@@ -12,7 +12,13 @@ import torch
 
 from ..spec import TrainingSpec
 
-__all__ = ["build_optimizer", "fused_where_possible", "load_optimizer"]
+__all__ = ["build_optimizer", "build_outer_optimizer", "fused_where_possible", "load_optimizer"]
+
+
+def build_outer_optimizer(params, lr: float, momentum: float, nesterov: bool) -> torch.optim.SGD:
+    """Local steps' outer optimizer (DiLoCo's): SGD on the pseudo-gradients, with Nesterov
+    momentum where there is momentum to apply it to."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=bool(nesterov and momentum > 0))
 
 
 def build_optimizer(training: TrainingSpec, params, momentum_elsewhere: bool = False,

@@ -67,6 +67,14 @@ def compute_time(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], re
     return best
 
 
+def nonfinite_gradient(model: torch.nn.Module) -> str | None:
+    """The name of the first parameter whose gradient holds a NaN or Inf, or None."""
+    for name, p in model.named_parameters():
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            return name
+    return None
+
+
 class Exchange:
     """The collective modes' common part: DDP (or a world of one) and a local optimizer."""
 
@@ -92,13 +100,11 @@ class Exchange:
         """After backward: whether every rank drops this step for a non-finite gradient.
         Under plain DDP or a torch hook every rank holds the same averaged gradient, and at
         world size 1 there is no one to agree with, so each rank's own look is everyone's."""
-        for name, p in self.model.named_parameters():
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                if self.spec.training.on_nonfinite == "raise":
-                    raise NonFiniteError(f"step {step}: the gradient of {name} is not finite (rank {self.rank}'s "
-                                         "view, the same on every rank)")
-                return True
-        return False
+        name = nonfinite_gradient(self.model)
+        if name is not None and self.spec.training.on_nonfinite == "raise":
+            raise NonFiniteError(f"step {step}: the gradient of {name} is not finite (rank {self.rank}'s "
+                                 "view, the same on every rank)")
+        return name is not None
 
     def apply(self, step: int, lr: float, skipped: bool) -> None:
         for group in self.optimizer.param_groups:
@@ -263,12 +269,10 @@ class LocalStepsServerExchange(ParameterServerExchange):
     def skipped(self, step: int) -> bool:
         """This rank's own gradient: under ``raise`` every worker stops (through the shards,
         :meth:`ParameterServerClient.abort`); under ``skip`` this rank skips the inner step."""
-        for name, p in self.model.named_parameters():
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                if self.spec.training.on_nonfinite == "raise":
-                    self.client.abort(f"step {step}: rank {self.rank}'s gradient of {name} is not finite")
-                return True
-        return False
+        name = nonfinite_gradient(self.model)
+        if name is not None and self.spec.training.on_nonfinite == "raise":
+            self.client.abort(f"step {step}: rank {self.rank}'s gradient of {name} is not finite")
+        return name is not None
 
     def apply(self, step: int, lr: float, skipped: bool) -> None:
         Exchange.apply(self, step, lr, skipped)  # the inner step
