@@ -357,6 +357,11 @@ class LocalStepsSpec(_Strict):
     outer_momentum: float = Field(0.5, ge=0, lt=1, description="The outer optimizer's momentum (DiLoCo, at H "
                                                                "in the hundreds under AdamW: 0.9).")
     nesterov: bool = Field(True, description="Nesterov momentum in the outer optimizer.")
+    overlap: bool = Field(False, description="Send each round's pseudo-gradient while the next round's inner "
+                                             "steps run: the average lands one round late (each worker goes on "
+                                             "from the synchronized parameters plus its own progress of the round "
+                                             "in flight), and the link's time hides behind compute. Evaluations, "
+                                             "checkpoints and the last step still synchronize in full.")
 
 
 class ParameterServerSpec(_Strict):
@@ -497,6 +502,9 @@ class JobSpec(_Strict):
             raise ValueError("local_steps.adaptive with compression.collective ps: the shards count "
                              "synchronizations, and a new worker group resumes at their count times H, so H must "
                              "be fixed there")
+        if c.collective == "ps" and local.overlap:
+            raise ValueError("local_steps.overlap with compression.collective ps: pushes to the shards are "
+                             "synchronous; set local_steps.overlap to false")
         if c.torch_hook is not None:
             raise ValueError(f"local_steps sends its pseudo-gradients through rayzip's codecs, not torch's "
                              f"{c.torch_hook} hook")

@@ -162,6 +162,8 @@ def _spec(**sections):
     ({"local_steps": {"enabled": True, "every": 10, "adaptive": True, "min_every": 20}}, "local_steps.every"),
     ({"local_steps": {"enabled": True, "every": 10}, "training": {"eval_every": 10}, "checkpoint": {"every_steps": 10},
       "adaptive": {"enabled": True}, "compression": {"codec": "group_topk", "ratio": 0.01}}, "local_steps.adaptive"),
+    ({"local_steps": {"enabled": True, "every": 5, "overlap": True}, "compression": {"collective": "ps"},
+      "training": {"eval_every": 5}, "checkpoint": {"every_steps": 5}}, "local_steps.overlap"),
 ])
 def test_the_spec_refuses_what_local_steps_cannot_do(sections, field):
     with pytest.raises(SpecError) as info:
@@ -182,12 +184,13 @@ def test_a_valid_local_steps_spec_parses():
 @pytest.mark.parametrize("sync_s, compute_s", [(2.0, 0.9), (23.0, 1.2), (0.02, 1.2), (0.5, 0.001), (1.0, 0.0),
                                                (0.0, 1.0)])
 @pytest.mark.parametrize("low, high, slack", [(1, 100, 0.1), (5, 50, 0.03), (1, 1, 0.1), (1, 200, 0.0)])
-def test_the_tuned_h_is_the_smallest_within_slack_of_the_fastest(sync_s, compute_s, low, high, slack):
-    every = choose_every(sync_s, compute_s, low, high, slack)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_tuned_h_is_the_smallest_within_slack_of_the_fastest(sync_s, compute_s, low, high, slack, overlap):
+    every = choose_every(sync_s, compute_s, low, high, slack, overlap)
     assert low <= every <= high
 
-    def step(h):
-        return compute_s + sync_s / h
+    def step(h):  # with overlap a round's synchronization runs during the next round's compute
+        return max(compute_s, sync_s / h) if overlap else compute_s + sync_s / h
 
     fastest = step(high)
     assert every == high or step(every) <= (1 + slack) * fastest * (1 + 1e-12)
@@ -206,6 +209,96 @@ def test_the_tuner_takes_medians_and_its_state_round_trips():
     steady = EveryTuner(1, 100, 0.1)
     assert steady.observe(2.0, 0.9, current=20) == 20 and steady.observe(2.0, 0.9, current=23) == 23
     assert steady.observe(2.0, 0.9, current=24) == 18 and steady.observe(2.0, 0.9, current=17) == 18
+
+
+def _overlap_rank(rank, world, steps, every, nan_at=None, policy="raise"):
+    """LocalSteps with overlap (no codec, outer SGD at learning rate 1): parameters after
+    each step and the bytes of the rounds that landed at it, or ("raised", step, message)."""
+    model = _model()
+    local = LocalSteps(model.named_parameters(), every=every, outer_lr=1.0, outer_momentum=0.0,
+                       compression=CompressionSpec(), on_nonfinite=policy, overlap=True)
+    optimizer, gen = _sgd(model.parameters()), torch.Generator().manual_seed(rank)
+    params, sent = [], []
+    for step in range(steps):
+        optimizer.zero_grad()
+        x, y = _batch(gen)
+        if nan_at == (rank, step):
+            x[0, 0] = float("nan")
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        try:
+            if local.gradient_ok(step):
+                optimizer.step()
+            synced = local.after_inner_step(force=step == steps - 1)
+        except NonFiniteError as exc:
+            return "raised", step, str(exc)
+        landed = local.last_sync if synced else None  # the rounds that landed at this step
+        sent.append(landed.bytes_sent if landed is not None else 0)
+        params.append(_flat(model))
+    assert local.state_dict()["rounds"] == -(-steps // every)  # every round landed
+    return params, sent
+
+
+def _overlap_reference(world, steps, every):
+    """Delayed averaging in one process, as the overlap's rule states it: at each
+    synchronization a rank sends its round's progress, the previous round's mean lands on
+    the synchronized parameters, and the rank goes on from them minus its own progress; the
+    last step lands everything."""
+    models = [_model() for _ in range(world)]
+    optimizers = [_sgd(m.parameters()) for m in models]
+    gens = [torch.Generator().manual_seed(r) for r in range(world)]
+    synced = torch.nn.utils.parameters_to_vector(models[0].parameters()).detach().clone()
+    bases = [synced.clone() for _ in range(world)]
+    pending = None
+    for step in range(steps):
+        for model, optimizer, gen in zip(models, optimizers, gens):
+            optimizer.zero_grad()
+            x, y = _batch(gen)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        last = step == steps - 1
+        if (step + 1) % every and not last:
+            continue
+        deltas = [base - torch.nn.utils.parameters_to_vector(m.parameters()).detach()
+                  for base, m in zip(bases, models)]
+        if pending is not None:
+            synced -= torch.stack(pending).mean(0)
+        if last:
+            synced -= torch.stack(deltas).mean(0)
+            bases = [synced.clone() for _ in range(world)]
+        else:
+            pending, bases = deltas, [synced - d for d in deltas]
+        for base, model in zip(bases, models):
+            torch.nn.utils.vector_to_parameters(base.clone(), model.parameters())
+    return [_flat(m) for m in models]
+
+
+def test_with_overlap_a_round_lands_one_round_late_and_the_last_step_lands_all():
+    steps, every, world = 10, 3, 2
+    numel = sum(p.numel() for p in _model().parameters())
+    results = run_world(_overlap_rank, world, steps, every)
+    expected = _overlap_reference(world, steps, every)
+    for rank in range(world):
+        params, sent = results[rank]
+        np.testing.assert_allclose(params[-1], expected[rank], rtol=0, atol=1e-5)
+        for step in range(steps):
+            # A round lands at the next synchronization (the first has none to land); the
+            # last step lands the round in flight and its own.
+            rounds = 2 if step == steps - 1 else int((step + 1) % every == 0 and step + 1 > every)
+            assert sent[step] == rounds * (ring_allreduce_bytes(4 * numel, world) + control_nbytes(world)), step
+    np.testing.assert_array_equal(results[0][0][-1], results[1][0][-1])  # the last step lands everything
+    # In between, each rank goes on from the synchronized parameters plus its own progress.
+    assert not np.array_equal(results[0][0][every - 1], results[1][0][every - 1])
+
+
+def test_with_overlap_a_nan_stops_every_rank_when_its_round_lands():
+    results = run_world(_overlap_rank, 2, 10, 3, (1, 1), "raise")
+    for rank in range(2):
+        assert results[rank][:2] == ("raised", 5), results[rank]  # sent at step 2, landed at step 5
+        assert "rank 1" in results[rank][2] and "0.weight" in results[rank][2], results[rank][2]
+    skipped = run_world(_overlap_rank, 2, 10, 3, (1, 1), "skip")
+    for rank in range(2):
+        assert np.isfinite(skipped[rank][0][-1]).all()
+    np.testing.assert_array_equal(skipped[0][0][-1], skipped[1][0][-1])
 
 
 def _tuned_rank(rank, world, steps, sync_delay_s, straggler_s):
@@ -325,6 +418,15 @@ def test_bench_methods_name_the_local_steps():
     assert tuned.local_steps.adaptive and tuned.local_steps.max_every == tuned.training.eval_every == 50
     with pytest.raises(ValueError, match="not a number of local steps"):
         method_spec("local@ten", base, "x")
+    assert not spec.local_steps.overlap
+    # :overlap, and the base spec's outer optimizer, which every local method keeps
+    outer = {**base, "local_steps": {"outer_lr": 1.0, "outer_momentum": 0.0}}
+    overlapped = parse_spec(method_spec("local_gtopk@4:overlap", outer, "x"))
+    assert overlapped.local_steps.overlap and overlapped.local_steps.every == 4
+    assert (overlapped.local_steps.outer_lr, overlapped.local_steps.outer_momentum) == (1.0, 0.0)
+    assert not parse_spec(method_spec("dense", outer, "x")).local_steps.enabled
+    with pytest.raises(ValueError, match="local steps :overlap"):
+        method_spec("group_topk:overlap", base, "x")
 
 
 def _local_exchange(rank, world):

@@ -34,13 +34,19 @@ __all__ = ["EveryTuner", "choose_every"]
 HYSTERESIS = 0.25  # H is kept while at most this share above the choice
 
 
-def choose_every(sync_s: float, compute_s: float, low: int, high: int, slack: float) -> int:
+def choose_every(sync_s: float, compute_s: float, low: int, high: int, slack: float,
+                 overlap: bool = False) -> int:
     """The smallest H in ``[low, high]`` with ``compute_s + sync_s / H`` within ``slack``
-    of ``compute_s + sync_s / high``."""
+    of ``compute_s + sync_s / high``. With ``overlap`` (a round's synchronization runs
+    during the next round's inner steps) a step costs ``max(compute_s, sync_s / H)``
+    instead."""
     if not low <= high:
         raise ValueError(f"low ({low}) is above high ({high})")
     if sync_s <= 0:
         return low
+    if overlap:
+        fastest = max(compute_s, sync_s / high)
+        return min(high, max(low, math.ceil(sync_s / ((1 + slack) * fastest) - 1e-9)))
     # What a step may spend on synchronization: the fastest step's share, plus the slack.
     budget = slack * compute_s + (1 + slack) * sync_s / high
     if budget <= 0:
@@ -51,10 +57,10 @@ def choose_every(sync_s: float, compute_s: float, low: int, high: int, slack: fl
 class EveryTuner:
     """H from the medians of the last ``window`` synchronizations' measurements."""
 
-    def __init__(self, low: int, high: int, slack: float, window: int = 3):
+    def __init__(self, low: int, high: int, slack: float, window: int = 3, overlap: bool = False):
         if not 1 <= low <= high:
             raise ValueError(f"need 1 <= low <= high, got low {low}, high {high}")
-        self.low, self.high, self.slack = int(low), int(high), float(slack)
+        self.low, self.high, self.slack, self.overlap = int(low), int(high), float(slack), bool(overlap)
         self.window = int(window)
         self.seen: deque[tuple[float, float]] = deque(maxlen=self.window)
 
@@ -65,7 +71,7 @@ class EveryTuner:
         self.seen.append((float(sync_s), float(compute_s)))
         sync = statistics.median(s for s, _ in self.seen)
         compute = statistics.median(c for _, c in self.seen)
-        chosen = choose_every(sync, compute, self.low, self.high, self.slack)
+        chosen = choose_every(sync, compute, self.low, self.high, self.slack, self.overlap)
         if current is not None and chosen <= current <= math.ceil(chosen * (1 + HYSTERESIS)):
             return current
         return chosen

@@ -68,15 +68,17 @@ def _method_base(method: str) -> tuple[str, dict[str, Any]]:
     @RATIO); ``dct_quant@4`` is dct_quant at 4 bits. Suffixes for rayzip's hook methods:
     ``:serial`` runs without overlap (the whole exchange after backward), ``:flat`` without
     the node hierarchy (every worker exchanges compressed), to compare with the default;
-    ``dense:node`` is the hierarchy's exchange uncompressed (dense inside and across nodes)."""
+    ``dense:node`` is the hierarchy's exchange uncompressed (dense inside and across nodes);
+    ``local@H:overlap`` sends each round during the next (local_steps.overlap)."""
     method, _, modifier = method.partition(":")
     name, _, value = method.partition("@")
     hook = METHODS.get(name, {}).get("torch_hook") is None and name not in PS
-    allowed = {"serial", "flat"} if hook and METHODS.get(name, {}).get("codec", "none") != "none" else \
+    allowed = {"overlap"} if name in LOCAL else \
+        {"serial", "flat"} if hook and METHODS.get(name, {}).get("codec", "none") != "none" else \
         {"node"} if name == "dense" else set()
     if modifier and modifier not in allowed:
         raise ValueError(f"method {method}:{modifier}: only rayzip's hook methods take :serial and :flat, "
-                         "and dense :node")
+                         "dense :node, and local steps :overlap")
     knob = "every" if name in LOCAL else "ratio" if "ratio" in METHODS.get(name, {}) else \
         "bits" if "bits" in METHODS.get(name, {}) else None
     if name not in METHODS or (value and knob is None):
@@ -135,7 +137,9 @@ def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 1
         value = method.partition(":")[0].partition("@")[2]
         tuned = value == "auto"
         every = int(value) if value and not tuned else LOCAL[name]
-        spec["local_steps"] = {"enabled": True, "every": every,
+        # The base spec's local_steps section (its outer optimizer) holds for every local method.
+        spec["local_steps"] = {**base.get("local_steps", {}), "enabled": True, "every": every,
+                               "overlap": method.partition(":")[2] == "overlap",
                                **({"adaptive": True, "max_every": LOCAL_AUTO_MAX} if tuned else {})}
         # Evaluations and checkpoints fall on synchronizations: the next multiple of H (tuned:
         # of its bound, as each forces a synchronization, which would cap H below it).

@@ -9,6 +9,14 @@ outer optimizer (SGD with Nesterov momentum, as in DiLoCo) applies the mean pseu
 to the synchronized parameters, and every worker goes on from the result. The inner
 optimizer's state stays each worker's own.
 
+With ``overlap``, a round's exchange runs on a thread (with a process group of its own)
+while the next round's inner steps run, as in streaming DiLoCo's overlapped communication:
+the mean lands at the next synchronization, one round late, and each worker goes on from
+the synchronized parameters minus its own pseudo-gradient of the round in flight, so its
+own progress is not lost while the others' arrives. A forced synchronization (evaluations,
+checkpoints, the last step) lands everything, and every rank then holds the same
+parameters. On a slow link the wire time hides behind H inner steps of compute.
+
 With a ``tuner`` (:class:`rayzip.adaptive.every.EveryTuner`), H is chosen again after each
 synchronization from its measured time against the inner steps' compute: every rank's
 slowest compute and the shortest synchronization, all-reduced with one 16-byte word, so
@@ -31,7 +39,9 @@ Usage::
 
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import replace
 from typing import Iterable
 
 import torch
@@ -55,7 +65,7 @@ class LocalSteps:
     def __init__(self, named_parameters: Iterable[tuple[str, torch.Tensor]], every: int = 10,
                  outer_lr: float = 0.7, outer_momentum: float = 0.5, nesterov: bool = True,
                  compression: CompressionSpec | None = None, process_group=None, on_nonfinite: str = "raise",
-                 max_skipped_rounds: int = 10, tuner=None):
+                 max_skipped_rounds: int = 10, tuner=None, overlap: bool = False):
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
         if on_nonfinite not in NONFINITE_POLICIES:
@@ -72,6 +82,16 @@ class LocalSteps:
         self.outer = build_outer_optimizer(self.anchor, outer_lr, outer_momentum, nesterov)
         compression = compression or CompressionSpec()
         exchanging = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
+        self.overlap = bool(overlap)
+        if exchanging and self.overlap and process_group is None:
+            # The exchange's thread gets a group of its own, so that its collectives cannot
+            # interleave with the caller's (evaluations, metrics) differently on different
+            # ranks. Every rank builds LocalSteps at the same point, as new_group needs.
+            process_group = dist.new_group(backend=dist.get_backend())
+        # Where this rank's current round began: the synchronized parameters, or with
+        # overlap, those plus this rank's own progress in the round still in flight.
+        self.base = [a.clone() for a in self.anchor] if self.overlap else self.anchor
+        self._pending: _InFlight | None = None
         self.state = (CompressionState(compression, self.params, process_group=process_group,
                                        device=self.params[0].device, names=self.names, on_nonfinite=on_nonfinite)
                       if exchanging else None)
@@ -116,75 +136,128 @@ class LocalSteps:
         self.inner += 1
         self.synced = force or self.inner >= self.every
         if self.synced:
-            self.synchronize()
+            self.synchronize(force=force)
         self._mark = time.perf_counter()
         return self.synced
 
     # --- synchronization ------------------------------------------------------------------
     def pseudo_gradient(self) -> torch.Tensor:
-        """Flat float32: the synchronized parameters minus this rank's (NaN at a parameter
-        whose gradient was not finite this round, so that the exchange's control word tells
-        every rank)."""
+        """Flat float32: where this rank's round began minus its parameters now (NaN at a
+        parameter whose gradient was not finite this round, so that the exchange's control
+        word tells every rank). Without overlap a round begins at the synchronized
+        parameters."""
         parts = []
-        for name, anchor, p in zip(self.names, self.anchor, self.params):
-            delta = (anchor - p.detach().to(torch.float32)).reshape(-1)
+        for name, base, p in zip(self.names, self.base, self.params):
+            delta = (base - p.detach().to(torch.float32)).reshape(-1)
             if name == self.bad:
                 delta = torch.full_like(delta, float("nan"))
             parts.append(delta)
         return torch.cat(parts)
 
     @torch.no_grad()
-    def synchronize(self) -> None:
+    def synchronize(self, force: bool = False) -> None:
         """Average the pseudo-gradients, step the outer optimizer, and set every rank's
         parameters to the result. A round every rank skips (a non-finite average, under
-        ``"skip"``) goes back to the synchronized parameters."""
+        ``"skip"``) goes back to the synchronized parameters.
+
+        With ``overlap`` (and not ``force``), the round's exchange runs on a thread while the
+        next round's inner steps run: the previous round's average lands here, and each rank
+        goes on from the synchronized parameters plus its own progress of the round just
+        sent. ``force`` lands everything, so that every rank then holds the same parameters."""
         started = time.perf_counter()
-        inner, compute_s = max(1, self.inner), self.compute_s
-        delta = self.pseudo_gradient()
+        compute_s = self.compute_s / max(1, self.inner)
+        delta, own_bad = self.pseudo_gradient(), self.bad is not None
         self.inner, self.bad, self.compute_s = 0, None, 0.0
+        landed = self._land() if self._pending is not None else None
+        if self.overlap and self.state is not None and not force:
+            with torch.no_grad():  # before the exchange's thread reads delta
+                for anchor, base, p, (offset, n) in zip(self.anchor, self.base, self.params, self._offsets()):
+                    if own_bad:  # its progress is not finite: the round is dropped on every rank
+                        base.copy_(anchor)
+                    else:
+                        torch.sub(anchor, delta[offset: offset + n].view_as(anchor), out=base)
+                    p.copy_(base)
+            self._pending = _InFlight(lambda: self._exchange(delta, compute_s, agree=self.tuner is not None))
+            self.last_sync = landed
+            self.sync_s = time.perf_counter() - started
+            return
+        mean, stats, agreed = self._exchange(delta, compute_s, agree=False)
+        self._step_outer(mean, stats)
+        for anchor, base, p in zip(self.anchor, self.base, self.params):
+            if base is not anchor:
+                base.copy_(anchor)
+            p.copy_(anchor)
+        self.last_sync = _merged(landed, stats) if self.state is not None else None
+        self.sync_s = time.perf_counter() - started
+        if self.tuner is not None:
+            self._choose(*self._agree(compute_s, self.sync_s, self.last_sync))
+
+    def _offsets(self) -> list[tuple[int, int]]:
+        spans, offset = [], 0
+        for anchor in self.anchor:
+            spans.append((offset, anchor.numel()))
+            offset += anchor.numel()
+        return spans
+
+    def _exchange(self, delta: torch.Tensor, compute_s: float, agree: bool):
+        """The mean pseudo-gradient, the round's stats, and (``agree``) the tuner's agreed
+        inputs, measured on this thread (with overlap, the exchange's own thread)."""
+        started = time.perf_counter()
         if self.state is None:
-            mean, skipped = delta, not all_finite(delta)
-            reason = f"synchronization {self.rounds}: the pseudo-gradient is not finite"
-            if skipped and self.on_nonfinite == "raise":
-                raise NonFiniteError(reason)
+            mean, stats = delta, StepStats(skipped=not all_finite(delta))
+            if stats.skipped:
+                stats.nonfinite = f"synchronization {self.rounds}: the pseudo-gradient is not finite"
+                if self.on_nonfinite == "raise":
+                    raise NonFiniteError(stats.nonfinite)
         else:
             mean = self.state.average(delta)  # raises on every rank alike under "raise"
-            self.last_sync = self.state.last_step
-            skipped, reason = self.last_sync.skipped, self.last_sync.nonfinite
+            stats = self.state.last_step
+        sync_s = time.perf_counter() - started
+        stats.busy_s = stats.busy_s or sync_s
+        return mean, stats, (self._agree(compute_s, sync_s, stats) if agree else None)
+
+    def _land(self) -> StepStats:
+        """Wait for the round in flight and apply it; its stats, with what this thread waited."""
+        waited = time.perf_counter()
+        pending, self._pending = self._pending, None
+        mean, stats, agreed = pending.wait()  # an error every rank raised is raised here, on every rank
+        stats.comm_s = time.perf_counter() - waited  # exposed: the rest overlapped inner steps
+        self._step_outer(mean, stats)
+        if agreed is not None:
+            self._choose(*agreed)
+        return stats
+
+    def _step_outer(self, mean: torch.Tensor, stats: StepStats) -> None:
+        skipped, reason = stats.skipped, stats.nonfinite
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
         if self.skipped_in_a_row > self.max_skipped_rounds:  # every rank counts the same rounds
             raise NonFiniteError(f"{self.skipped_in_a_row} synchronizations in a row dropped, the last: {reason}")
         if not skipped:
-            offset = 0
-            for anchor in self.anchor:
-                n = anchor.numel()
+            for anchor, (offset, n) in zip(self.anchor, self._offsets()):
                 anchor.grad = mean[offset: offset + n].view_as(anchor).to(torch.float32)
-                offset += n
             self.outer.step()
             for anchor in self.anchor:
                 anchor.grad = None
-        for anchor, p in zip(self.anchor, self.params):
-            p.copy_(anchor)
         self.rounds += 1
-        self.sync_s = time.perf_counter() - started
-        if self.tuner is not None:
-            self._tune(compute_s / inner)
 
-    def _tune(self, compute_s: float) -> None:
-        """Every rank's slowest compute and shortest synchronization, then the tuner's H."""
-        sync_s = self.sync_s
-        if self.state is not None:
-            transport = self.state.transport
-            word = torch.tensor([compute_s, -sync_s], dtype=torch.float64, device=transport.device)
-            sent = transport.bytes_sent
-            transport.all_reduce(word, op=dist.ReduceOp.MAX)
-            sent = transport.bytes_sent - sent  # counted with the round's control word
-            self.state.totals["bytes_sent"] += sent
-            if self.last_sync is not None:
-                self.last_sync.bytes_sent += sent
-                self.last_sync.control_bytes += sent
-            compute_s, sync_s = word.tolist()
-            sync_s = -sync_s
+    def _agree(self, compute_s: float, sync_s: float, stats: StepStats | None) -> tuple[float, float]:
+        """Every rank's slowest compute and shortest synchronization: one all-reduced word,
+        counted with the round's control bytes."""
+        if self.state is None:
+            return compute_s, sync_s
+        transport = self.state.transport
+        word = torch.tensor([compute_s, -sync_s], dtype=torch.float64, device=transport.device)
+        sent = transport.bytes_sent
+        transport.all_reduce(word, op=dist.ReduceOp.MAX)
+        sent = transport.bytes_sent - sent
+        self.state.totals["bytes_sent"] += sent
+        if stats is not None:
+            stats.bytes_sent += sent
+            stats.control_bytes += sent
+        compute_s, sync_s = word.tolist()
+        return compute_s, -sync_s
+
+    def _choose(self, compute_s: float, sync_s: float) -> None:
         every = self.tuner.observe(sync_s, compute_s, current=self.every)
         if every != self.every:
             if self.rank == 0:
@@ -198,9 +271,9 @@ class LocalSteps:
         """Taken at a synchronization (the parameters then equal the synchronized ones, which
         the model's own state dict holds): the outer optimizer, the rounds, and the
         compression state (error feedback of the pseudo-gradients)."""
-        if self.inner:
-            raise RuntimeError(f"a LocalSteps checkpoint is taken at a synchronization, not {self.inner} inner "
-                               "steps after one")
+        if self.inner or self._pending is not None:
+            raise RuntimeError(f"a LocalSteps checkpoint is taken at a forced synchronization, not {self.inner} "
+                               f"inner steps after one{' or with a round in flight' if self._pending else ''}")
         return {"rounds": self.rounds, "every": self.every, "outer": self.outer.state_dict(),
                 "compression": self.state.state_dict() if self.state is not None else None,
                 "tuner": self.tuner.state_dict() if self.tuner is not None else None}
@@ -210,8 +283,10 @@ class LocalSteps:
         model: they become the synchronized ones. ``compression``: the compression state to
         load instead of the saved one (re-sharded after a resize), or None for the saved."""
         with torch.no_grad():
-            for anchor, p in zip(self.anchor, self.params):
+            for anchor, base, p in zip(self.anchor, self.base, self.params):
                 anchor.copy_(p.detach().to(torch.float32))
+                if base is not anchor:
+                    base.copy_(anchor)
         self.outer.load_state_dict(state["outer"])
         self.rounds, self.inner, self.bad, self.compute_s = int(state["rounds"]), 0, None, 0.0
         if self.tuner is not None:  # a fixed H is the caller's, which may differ from the saved one
@@ -220,3 +295,35 @@ class LocalSteps:
         saved = compression if compression is not None else state.get("compression")
         if self.state is not None and saved is not None:
             self.state.load_state_dict(saved)
+
+
+def _merged(first: StepStats | None, second: StepStats) -> StepStats:
+    """One synchronization's stats from the round that landed in it and its own."""
+    if first is None:
+        return second
+    return replace(second, bytes_sent=first.bytes_sent + second.bytes_sent,
+                   control_bytes=first.control_bytes + second.control_bytes,
+                   comm_s=first.comm_s + second.comm_s, busy_s=first.busy_s + second.busy_s,
+                   network_s=first.network_s + second.network_s, hops=first.hops + second.hops,
+                   skipped=first.skipped or second.skipped, nonfinite=first.nonfinite or second.nonfinite)
+
+
+class _InFlight:
+    """One call on a thread of its own; :meth:`wait` returns its result or raises its error."""
+
+    def __init__(self, call):
+        self._result, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(call,), name="rayzip-local-sync", daemon=True)
+        self._thread.start()
+
+    def _run(self, call) -> None:
+        try:
+            self._result = call()
+        except BaseException as exc:  # handed to the caller's thread
+            self._error = exc
+
+    def wait(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result

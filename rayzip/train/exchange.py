@@ -422,11 +422,12 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
             # Evaluations and checkpoints force synchronizations: no H above their interval
             # runs, so none is the fastest to compare with.
             due = [training.eval_every, spec.checkpoint.every_steps or local.max_every]
-            tuner = EveryTuner(local.min_every, max(local.min_every, min(local.max_every, *due)), local.slack)
+            tuner = EveryTuner(local.min_every, max(local.min_every, min(local.max_every, *due)), local.slack,
+                               overlap=local.overlap)
         synced = LocalSteps(model.named_parameters(), every=local.every, outer_lr=local.outer_lr,
                             outer_momentum=local.outer_momentum, nesterov=local.nesterov, compression=comp,
                             on_nonfinite=training.on_nonfinite, max_skipped_rounds=training.max_skipped_steps,
-                            tuner=tuner)
+                            tuner=tuner, overlap=local.overlap)
         return LocalStepsExchange(spec, model, rank, world, build_optimizer(training, model.parameters()), synced)
     if comp.collective == "ps":
         # The shards combine gradients: no DDP allreduce underneath.
