@@ -177,7 +177,8 @@ class LocalSteps:
                     else:
                         torch.sub(anchor, delta[offset: offset + n].view_as(anchor), out=base)
                     p.copy_(base)
-            self._pending = _InFlight(lambda: self._exchange(delta, compute_s, agree=self.tuner is not None))
+            self._pending = _InFlight(lambda: self._exchange(delta, compute_s, agree=self.tuner is not None),
+                                      device=delta.device)
             self.last_sync = landed
             self.sync_s = time.perf_counter() - started
             return
@@ -309,16 +310,24 @@ def _merged(first: StepStats | None, second: StepStats) -> StepStats:
 
 
 class _InFlight:
-    """One call on a thread of its own; :meth:`wait` returns its result or raises its error."""
+    """One call on a thread of its own; :meth:`wait` returns its result or raises its error.
+    On CUDA the thread runs on the caller's current stream, so that it reads the tensors the
+    caller queued there only once they are written, and the caller reads its results in order."""
 
-    def __init__(self, call):
+    def __init__(self, call, device: torch.device | None = None):
         self._result, self._error = None, None
-        self._thread = threading.Thread(target=self._run, args=(call,), name="rayzip-local-sync", daemon=True)
+        stream = torch.cuda.current_stream(device) if device is not None and device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._run, args=(call, stream), name="rayzip-local-sync",
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self, call) -> None:
+    def _run(self, call, stream) -> None:
         try:
-            self._result = call()
+            if stream is None:
+                self._result = call()
+            else:
+                with torch.cuda.stream(stream):
+                    self._result = call()
         except BaseException as exc:  # handed to the caller's thread
             self._error = exc
 
