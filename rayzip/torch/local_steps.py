@@ -170,19 +170,19 @@ class LocalSteps:
         self.inner, self.bad, self.compute_s = 0, None, 0.0
         landed = self._land() if self._pending is not None else None
         if self.overlap and self.state is not None and not force:
-            with torch.no_grad():  # before the exchange's thread reads delta
-                for anchor, base, p, (offset, n) in zip(self.anchor, self.base, self.params, self._offsets()):
-                    if own_bad:  # its progress is not finite: the round is dropped on every rank
-                        base.copy_(anchor)
-                    else:
-                        torch.sub(anchor, delta[offset: offset + n].view_as(anchor), out=base)
-                    p.copy_(base)
+            # The next round begins where this one's own progress took the synchronized parameters.
+            for anchor, base, p, (offset, n) in zip(self.anchor, self.base, self.params, self._offsets()):
+                if own_bad:  # its progress is not finite: the round is dropped on every rank
+                    base.copy_(anchor)
+                else:
+                    torch.sub(anchor, delta[offset: offset + n].view_as(anchor), out=base)
+                p.copy_(base)
             self._pending = _InFlight(lambda: self._exchange(delta, compute_s, agree=self.tuner is not None),
                                       device=delta.device)
             self.last_sync = landed
             self.sync_s = time.perf_counter() - started
             return
-        mean, stats, agreed = self._exchange(delta, compute_s, agree=False)
+        mean, stats, _ = self._exchange(delta, compute_s, agree=False)
         self._step_outer(mean, stats)
         for anchor, base, p in zip(self.anchor, self.base, self.params):
             if base is not anchor:
