@@ -158,6 +158,76 @@ def test_large_huffman_streams_round_trip_and_code_the_same_bytes_every_time(n):
             assert np.array_equal(back, data), (kind, order)
 
 
+@pytest.mark.parametrize("n", [(2 << 20) - 1, 2 << 20, (5 << 20) + 3])
+def test_huffman_streams_of_2mb_and_more_are_coded_in_groups_the_same_on_any_threads(n):
+    # A stream of 2 MB or more is cut into groups (one per MB, at most 16) that threads code
+    # and decode apart; the first byte holds the order and the groups less one.
+    groups = min(16, max(1, n >> 20))
+    for kind in (2, 3, 4):
+        data = skewed_bytes(kind, n, kind)
+        for order in (0, 1):
+            stream = transforms.kernels.huffman_encode(data, order)
+            assert stream[0] == order | (groups - 1) << 1
+            for threads in (2, 3, 8):
+                assert transforms.kernels.huffman_encode(data, order, None, threads) == stream
+                back = np.zeros_like(data)
+                transforms.kernels.huffman_decode(stream, back, threads)
+                assert np.array_equal(back, data), (kind, order, threads)
+
+
+# Huffman streams as format 3 wrote them, before groups: 3 MB + 7 bytes of a repeating
+# exponent pattern, coded by that version's kernel (order 0, then order 1), then zstd'd.
+FORMAT3_HUFFMAN = {0: "KLUv/aDVQAsARAEAwAABADASAwnQArGuWFesK9YV64p1xbpiXQQAPf8y8/oOdwRLzibgBrQAABABAAQAU6K7QzuTnzk0wLnoChV9BgGUAAAQBgADADpf0afeAOfiLajkMwhEAAAAAQD9//ILBLQAABAdAAQAgUFXh9amc5tIA5yLwLDsMwhdAAAIAAIAOEKSgSSfQA==",
+                   1: "KLUv/aDVAgkAjAEAqAEBAIAHABEAAQAiECIAAAlAAh7qoQkASf26fOyOgRcFG1LaBJPeDVK8QYoRoIMDQ5QAABAGAAMAQ70KQGIGOBddBXcXBEQAAAABAP2//QIBpAAAOB7qAQCoh3oDADf9bx6vS7UqAAREAAAAAQD9X94BAYwAABAA6wMAMP0WgKAs73vAKhAEXQAACAACAC8hyYL9AgE="}
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_huffman_streams_written_before_groups_still_decode(order):
+    import base64
+
+    import zstandard
+
+    stream = zstandard.ZstdDecompressor().decompress(base64.b64decode(FORMAT3_HUFFMAN[order]))
+    n = (3 << 20) + 7
+    data = np.tile(np.array([120, 121, 121, 119, 120, 122, 121, 120], np.uint8), n // 8 + 1)[:n]
+    assert stream[0] == order  # one group of four segments
+    for threads in (1, 2):
+        back = np.zeros_like(data)
+        transforms.kernels.huffman_decode(stream, back, threads)
+        assert np.array_equal(back, data)
+    regrouped = transforms.kernels.huffman_encode(data, order)
+    assert regrouped[0] == order | 2 << 1 and regrouped != stream
+
+
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_byte_planes_on_threads_are_the_planes_of_one_thread(width):
+    rng = np.random.default_rng(width)
+    dtype = transforms.WORD_DTYPES[width]
+    words = rng.integers(0, 1 << (8 * width - 1), (2 << 20) + 5, dtype=np.uint64).astype(dtype)  # two ranges
+    base = rng.integers(0, 1 << (8 * width - 1), words.size, dtype=np.uint64).astype(dtype)
+    for prior in (None, base):
+        for rotate in (0, 1):
+            one = transforms.byte_planes(words, np, base=prior, rotate=rotate, threads=1).copy()
+            many = transforms.byte_planes(words, np, base=prior, rotate=rotate, threads=3)
+            assert np.array_equal(one, many)
+            back = transforms.from_byte_planes(list(many), dtype, np, base=prior, rotate=rotate, threads=3)
+            assert np.array_equal(back, words)
+
+
+def test_a_large_tensor_is_the_same_bytes_on_any_threads_and_restores_on_any(tmp_path):
+    # 2.25 M floats: an exponent plane of 2.25 MB, Huffman-coded in two groups.
+    state = {"model": {"w": torch.randn(1500, 1500, generator=torch.Generator().manual_seed(0))}}
+    one, blobs_one = checkpoint.encode(state, threads=1)
+    two, blobs_two = checkpoint.encode(state, threads=2)
+    assert b"".join(blobs_one) == b"".join(blobs_two) and one["version"] == 4
+    streams = one["tensors"]["/model/w"]["streams"]
+    assert any(s["coding"] == "huffman" and s["nbytes"] >= 2 << 20 for s in streams)
+    for threads in (1, 2, 3):
+        assert_bit_exact(checkpoint.decode(one, blobs_one, threads=threads)["model"]["w"], state["model"]["w"])
+    checkpoint.save(tmp_path / "c", state, threads=2)
+    assert_bit_exact(checkpoint.load(tmp_path / "c", threads=1)["model"]["w"], state["model"]["w"])
+
+
 def test_huffman_into_a_buffer_writes_the_same_stream_and_refuses_one_too_small():
     for kind in range(5):
         data = skewed_bytes(kind, 300_000, kind)
@@ -210,20 +280,21 @@ def test_join_planes_refuses_planes_that_do_not_match_the_words():
         transforms.kernels.join_planes([np.zeros(10, np.uint8)] * 4, words, 4, 0, np.zeros(3, np.uint32))
 
 
-def test_a_damaged_huffman_stream_is_an_error_or_other_bytes_never_a_crash():
-    data = skewed_bytes(3, 50_000, 1)
+@pytest.mark.parametrize("n, trials, threads", [(50_000, 300, 1), ((5 << 19) + 1, 60, 2)])
+def test_a_damaged_huffman_stream_is_an_error_or_other_bytes_never_a_crash(n, trials, threads):
+    data = skewed_bytes(3, n, 1)
     stream = transforms.kernels.huffman_encode(data, 1)
     rng = np.random.default_rng(0)
     out = np.empty_like(data)
     errors = 0
-    for trial in range(300):
+    for trial in range(trials):
         damaged = bytearray(stream)
         for at in rng.integers(0, len(damaged), 1 + trial % 5):
             damaged[at] ^= int(rng.integers(1, 256))
         if trial % 3 == 0:
             damaged = damaged[: int(rng.integers(0, len(damaged)))]
         try:
-            transforms.kernels.huffman_decode(bytes(damaged), out)
+            transforms.kernels.huffman_decode(bytes(damaged), out, threads)
         except ValueError:
             errors += 1
     assert errors > 0  # the stored checksums catch the rest before decoding

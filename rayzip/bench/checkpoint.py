@@ -32,7 +32,6 @@ steps ran while a background write was in flight.
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
 import tempfile
@@ -259,7 +258,7 @@ class _Rayzip(_Runner):
             shutil.rmtree(self.target)
         self._time("save", lambda: checkpoint.save(self.target, self.state, base=self.base, threads=self.threads))
         self._time("load", lambda: checkpoint.load(self.target, threads=self.threads))
-        self.stored = manifest["data_bytes"] + len(json.dumps(manifest))
+        self.stored = manifest["data_bytes"] + len(checkpoint.store.manifest_bytes(manifest))
 
 
 class _Baseline(_Runner):

@@ -18,6 +18,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 
 #define MAX_BITS 11
 #define HEADER 128
@@ -164,16 +165,23 @@ static PyObject *py_stream_stats(PyObject *self, PyObject *args) {
     return Py_BuildValue("ddii", order0, order1, contexts, distinct);
 }
 
-/* Stream: order byte (0 or 1), a 32-byte bitmap of the contexts that have a code, 128 bytes
- * of code lengths per such context, the byte lengths of the SEGMENTS bit streams (uint32
- * little-endian each), then those streams. Order 0 has the one context 0; order 1 codes each
- * byte with the code of the byte before it, which captures the runs of similar exponents
- * that neighbouring optimizer-state values have.
+/* Stream: a first byte holding the order (bit 0: 0 or 1) and the number of groups less one
+ * (bits 1-7), a 32-byte bitmap of the contexts that have a code, 128 bytes of code lengths
+ * per such context, the byte lengths of the 4 x groups bit streams (uint32 little-endian
+ * each), then those streams. Order 0 has the one context 0; order 1 codes each byte with
+ * the code of the byte before it, which captures the runs of similar exponents that
+ * neighbouring optimizer-state values have.
  *
- * The input is cut into SEGMENTS equal parts, each its own bit stream starting in context
- * 0: the encoder and the decoder then advance four independent chains of shifts and table
- * lookups at once instead of one. */
+ * The input is cut into SEGMENTS x groups equal parts, each its own bit stream starting in
+ * context 0. Within a group, the encoder and the decoder advance four independent chains of
+ * shifts and table lookups at once instead of one; the groups share the code table and are
+ * coded by as many threads as the caller allows. The number of groups depends only on the
+ * stream's length (one up to 2 MB: the first byte of such a stream is the order, as before
+ * groups existed), so the coded bytes do not depend on the threads. */
 #define SEGMENTS 4
+#define GROUP_BYTES ((Py_ssize_t)1 << 20)
+#define MAX_GROUPS 16      /* groups an encoder makes; a decoder takes up to 128 */
+#define MAX_SEGMENTS (SEGMENTS * 128)
 
 typedef struct { uint8_t *o; uint64_t acc; int bits; unsigned prev; } BitWriter;
 
@@ -189,16 +197,57 @@ static inline void flush_bits(BitWriter *w) {  /* whole bytes out; < 8 bits stay
     w->bits &= 7;
 }
 
-static void segment_bounds(Py_ssize_t n, Py_ssize_t start[SEGMENTS + 1]) {
-    Py_ssize_t part = (n + SEGMENTS - 1) / SEGMENTS;
-    for (int k = 0; k <= SEGMENTS; k++) start[k] = k * part < n ? k * part : n;
+static int group_count(Py_ssize_t n) {
+    Py_ssize_t groups = n / GROUP_BYTES;
+    return groups < 1 ? 1 : groups > MAX_GROUPS ? MAX_GROUPS : (int)groups;
+}
+
+static void segment_bounds(Py_ssize_t n, int groups, Py_ssize_t *start) {  /* start[SEGMENTS * groups + 1] */
+    const int segments = SEGMENTS * groups;
+    Py_ssize_t part = (n + segments - 1) / segments;
+    for (int k = 0; k <= segments; k++) start[k] = k * part < n ? k * part : n;
+}
+
+/* fn(ctx, g) for every group g, on up to `threads` threads (this one among them). The
+ * kernels run without the GIL; a thread that cannot be started is replaced by this one. */
+typedef struct { void (*fn)(void *, int); void *ctx; int first, step, groups; } GroupWorker;
+
+static void *run_groups(void *arg) {
+    GroupWorker *w = arg;
+    for (int g = w->first; g < w->groups; g += w->step) w->fn(w->ctx, g);
+    return NULL;
+}
+
+static inline __attribute__((always_inline)) void for_each_group(void (*fn)(void *, int), void *ctx, int groups,
+                                                                 int threads) {
+    if (threads > groups) threads = groups;
+    if (threads <= 1) {  /* inlined where fn is known: the one-thread path is a plain loop */
+        for (int g = 0; g < groups; g++) fn(ctx, g);
+        return;
+    }
+    if (threads > MAX_GROUPS) threads = MAX_GROUPS;
+    if (threads < 1) threads = 1;
+    GroupWorker workers[MAX_GROUPS];
+    pthread_t ids[MAX_GROUPS];
+    int started[MAX_GROUPS] = {0};
+    for (int t = 0; t < threads; t++) { workers[t].fn = fn; workers[t].ctx = ctx; workers[t].first = t;
+                                        workers[t].step = threads; workers[t].groups = groups; }
+    for (int t = 1; t < threads; t++) started[t] = pthread_create(&ids[t], NULL, run_groups, &workers[t]) == 0;
+    run_groups(&workers[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else run_groups(&workers[t]);
+    }
 }
 
 /* Each segment's counts, cells[k * ncells + (context << 8 | byte)], the context being the
  * byte before under order 1 (0 before a segment's first byte) and always 0 under order 0.
  * The segments are counted interleaved, so that a run of one value is four independent
- * chains of increments, not one. Counts are 32-bit: a segment is < 2**32 bytes. */
-static inline void count_segments(const uint8_t *in, const Py_ssize_t start[SEGMENTS + 1], int order, uint32_t *cells) {
+ * chains of increments, not one. Counts are 32-bit: a segment is < 2**32 bytes. `restrict`
+ * tells the compiler that the counts' stores never change the input: without it every byte
+ * load waits for the increment before it (counting took a third longer on real exponents). */
+static inline __attribute__((always_inline)) void count_segments(const uint8_t *restrict in, const Py_ssize_t start[SEGMENTS + 1], int order,
+                                                                    uint32_t *restrict cells) {
     const Py_ssize_t ncells = order ? 65536 : 256, common = start[SEGMENTS] - start[SEGMENTS - 1];
     const unsigned context_mask = order ? 0xFFu : 0u;
     const uint8_t *s0 = in + start[0], *s1 = in + start[1], *s2 = in + start[2], *s3 = in + start[3];
@@ -227,96 +276,37 @@ static inline void count_segments(const uint8_t *in, const Py_ssize_t start[SEGM
 #define PAD 8
 #define PAIRS_FROM (1 << 18)
 
-/* huffman_encode(src, order[, dst]): the coded stream as bytes; with dst (a writable buffer),
- * written at its start instead, returning its length, or -1 where it does not fit. */
-static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
-    Py_buffer src, dst = {0};
-    int order;
-    PyObject *dst_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "y*i|O", &src, &order, &dst_obj)) return NULL;
-    if (dst_obj != Py_None && PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    const int into = dst_obj != Py_None;
-#define RELEASE_IO() { PyBuffer_Release(&src); if (into) PyBuffer_Release(&dst); }
-    if (order != 0 && order != 1) {
-        RELEASE_IO()
-        PyErr_SetString(PyExc_ValueError, "order must be 0 or 1");
-        return NULL;
-    }
-    const uint8_t *in = src.buf;
-    Py_ssize_t n = src.len, start[SEGMENTS + 1];
-    if ((uint64_t)n >= ((uint64_t)SEGMENTS << 32)) {  /* per-segment counts are 32-bit */
-        RELEASE_IO()
-        PyErr_SetString(PyExc_ValueError, "huffman_encode: stream too large (split it)");
-        return NULL;
-    }
-    segment_bounds(n, start);
-    const Py_ssize_t ncells = order ? 65536 : 256;
-    uint32_t *cells = calloc((size_t)SEGMENTS * ncells, sizeof(uint32_t));
-    uint32_t *entry = malloc(ncells * sizeof(uint32_t));  /* code | length << 16, per context */
-    uint8_t *lengths = malloc(ncells);
-    /* Large order-0 streams are coded a pair of bytes at a time (without the table, one at a time). */
-    uint32_t *pairs = order == 0 && n >= PAIRS_FROM ? malloc(65536 * sizeof(uint32_t)) : NULL;
-    if (!cells || !entry || !lengths) {
-        free(cells); free(entry); free(lengths); free(pairs); RELEASE_IO()
-        return PyErr_NoMemory();
-    }
-    int contexts = 0;
-    uint8_t bitmap[32] = {0};
-    uint64_t segment_bits[SEGMENTS] = {0};
-    Py_BEGIN_ALLOW_THREADS
-    if (order) count_segments(in, start, 1, cells); else count_segments(in, start, 0, cells);  /* constant order */
-    for (Py_ssize_t c = 0; c < ncells / 256; c++) {
-        uint64_t row[256], total = 0;
-        for (int s = 0; s < 256; s++) {
-            row[s] = 0;
-            for (int k = 0; k < SEGMENTS; k++) row[s] += cells[k * ncells + 256 * c + s];
-            total += row[s];
-        }
-        uint16_t codes[256] = {0};
-        memset(lengths + 256 * c, 0, 256);
-        if (total) {
-            code_lengths(row, lengths + 256 * c);
-            canonical_codes(lengths + 256 * c, codes);
-            bitmap[c >> 3] |= (uint8_t)(1u << (c & 7));
-            contexts++;
-        }
-        for (int s = 0; s < 256; s++) entry[256 * c + s] = codes[s] | ((uint32_t)lengths[256 * c + s] << 16);
-    }
-    for (int k = 0; k < SEGMENTS; k++)
-        for (Py_ssize_t c = 0; c < ncells; c++) segment_bits[k] += (uint64_t)cells[k * ncells + c] * lengths[c];
-    Py_END_ALLOW_THREADS
-    free(cells);
-    Py_ssize_t header = 1 + 32 + (Py_ssize_t)HEADER * contexts + 4 * SEGMENTS, total = header, offset[SEGMENTS];
-    uint32_t stored[SEGMENTS];
-    for (int k = 0; k < SEGMENTS; k++) {
-        stored[k] = (uint32_t)((segment_bits[k] + 7) / 8 + PAD);
-        offset[k] = total;
-        total += stored[k];
-    }
-    if (into && total > dst.len) {
-        free(entry); free(lengths); free(pairs); RELEASE_IO()
-        return PyLong_FromSsize_t(-1);
-    }
-    PyObject *result = into ? NULL : PyBytes_FromStringAndSize(NULL, total);
-    if (!into && !result) {
-        free(entry); free(lengths); free(pairs); RELEASE_IO()
-        return NULL;
-    }
-    uint8_t *out = into ? (uint8_t *)dst.buf : (uint8_t *)PyBytes_AS_STRING(result), *o = out;
-    *o++ = (uint8_t)order;
-    memcpy(o, bitmap, 32); o += 32;
-    for (int c = 0; c < 256; c++) {
-        if (!(bitmap[c >> 3] >> (c & 7) & 1)) continue;
-        for (int k = 0; k < HEADER; k++) *o++ = (uint8_t)(lengths[256 * c + 2 * k] | (lengths[256 * c + 2 * k + 1] << 4));
-    }
-    for (int k = 0; k < SEGMENTS; k++) { memcpy(o, &stored[k], 4); o += 4; }
+typedef struct {
+    const uint8_t *in;
+    const Py_ssize_t *start, *offset;
+    const uint32_t *stored, *entry, *pairs;
+    uint32_t *cells;
+    uint8_t *out;
+    int order, mismatch[MAX_GROUPS];
+    Py_ssize_t ncells;
+} Encoding;
+
+/* One function per order, so that each gets its own loop with the context a constant (one
+ * function branching on the order had its two inlined loops merged into a slower one). */
+static void count_group0(void *arg, int g) {
+    Encoding *c = arg;
+    count_segments(c->in, c->start + SEGMENTS * g, 0, c->cells + (size_t)g * SEGMENTS * c->ncells);
+}
+
+static void count_group1(void *arg, int g) {
+    Encoding *c = arg;
+    count_segments(c->in, c->start + SEGMENTS * g, 1, c->cells + (size_t)g * SEGMENTS * c->ncells);
+}
+
+static void write_group(void *arg, int g) {
+    Encoding *c = arg;
+    const uint8_t *in = c->in;
+    const Py_ssize_t *start = c->start + SEGMENTS * g, *offset = c->offset + SEGMENTS * g;
+    const uint32_t *stored = c->stored + SEGMENTS * g, *entry = c->entry, *pairs = c->pairs;
+    uint8_t *out = c->out;
+    const unsigned context_mask = c->order ? 0xFFu : 0u;
     BitWriter w[SEGMENTS];
     int mismatch = 0;
-    Py_BEGIN_ALLOW_THREADS
-    const unsigned context_mask = order ? 0xFFu : 0u;
     for (int k = 0; k < SEGMENTS; k++) { w[k].o = out + offset[k]; w[k].acc = 0; w[k].bits = 0; w[k].prev = 0; }
     /* All four segments have at least `common` bytes; four codes (<= 44 bits) per flush.
      * The writers' state lives in locals: the byte stores could alias a struct's fields. */
@@ -343,15 +333,8 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
         }                                                                                          \
         W_SAVE(0) W_SAVE(1) W_SAVE(2) W_SAVE(3)                                                    \
     }
-    if (pairs) {
-        /* Two order-0 codes per lookup: the entry for the little-endian pair (a, b) is a's code
-         * then b's (<= 22 bits), in a 256 KB table that costs ~65536 steps to fill. */
-        for (unsigned v = 0; v < 65536; v++) {
-            uint32_t a = entry[v & 0xFF], b = entry[v >> 8], la = a >> 16;
-            pairs[v] = (((a & 0xFFFF) | ((b & 0xFFFF) << la)) & 0x3FFFFF) | ((la + (b >> 16)) << 22);
-        }
-        W_LOOP(W_PAIRS)
-    } else if (order) W_LOOP(W_CODES(W_PUT)) else W_LOOP(W_CODES(W_PUT0))  /* order 0: four fewer live registers */
+    if (pairs) W_LOOP(W_PAIRS)
+    else if (c->order) W_LOOP(W_CODES(W_PUT)) else W_LOOP(W_CODES(W_PUT0))  /* order 0: four fewer live registers */
 #undef W_PUT2
 #undef W_CODES
 #undef W_PAIRS
@@ -371,6 +354,121 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
         mismatch |= w[k].o != out + offset[k] + stored[k] - PAD;
         memset(out + offset[k] + stored[k] - PAD, 0, PAD);
     }
+    c->mismatch[g] = mismatch;
+}
+
+/* huffman_encode(src, order[, dst[, threads]]): the coded stream as bytes; with dst (a
+ * writable buffer, or None), written at its start instead, returning its length, or -1
+ * where it does not fit. A stream of 2 MB or more is coded by up to `threads` threads
+ * (default 1); the bytes are the same for any number. */
+static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
+    Py_buffer src, dst = {0};
+    int order, threads = 1;
+    PyObject *dst_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "y*i|Oi", &src, &order, &dst_obj, &threads)) return NULL;
+    if (dst_obj != Py_None && PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    const int into = dst_obj != Py_None;
+#define RELEASE_IO() { PyBuffer_Release(&src); if (into) PyBuffer_Release(&dst); }
+    if (order != 0 && order != 1) {
+        RELEASE_IO()
+        PyErr_SetString(PyExc_ValueError, "order must be 0 or 1");
+        return NULL;
+    }
+    const uint8_t *in = src.buf;
+    const Py_ssize_t n = src.len;
+    const int groups = group_count(n), segments = SEGMENTS * groups;
+    Py_ssize_t start[SEGMENTS * MAX_GROUPS + 1];
+    if ((uint64_t)n >= ((uint64_t)segments << 32)) {  /* per-segment counts are 32-bit */
+        RELEASE_IO()
+        PyErr_SetString(PyExc_ValueError, "huffman_encode: stream too large (split it)");
+        return NULL;
+    }
+    segment_bounds(n, groups, start);
+    const Py_ssize_t ncells = order ? 65536 : 256;
+    uint32_t *cells = calloc((size_t)segments * ncells, sizeof(uint32_t));
+    uint32_t *entry = malloc(ncells * sizeof(uint32_t));  /* code | length << 16, per context */
+    uint8_t *lengths = malloc(ncells);
+    /* Large order-0 streams are coded a pair of bytes at a time (without the table, one at a time). */
+    uint32_t *pairs = order == 0 && n >= PAIRS_FROM ? malloc(65536 * sizeof(uint32_t)) : NULL;
+    if (!cells || !entry || !lengths || (order == 0 && n >= PAIRS_FROM && !pairs)) {
+        free(cells); free(entry); free(lengths); free(pairs); RELEASE_IO()
+        return PyErr_NoMemory();
+    }
+    int contexts = 0;
+    uint8_t bitmap[32] = {0};
+    uint64_t segment_bits[SEGMENTS * MAX_GROUPS] = {0};
+    Encoding coding = {.in = in, .start = start, .cells = cells, .entry = entry, .pairs = pairs,
+                       .order = order, .ncells = ncells};
+    Py_BEGIN_ALLOW_THREADS
+    if (order) for_each_group(count_group1, &coding, groups, threads);
+    else for_each_group(count_group0, &coding, groups, threads);
+    for (Py_ssize_t c = 0; c < ncells / 256; c++) {
+        uint64_t row[256] = {0}, total = 0;
+        for (int k = 0; k < segments; k++) {  /* a segment's row at a time: contiguous, vectorised */
+            const uint32_t *counts = cells + (size_t)k * ncells + 256 * c;
+            for (int s = 0; s < 256; s++) row[s] += counts[s];
+        }
+        for (int s = 0; s < 256; s++) total += row[s];
+        uint16_t codes[256] = {0};
+        memset(lengths + 256 * c, 0, 256);
+        if (total) {
+            code_lengths(row, lengths + 256 * c);
+            canonical_codes(lengths + 256 * c, codes);
+            bitmap[c >> 3] |= (uint8_t)(1u << (c & 7));
+            contexts++;
+        }
+        for (int s = 0; s < 256; s++) entry[256 * c + s] = codes[s] | ((uint32_t)lengths[256 * c + s] << 16);
+    }
+    for (int k = 0; k < segments; k++)  /* over the contexts that have a code only: order 1 has few */
+        for (Py_ssize_t c = 0; c < ncells / 256; c++) {
+            if (!(bitmap[c >> 3] >> (c & 7) & 1)) continue;
+            const uint32_t *counts = cells + (size_t)k * ncells + 256 * c;
+            const uint8_t *length = lengths + 256 * c;
+            for (int s = 0; s < 256; s++) segment_bits[k] += (uint64_t)counts[s] * length[s];
+        }
+    Py_END_ALLOW_THREADS
+    free(cells);
+    Py_ssize_t header = 1 + 32 + (Py_ssize_t)HEADER * contexts + 4 * segments, total = header;
+    Py_ssize_t offset[SEGMENTS * MAX_GROUPS];
+    uint32_t stored[SEGMENTS * MAX_GROUPS];
+    for (int k = 0; k < segments; k++) {
+        stored[k] = (uint32_t)((segment_bits[k] + 7) / 8 + PAD);
+        offset[k] = total;
+        total += stored[k];
+    }
+    if (into && total > dst.len) {
+        free(entry); free(lengths); free(pairs); RELEASE_IO()
+        return PyLong_FromSsize_t(-1);
+    }
+    PyObject *result = into ? NULL : PyBytes_FromStringAndSize(NULL, total);
+    if (!into && !result) {
+        free(entry); free(lengths); free(pairs); RELEASE_IO()
+        return NULL;
+    }
+    uint8_t *out = into ? (uint8_t *)dst.buf : (uint8_t *)PyBytes_AS_STRING(result), *o = out;
+    *o++ = (uint8_t)(order | (groups - 1) << 1);
+    memcpy(o, bitmap, 32); o += 32;
+    for (int c = 0; c < 256; c++) {
+        if (!(bitmap[c >> 3] >> (c & 7) & 1)) continue;
+        for (int k = 0; k < HEADER; k++) *o++ = (uint8_t)(lengths[256 * c + 2 * k] | (lengths[256 * c + 2 * k + 1] << 4));
+    }
+    for (int k = 0; k < segments; k++) { memcpy(o, &stored[k], 4); o += 4; }
+    coding.out = out; coding.offset = offset; coding.stored = stored;
+    int mismatch = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (pairs) {
+        /* Two order-0 codes per lookup: the entry for the little-endian pair (a, b) is a's code
+         * then b's (<= 22 bits), in a 256 KB table that costs ~65536 steps to fill. */
+        for (unsigned v = 0; v < 65536; v++) {
+            uint32_t a = entry[v & 0xFF], b = entry[v >> 8], la = a >> 16;
+            pairs[v] = (((a & 0xFFFF) | ((b & 0xFFFF) << la)) & 0x3FFFFF) | ((la + (b >> 16)) << 22);
+        }
+    }
+    for_each_group(write_group, &coding, groups, threads);
+    for (int g = 0; g < groups; g++) mismatch |= coding.mismatch[g];
     Py_END_ALLOW_THREADS
     free(entry); free(lengths); free(pairs);
     RELEASE_IO()
@@ -385,24 +483,89 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
 
 typedef struct { const uint8_t *p, *end; uint64_t acc; int bits; unsigned prev; } BitReader;
 
+typedef struct {
+    const uint16_t *tables;
+    const int *slot_of;
+    const Py_ssize_t *start;
+    BitReader *r;
+    uint8_t *out;
+    unsigned context_mask;
+    const char *error[128];
+} Decoding;
+
+static void decode_group(void *arg, int g) {
+    Decoding *c = arg;
+    const uint16_t *restrict tables = c->tables;  /* the output's byte stores do not reach the tables */
+    const int *restrict slot_of = c->slot_of;
+    const Py_ssize_t *start = c->start + SEGMENTS * g;
+    BitReader *r = c->r + SEGMENTS * g;
+    uint8_t *restrict out = c->out;
+    const unsigned context_mask = c->context_mask;
+    const uint32_t mask = (1u << MAX_BITS) - 1;
+    const char *error = NULL;
+    int invalid = 0;
+    /* Fast path: each segment refills 8 bytes at once (>= 56 bits), then decodes five
+     * codes of <= 11 bits; the four segments' chains interleave. An invalid entry has
+     * length 0, checked once per batch. */
+    Py_ssize_t common = start[SEGMENTS] - start[SEGMENTS - 1], j = 0;
+#define R_DECL(k) const uint8_t *p##k = r[k].p, *end##k = r[k].end; uint64_t acc##k = 0; int bits##k = 0; \
+                  unsigned prev##k = 0; uint8_t *out##k = out + start[k];
+#define R_REFILL(k) { acc##k |= load64(p##k) << bits##k; p##k += (63 - bits##k) >> 3; bits##k |= 56; }
+#define R_GET(k, t) { uint16_t e = tables[((size_t)slot_of[prev##k & context_mask] << MAX_BITS) | (acc##k & mask)]; \
+                      int len = e >> 8; invalid |= !len; prev##k = out##k[j + t] = (uint8_t)e; \
+                      acc##k >>= len; bits##k -= len; }
+#define R_SAVE(k) { r[k].p = p##k; r[k].acc = acc##k; r[k].bits = bits##k; r[k].prev = prev##k; }
+    {
+        R_DECL(0) R_DECL(1) R_DECL(2) R_DECL(3)
+        while (j + 5 <= common && !invalid && end0 - p0 >= 8 && end1 - p1 >= 8 && end2 - p2 >= 8
+               && end3 - p3 >= 8) {
+            R_REFILL(0) R_REFILL(1) R_REFILL(2) R_REFILL(3)
+            for (int t = 0; t < 5; t++) { R_GET(0, t) R_GET(1, t) R_GET(2, t) R_GET(3, t) }
+            j += 5;
+        }
+        R_SAVE(0) R_SAVE(1) R_SAVE(2) R_SAVE(3)
+    }
+#undef R_DECL
+#undef R_REFILL
+#undef R_GET
+#undef R_SAVE
+    if (invalid) error = "huffman stream holds an invalid code";
+    for (int k = 0; k < SEGMENTS && !error; k++) {
+        for (Py_ssize_t i = start[k] + j; i < start[k + 1] && !error; ) {
+            while (r[k].bits <= 56 && r[k].p < r[k].end) { r[k].acc |= (uint64_t)*r[k].p++ << r[k].bits; r[k].bits += 8; }
+            uint16_t e = tables[((size_t)slot_of[r[k].prev & context_mask] << MAX_BITS) | (r[k].acc & mask)];
+            int len = e >> 8;
+            if (!len) error = "huffman stream holds an invalid code";
+            else if (len > r[k].bits) error = "huffman stream ends early";
+            else { r[k].prev = out[i++] = (uint8_t)e; r[k].acc >>= len; r[k].bits -= len; }
+        }
+    }
+    c->error[g] = error;
+}
+
+/* huffman_decode(stream, dst[, threads]): fills dst, its groups on up to `threads` threads
+ * (default 1); ValueError if the stream is invalid. */
 static PyObject *py_huffman_decode(PyObject *self, PyObject *args) {
     Py_buffer src, dst;
-    if (!PyArg_ParseTuple(args, "y*w*", &src, &dst)) return NULL;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "y*w*|i", &src, &dst, &threads)) return NULL;
     const char *error = NULL;
     const uint8_t *in = src.buf, *end = in + src.len, *p = in + 33;
     uint8_t *out = dst.buf;
-    Py_ssize_t n = dst.len, start[SEGMENTS + 1];
-    segment_bounds(n, start);
-    int order = src.len >= 33 ? in[0] : -1, contexts = 0, slot_of[256];
+    Py_ssize_t n = dst.len, start[MAX_SEGMENTS + 1];
+    const int order = src.len >= 33 ? in[0] & 1 : -1, groups = src.len >= 33 ? (in[0] >> 1) + 1 : 1;
+    const int segments = SEGMENTS * groups;
+    segment_bounds(n, groups, start);
+    int contexts = 0, slot_of[256];
     uint16_t *tables = NULL;
-    BitReader r[SEGMENTS];
-    if (order != 0 && order != 1) error = "huffman stream has a bad header";
+    BitReader r[MAX_SEGMENTS];
+    if (order < 0) error = "huffman stream has a bad header";
     if (!error) {
         for (int c = 0; c < 256; c++) {
             /* Contexts without a code share table 0, all length 0: any code there is invalid. */
             slot_of[c] = (in[1 + (c >> 3)] >> (c & 7) & 1) ? ++contexts : 0;
         }
-        if (!contexts || end - p < (Py_ssize_t)HEADER * contexts + 4 * SEGMENTS) error = "huffman stream shorter than its header";
+        if (!contexts || end - p < (Py_ssize_t)HEADER * contexts + 4 * segments) error = "huffman stream shorter than its header";
         else if (!order && (contexts != 1 || slot_of[0] != 1)) error = "huffman stream has a bad header";
         else if (!(tables = calloc((size_t)(contexts + 1) << MAX_BITS, sizeof(uint16_t)))) {
             PyBuffer_Release(&src); PyBuffer_Release(&dst);
@@ -410,8 +573,8 @@ static PyObject *py_huffman_decode(PyObject *self, PyObject *args) {
         }
     }
     if (!error) {
-        const uint8_t *segment = p + (Py_ssize_t)HEADER * contexts + 4 * SEGMENTS;
-        for (int k = 0; k < SEGMENTS; k++) {
+        const uint8_t *segment = p + (Py_ssize_t)HEADER * contexts + 4 * segments;
+        for (int k = 0; k < segments; k++) {
             uint32_t size;
             memcpy(&size, p + (Py_ssize_t)HEADER * contexts + 4 * k, 4);
             if (size > (uint64_t)(end - segment)) { error = "huffman stream shorter than its segments"; break; }
@@ -435,44 +598,11 @@ static PyObject *py_huffman_decode(PyObject *self, PyObject *args) {
                     table[codes[s] | (hi << len)] = (uint16_t)(s | (len << 8));
             }
         }
-        const unsigned context_mask = order ? 0xFFu : 0u;
-        const uint32_t mask = (1u << MAX_BITS) - 1;
-        int invalid = 0;
-        /* Fast path: each segment refills 8 bytes at once (>= 56 bits), then decodes five
-         * codes of <= 11 bits; the four segments' chains interleave. An invalid entry has
-         * length 0, checked once per batch. */
-        Py_ssize_t common = start[SEGMENTS] - start[SEGMENTS - 1], j = 0;
-#define R_DECL(k) const uint8_t *p##k = r[k].p, *end##k = r[k].end; uint64_t acc##k = 0; int bits##k = 0; \
-                  unsigned prev##k = 0; uint8_t *out##k = out + start[k];
-#define R_REFILL(k) { acc##k |= load64(p##k) << bits##k; p##k += (63 - bits##k) >> 3; bits##k |= 56; }
-#define R_GET(k, t) { uint16_t e = tables[((size_t)slot_of[prev##k & context_mask] << MAX_BITS) | (acc##k & mask)]; \
-                      int len = e >> 8; invalid |= !len; prev##k = out##k[j + t] = (uint8_t)e; \
-                      acc##k >>= len; bits##k -= len; }
-#define R_SAVE(k) { r[k].p = p##k; r[k].acc = acc##k; r[k].bits = bits##k; r[k].prev = prev##k; }
-        {
-            R_DECL(0) R_DECL(1) R_DECL(2) R_DECL(3)
-            while (j + 5 <= common && !invalid && end0 - p0 >= 8 && end1 - p1 >= 8 && end2 - p2 >= 8
-                   && end3 - p3 >= 8) {
-                R_REFILL(0) R_REFILL(1) R_REFILL(2) R_REFILL(3)
-                for (int t = 0; t < 5; t++) { R_GET(0, t) R_GET(1, t) R_GET(2, t) R_GET(3, t) }
-                j += 5;
-            }
-            R_SAVE(0) R_SAVE(1) R_SAVE(2) R_SAVE(3)
-        }
-#undef R_DECL
-#undef R_REFILL
-#undef R_GET
-#undef R_SAVE
-        if (invalid) error = "huffman stream holds an invalid code";
-        for (int k = 0; k < SEGMENTS && !error; k++) {
-            for (Py_ssize_t i = start[k] + j; i < start[k + 1] && !error; ) {
-                while (r[k].bits <= 56 && r[k].p < r[k].end) { r[k].acc |= (uint64_t)*r[k].p++ << r[k].bits; r[k].bits += 8; }
-                uint16_t e = tables[((size_t)slot_of[r[k].prev & context_mask] << MAX_BITS) | (r[k].acc & mask)];
-                int len = e >> 8;
-                if (!len) error = "huffman stream holds an invalid code";
-                else if (len > r[k].bits) error = "huffman stream ends early";
-                else { r[k].prev = out[i++] = (uint8_t)e; r[k].acc >>= len; r[k].bits -= len; }
-            }
+        if (!error) {
+            Decoding decoding = {.tables = tables, .slot_of = slot_of, .start = start, .r = r, .out = out,
+                                 .context_mask = order ? 0xFFu : 0u};
+            for_each_group(decode_group, &decoding, groups, threads);
+            for (int g = 0; g < groups && !error; g++) error = decoding.error[g];
         }
         Py_END_ALLOW_THREADS
     }
@@ -491,24 +621,24 @@ static PyObject *py_huffman_decode(PyObject *self, PyObject *args) {
 
 #define DEFINE_PLANES(T, W)                                                                       \
     static void split_##W(const T *restrict in, const T *restrict base, uint8_t *restrict out,     \
-                          Py_ssize_t n, int r) {                                                  \
+                          Py_ssize_t n, Py_ssize_t lo, Py_ssize_t hi, int r) {                    \
         if (base) {                                                                               \
-            for (Py_ssize_t i = 0; i < n; i++) {                                                  \
+            for (Py_ssize_t i = lo; i < hi; i++) {                                                \
                 T v = ROTL(T, (T)(in[i] ^ base[i]), r);                                           \
                 for (int j = 0; j < W; j++) out[j * n + i] = (uint8_t)(v >> (8 * j));            \
             }                                                                                     \
         } else {                                                                                  \
-            for (Py_ssize_t i = 0; i < n; i++) {                                                  \
+            for (Py_ssize_t i = lo; i < hi; i++) {                                                \
                 T v = ROTL(T, in[i], r);                                                          \
                 for (int j = 0; j < W; j++) out[j * n + i] = (uint8_t)(v >> (8 * j));            \
             }                                                                                     \
         }                                                                                         \
     }                                                                                             \
     static void join_##W(const uint8_t *const *rows, const T *restrict base, T *restrict out,      \
-                         Py_ssize_t n, int r) {                                                   \
+                         Py_ssize_t lo, Py_ssize_t hi, int r) {                                   \
         const uint8_t *row[W];                                                                    \
         for (int j = 0; j < W; j++) row[j] = rows[j];                                             \
-        for (Py_ssize_t i = 0; i < n; i++) {                                                      \
+        for (Py_ssize_t i = lo; i < hi; i++) {                                                    \
             T v = 0;                                                                              \
             for (int j = 0; j < W; j++) v |= (T)((T)row[j][i] << (8 * j));                        \
             out[i] = (T)(ROTR(T, v, r) ^ (base ? base[i] : 0));                                   \
@@ -520,6 +650,47 @@ DEFINE_PLANES(uint16_t, 2)
 DEFINE_PLANES(uint32_t, 4)
 DEFINE_PLANES(uint64_t, 8)
 
+/* Split or join on up to `threads` threads, a range of words each; below PLANE_CHUNK words
+ * a thread costs more than it saves. */
+#define PLANE_CHUNK ((Py_ssize_t)1 << 20)
+
+typedef struct {
+    const void *in, *base;
+    const uint8_t *const *rows;
+    void *out;
+    Py_ssize_t n, part;
+    int width, rotate, split;
+} Planes;
+
+static void planes_range(void *arg, int g) {
+    Planes *c = arg;
+    Py_ssize_t lo = (Py_ssize_t)g * c->part, hi = lo + c->part < c->n ? lo + c->part : c->n;
+    if (c->split) {
+        switch (c->width) {
+            case 1: split_1(c->in, c->base, c->out, c->n, lo, hi, c->rotate); break;
+            case 2: split_2(c->in, c->base, c->out, c->n, lo, hi, c->rotate); break;
+            case 4: split_4(c->in, c->base, c->out, c->n, lo, hi, c->rotate); break;
+            default: split_8(c->in, c->base, c->out, c->n, lo, hi, c->rotate); break;
+        }
+    } else {
+        switch (c->width) {
+            case 1: join_1(c->rows, c->base, c->out, lo, hi, c->rotate); break;
+            case 2: join_2(c->rows, c->base, c->out, lo, hi, c->rotate); break;
+            case 4: join_4(c->rows, c->base, c->out, lo, hi, c->rotate); break;
+            default: join_8(c->rows, c->base, c->out, lo, hi, c->rotate); break;
+        }
+    }
+}
+
+static void run_planes(Planes *c, int threads) {
+    Py_ssize_t chunks = c->n / PLANE_CHUNK;
+    int parts = threads < 1 ? 1 : threads > MAX_GROUPS ? MAX_GROUPS : threads;
+    if (parts > chunks) parts = chunks < 1 ? 1 : (int)chunks;
+    c->part = (c->n + parts - 1) / parts;
+    if (c->part < 1) c->part = 1;
+    for_each_group(planes_range, c, parts, parts);
+}
+
 static const char *width_rotate_error(int width, int rotate) {
     if (width != 1 && width != 2 && width != 4 && width != 8) return "width must be 1, 2, 4 or 8";
     if (rotate < 0 || rotate >= 8 * width) return "rotate must be in [0, 8 * width)";
@@ -527,9 +698,9 @@ static const char *width_rotate_error(int width, int rotate) {
 }
 
 static int parse_planes(PyObject *args, Py_buffer *src, Py_buffer *dst, int *width, int *rotate,
-                        Py_buffer *base, int *has_base) {
+                        Py_buffer *base, int *has_base, int *threads) {
     PyObject *base_obj;
-    if (!PyArg_ParseTuple(args, "y*w*iiO", src, dst, width, rotate, &base_obj)) return -1;
+    if (!PyArg_ParseTuple(args, "y*w*iiO|i", src, dst, width, rotate, &base_obj, threads)) return -1;
     *has_base = base_obj != Py_None;
     if (*has_base && PyObject_GetBuffer(base_obj, base, PyBUF_SIMPLE) < 0) {
         PyBuffer_Release(src); PyBuffer_Release(dst);
@@ -549,18 +720,12 @@ static int parse_planes(PyObject *args, Py_buffer *src, Py_buffer *dst, int *wid
 
 static PyObject *py_split_planes(PyObject *self, PyObject *args) {
     Py_buffer src, dst, base_buf;
-    int width, rotate, has_base;
-    if (parse_planes(args, &src, &dst, &width, &rotate, &base_buf, &has_base) < 0) return NULL;
-    const uint8_t *base = has_base ? base_buf.buf : NULL;
-    uint8_t *out = dst.buf;
-    Py_ssize_t n = src.len / width;
+    int width, rotate, has_base, threads = 1;
+    if (parse_planes(args, &src, &dst, &width, &rotate, &base_buf, &has_base, &threads) < 0) return NULL;
+    Planes job = {.in = src.buf, .base = has_base ? base_buf.buf : NULL, .out = dst.buf, .n = src.len / width,
+                  .width = width, .rotate = rotate, .split = 1};
     Py_BEGIN_ALLOW_THREADS
-    switch (width) {
-        case 1: split_1(src.buf, (const uint8_t *)base, out, n, rotate); break;
-        case 2: split_2(src.buf, (const uint16_t *)base, out, n, rotate); break;
-        case 4: split_4(src.buf, (const uint32_t *)base, out, n, rotate); break;
-        default: split_8(src.buf, (const uint64_t *)base, out, n, rotate); break;
-    }
+    run_planes(&job, threads);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src); PyBuffer_Release(&dst);
     if (has_base) PyBuffer_Release(&base_buf);
@@ -572,8 +737,8 @@ static PyObject *py_split_planes(PyObject *self, PyObject *args) {
 static PyObject *py_join_planes(PyObject *self, PyObject *args) {
     PyObject *planes_obj, *base_obj;
     Py_buffer dst, base_buf = {0}, rows[8];
-    int width, rotate, held = 0;
-    if (!PyArg_ParseTuple(args, "Ow*iiO", &planes_obj, &dst, &width, &rotate, &base_obj)) return NULL;
+    int width, rotate, held = 0, threads = 1;
+    if (!PyArg_ParseTuple(args, "Ow*iiO|i", &planes_obj, &dst, &width, &rotate, &base_obj, &threads)) return NULL;
     PyObject *seq = PySequence_Fast(planes_obj, "planes must be a sequence of buffers");
     if (!seq) { PyBuffer_Release(&dst); return NULL; }
     Py_ssize_t n = width > 0 ? dst.len / width : 0;
@@ -594,14 +759,10 @@ static PyObject *py_join_planes(PyObject *self, PyObject *args) {
     if (!failed) {
         const uint8_t *row[8];
         for (int j = 0; j < width; j++) row[j] = rows[j].buf;
-        const void *base = base_buf.buf;
+        Planes job = {.rows = row, .base = base_buf.buf, .out = dst.buf, .n = n, .width = width, .rotate = rotate,
+                      .split = 0};
         Py_BEGIN_ALLOW_THREADS
-        switch (width) {
-            case 1: join_1(row, base, dst.buf, n, rotate); break;
-            case 2: join_2(row, base, dst.buf, n, rotate); break;
-            case 4: join_4(row, base, dst.buf, n, rotate); break;
-            default: join_8(row, base, dst.buf, n, rotate); break;
-        }
+        run_planes(&job, threads);
         Py_END_ALLOW_THREADS
     }
     for (int j = 0; j < held; j++) PyBuffer_Release(&rows[j]);
@@ -825,8 +986,8 @@ static PyObject *py_exponent_restore(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"stream_stats", py_stream_stats, METH_VARARGS,
      "stream_stats(src, max_contexts) -> (order-0 bits, order-1 bits or -1, contexts, distinct values)."},
-    {"huffman_encode", py_huffman_encode, METH_VARARGS, "huffman_encode(src, order[, dst]) -> bytes, or its length written into dst (-1: too small); order 0 or 1."},
-    {"huffman_decode", py_huffman_decode, METH_VARARGS, "huffman_decode(stream, dst): fills dst; ValueError if invalid."},
+    {"huffman_encode", py_huffman_encode, METH_VARARGS, "huffman_encode(src, order[, dst[, threads]]) -> bytes, or its length written into dst (-1: too small); order 0 or 1."},
+    {"huffman_decode", py_huffman_decode, METH_VARARGS, "huffman_decode(stream, dst[, threads]): fills dst; ValueError if invalid."},
     {"prefix_histogram", py_prefix_histogram, METH_VARARGS,
      "prefix_histogram(words, width, bits, base|None, out): counts of the top bits."},
     {"prefix_map", py_prefix_map, METH_VARARGS,
@@ -837,9 +998,9 @@ static PyMethodDef methods[] = {
     {"exponent_restore", py_exponent_restore, METH_VARARGS,
      "exponent_restore(residual, rows, cols, row_fix, col_fix): the inverse, in place."},
     {"split_planes", py_split_planes, METH_VARARGS,
-     "split_planes(words, planes, width, rotate, base|None): XOR, rotate left, byte planes."},
+     "split_planes(words, planes, width, rotate, base|None[, threads]): XOR, rotate left, byte planes."},
     {"join_planes", py_join_planes, METH_VARARGS,
-     "join_planes(planes, words, width, rotate, base|None): inverse; planes is a sequence of width rows."},
+     "join_planes(planes, words, width, rotate, base|None[, threads]): inverse; planes is a sequence of width rows."},
     {NULL, NULL, 0, NULL},
 };
 

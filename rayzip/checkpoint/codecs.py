@@ -138,10 +138,12 @@ def _compressor(level: int):
     return mine.get(level) or mine.setdefault(level, zstandard.ZstdCompressor(level=level))
 
 
-def pack_stream(data, level: int = ZSTD_LEVEL) -> tuple[Any, str]:
+def pack_stream(data, level: int = ZSTD_LEVEL, threads: int = 1) -> tuple[Any, str]:
     """(stored bytes, coding) for one stream; coding is ``raw``, ``huffman`` or ``zstd``,
     as :func:`_plan` decides. Without the C kernels, zstd codes every stream whose first
-    64 KB shrink."""
+    64 KB shrink. A Huffman-coded stream of 2 MB or more is coded on up to ``threads``
+    threads, in groups that its decoder can take in parallel too; the bytes do not depend
+    on ``threads``."""
     arr = _bytes(data)
     if arr.size < 64:
         return arr, "raw"
@@ -150,7 +152,7 @@ def pack_stream(data, level: int = ZSTD_LEVEL) -> tuple[Any, str]:
         if coding == "huffman":
             # Coded into reused memory; a code no smaller than the bytes does not fit (-1).
             out = scratch.take(arr.size)
-            length = kernels.huffman_encode(arr, parameter, out)
+            length = kernels.huffman_encode(arr, parameter, out, threads)
             return (out[:length], coding) if 0 <= length < arr.size else (arr, "raw")
         packed = arr if coding == "raw" else _compressor(parameter).compress(arr)
         return (packed, coding) if len(packed) < arr.size else (arr, "raw")
@@ -161,12 +163,13 @@ def pack_stream(data, level: int = ZSTD_LEVEL) -> tuple[Any, str]:
     return (packed, "zstd") if len(packed) < arr.size else (arr, "raw")
 
 
-def unpack_stream(blob: bytes, coding: str, nbytes: int) -> np.ndarray:
+def unpack_stream(blob: bytes, coding: str, nbytes: int, threads: int = 1) -> np.ndarray:
+    """Inverse of :func:`pack_stream`; a large Huffman-coded stream on up to ``threads`` threads."""
     if coding == "huffman":
         if kernels is None:
             raise ValueError("the stream is Huffman-coded and rayzip's C kernels are not built")
         data = scratch.take(nbytes)
-        kernels.huffman_decode(blob, data)
+        kernels.huffman_decode(blob, data, threads)
         return data
     data = zstandard.ZstdDecompressor().decompress(blob, max_output_size=nbytes) if coding == "zstd" else blob
     if len(data) != nbytes:
@@ -177,10 +180,11 @@ def unpack_stream(blob: bytes, coding: str, nbytes: int) -> np.ndarray:
 class StreamCodec:
     name = ""
 
-    def encode(self, words, base, xp, shape: tuple[int, ...] | None = None) -> tuple[list[Any], dict]:
+    def encode(self, words, base, xp, shape: tuple[int, ...] | None = None,
+               threads: int = 1) -> tuple[list[Any], dict]:
         raise NotImplementedError
 
-    def decode(self, streams: list[np.ndarray], params: dict, count: int, dtype, base, xp):
+    def decode(self, streams: list[np.ndarray], params: dict, count: int, dtype, base, xp, threads: int = 1):
         raise NotImplementedError
 
     @staticmethod
@@ -191,10 +195,10 @@ class StreamCodec:
 class Raw(StreamCodec):
     name = "raw"
 
-    def encode(self, words, base, xp, shape=None):
+    def encode(self, words, base, xp, shape=None, threads=1):
         return [words.view(xp.uint8)], {}
 
-    def decode(self, streams, params, count, dtype, base, xp):
+    def decode(self, streams, params, count, dtype, base, xp, threads=1):
         return xp.asarray(streams[0]).view(dtype)
 
 
@@ -206,11 +210,12 @@ class Planes(StreamCodec):
         # byte of fp32 and bf16 is exactly the exponent: one few-valued plane for zstd.
         self.rotate = rotate
 
-    def encode(self, words, base, xp, shape=None):
-        return list(byte_planes(words, xp, base=base, rotate=self.rotate)), {"rotate": self.rotate}
+    def encode(self, words, base, xp, shape=None, threads=1):
+        return list(byte_planes(words, xp, base=base, rotate=self.rotate, threads=threads)), {"rotate": self.rotate}
 
-    def decode(self, streams, params, count, dtype, base, xp):
-        return from_byte_planes([xp.asarray(s) for s in streams], dtype, xp, base=base, rotate=params.get("rotate", 0))
+    def decode(self, streams, params, count, dtype, base, xp, threads=1):
+        return from_byte_planes([xp.asarray(s) for s in streams], dtype, xp, base=base, rotate=params.get("rotate", 0),
+                                threads=threads)
 
 
 class Prefix(StreamCodec):
@@ -219,7 +224,7 @@ class Prefix(StreamCodec):
     def __init__(self, bits: int | None = None):
         self.bits = bits
 
-    def encode(self, words, base, xp, shape=None):
+    def encode(self, words, base, xp, shape=None, threads=1):
         width = 8 * words.dtype.itemsize
         bits = self.bits or default_prefix_bits(width)
         fused = kernels is not None and xp is np
@@ -261,7 +266,7 @@ class Prefix(StreamCodec):
         params = {"bits": bits, "index_bits": index_bits, "table": asnumpy(table).tolist(), "packed": packed}
         return [index_stream, escaped, *low_planes], params
 
-    def decode(self, streams, params, count, dtype, base, xp):
+    def decode(self, streams, params, count, dtype, base, xp, threads=1):
         bits, index_bits = params["bits"], params["index_bits"]
         width = 8 * np.dtype(dtype).itemsize
         escape = (1 << index_bits) - 1
@@ -301,16 +306,16 @@ class Factored(StreamCodec):
         rows, cols = int(np.prod(shape[:-1], dtype=np.int64)), int(shape[-1])
         return (rows, cols) if rows >= 2 and cols >= 2 else None
 
-    def encode(self, words, base, xp, shape=None):
+    def encode(self, words, base, xp, shape=None, threads=1):
         matrix = self.matrix(shape)
         if matrix is None or base is not None or matrix[0] * matrix[1] != words.size:
             raise ValueError(f"factored codes a matrix without a base, not shape {shape} with base {base is not None}")
-        planes = byte_planes(words, xp, rotate=1)
+        planes = byte_planes(words, xp, rotate=1, threads=threads)
         row_fix, col_fix = exponent_residual(planes[-1].reshape(matrix), xp)
         return [*planes, row_fix.astype("<i2").view(xp.uint8), col_fix.astype("<i2").view(xp.uint8)], \
             {"columns": matrix[1]}
 
-    def decode(self, streams, params, count, dtype, base, xp):
+    def decode(self, streams, params, count, dtype, base, xp, threads=1):
         cols = params["columns"]
         planes = [xp.asarray(s) for s in streams[:-2]]
         top = planes[-1]
@@ -318,7 +323,7 @@ class Factored(StreamCodec):
             top = top.copy()
         exponent_restore(top.reshape(count // cols, cols), xp.asarray(streams[-2]).view("<i2"),
                          xp.asarray(streams[-1]).view("<i2"), xp)
-        return from_byte_planes([*planes[:-1], top], dtype, xp, rotate=1)
+        return from_byte_planes([*planes[:-1], top], dtype, xp, rotate=1, threads=threads)
 
 
 def default_prefix_bits(width: int) -> int:

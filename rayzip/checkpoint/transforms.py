@@ -74,14 +74,15 @@ def words_to_tensor(words, dtype: str, shape: tuple[int, ...]):
     return raw.view(getattr(torch, dtype)).reshape(shape)
 
 
-def byte_planes(words, xp, base=None, rotate: int = 0):
+def byte_planes(words, xp, base=None, rotate: int = 0, threads: int = 1):
     """``(itemsize, numel)`` uint8: row j holds byte j (little-endian) of every word, after
-    the word is XORed with ``base`` (when given) and rotated left by ``rotate`` bits."""
+    the word is XORed with ``base`` (when given) and rotated left by ``rotate`` bits. The C
+    kernel splits a large tensor on up to ``threads`` threads."""
     width = words.dtype.itemsize
     if kernels is not None and xp is np:
         planes = scratch.take(width * words.size).reshape(width, words.size)
         kernels.split_planes(np.ascontiguousarray(words), planes, width, rotate,
-                             None if base is None else np.ascontiguousarray(base))
+                             None if base is None else np.ascontiguousarray(base), threads)
         return planes
     if base is not None:
         words = words ^ base
@@ -94,14 +95,14 @@ def byte_planes(words, xp, base=None, rotate: int = 0):
     return planes
 
 
-def from_byte_planes(planes, dtype, xp, base=None, rotate: int = 0):
+def from_byte_planes(planes, dtype, xp, base=None, rotate: int = 0, threads: int = 1):
     """Inverse of :func:`byte_planes`; ``planes`` is the 2-D array or a list of its rows."""
     dtype = np.dtype(dtype)
     width, count = len(planes), len(planes[0])
     if kernels is not None and xp is np:
         words = np.empty(count, dtype=dtype)
         kernels.join_planes([np.ascontiguousarray(row) for row in planes], words, width, rotate,
-                            None if base is None else np.ascontiguousarray(base))
+                            None if base is None else np.ascontiguousarray(base), threads)
         return words
     out = xp.empty((count, width), dtype=xp.uint8)
     for j in range(width):
