@@ -37,7 +37,8 @@ BUILTIN_LOOPS = ("classification", "language_model")
 TEXT_DATASETS = ("python-stdlib",)
 _GPT_FIELDS = ("layers", "width", "heads", "context", "dropout")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-_CODEC_FIELDS = ("ratio", "group_size", "value_dtype", "block", "bits", "keep", "levels", "bucket_size", "seed")
+_CODEC_FIELDS = ("ratio", "group_size", "value_dtype", "packed_indices", "block", "bits", "keep", "levels",
+                 "bucket_size", "seed")
 
 
 class SpecError(ValueError):
@@ -211,7 +212,10 @@ class CompressionSpec(_Strict):
     codec: str = Field("none", description=f"One of {', '.join(n for n in CODECS if n != 'coo')}.")
     ratio: Optional[float] = Field(None, gt=0, le=1, description="Kept fraction (topk, randomk, group_topk).")
     group_size: Optional[int] = Field(None, ge=1, description="group_topk group length G.")
-    value_dtype: Optional[Literal["fp16", "fp32"]] = Field(None, description="Sparse codecs' value type.")
+    value_dtype: Optional[Literal["fp16", "fp32", "int8"]] = Field(
+        None, description="Sparse codecs' value type; int8 (group_topk): multiples of a scale per group.")
+    packed_indices: Optional[bool] = Field(None, description="group_topk: offsets bit-packed at ceil(log2 "
+                                                             "group_size) bits.")
     block: Optional[int] = Field(None, ge=2, description="dct_quant block side n.")
     bits: Optional[int] = Field(None, ge=1, le=16, description="dct_quant bits per coefficient.")
     keep: Optional[float] = Field(None, gt=0, le=1, description="dct_quant kept zig-zag fraction.")

@@ -95,6 +95,53 @@ def test_from_bytes_rejects_a_payload_of_the_wrong_size():
         codec.from_bytes(payload.to_bytes()[:-1], like=payload)
 
 
+COMPACT = [{"value_dtype": "int8", "packed_indices": True}, {"value_dtype": "int8"},
+           {"value_dtype": "fp16", "packed_indices": True}]
+
+
+@pytest.mark.parametrize("options", COMPACT)
+@pytest.mark.parametrize("n", SIZES)
+def test_compact_group_topk_bytes_equal_documented_formula(options, n):
+    group, ratio = 256, 0.05
+    codec = get_codec("group_topk", ratio=ratio, group_size=group, **options)
+    payload = codec.encode(gaussian(n, seed=n))
+    full, tail = divmod(n, group)
+    count = full * kept(ratio, group) + kept(ratio, tail)
+    index_bytes = math.ceil(count * 8 / 8) if options.get("packed_indices") else 2 * count  # G = 256: 8 bits
+    value_bytes = 4 * (full + (tail > 0)) + count if options["value_dtype"] == "int8" else 2 * count
+    assert payload.nbytes == len(payload.to_bytes()) == codec.wire_nbytes(n) == index_bytes + value_bytes
+
+
+@pytest.mark.parametrize("options", COMPACT)
+@pytest.mark.parametrize("n,group", [(10_240, 1024), (10_007, 1000), (50, 64)])
+def test_compact_group_topk_keeps_the_same_entries_each_within_half_its_groups_step(options, n, group):
+    x = gaussian(n, seed=n) * np.linspace(0.01, 10, n, dtype=np.float32)  # groups of unlike scales
+    plain = get_codec("group_topk", ratio=0.03, group_size=group, value_dtype="fp32")
+    compact = get_codec("group_topk", ratio=0.03, group_size=group, **options)
+    payload = compact.encode(x)
+    indices, values = compact.to_coo(compact.from_bytes(payload.to_bytes(), like=payload))
+    expected_indices, expected = plain.to_coo(plain.encode(x))
+    assert np.array_equal(indices, expected_indices)
+    if options["value_dtype"] == "int8":
+        # An entry's step is its group's scale: the group's largest magnitude (kept) / 127.
+        step = np.array([np.abs(x[(i // group) * group:(i // group + 1) * group]).max() / 127 for i in indices])
+        assert np.all(np.abs(values - expected) <= step / 2 * (1 + 1e-5))
+    else:
+        np.testing.assert_array_equal(values, expected.astype(np.float16).astype(np.float32))
+    # Error feedback keeps what the wire lost: the residual is the input less the decoded payload.
+    residual = compact.residual(x.copy(), payload)
+    np.testing.assert_array_equal(residual, x - compact.decode(payload))
+
+
+def test_compact_group_topk_at_two_percent_is_80x_and_sends_an_all_zero_group_as_zeros():
+    codec = get_codec("group_topk", ratio=0.02, group_size=1024, value_dtype="int8", packed_indices=True)
+    x = gaussian(1 << 20)
+    x[:1024] = 0.0
+    payload = codec.encode(x)
+    assert 4 * x.size / payload.nbytes >= 79
+    assert payload.arrays["scales"][0] == 0 and not codec.decode(payload)[:1024].any()
+
+
 def test_group_topk_at_one_percent_compresses_more_than_50x():
     codec = get_codec("group_topk", ratio=0.01, group_size=1024, value_dtype="fp16")
     payload = codec.encode(gaussian(1 << 20))
@@ -422,6 +469,8 @@ def test_bf16_rounds_like_torch():
     ("randomk", {"ratio": -0.1}, "ratio must be in"),
     ("group_topk", {"group_size": 0}, "group_size must be"),
     ("group_topk", {"value_dtype": "fp8"}, "value_dtype"),
+    ("topk", {"value_dtype": "int8"}, "value_dtype"),
+    ("group_topk", {"group_size": 70_000, "packed_indices": True}, "packed_indices"),
     ("dct_quant", {"block": 1}, "block must be"),
     ("dct_quant", {"bits": 0}, "bits must be in 1..16"),
     ("dct_quant", {"bits": 17}, "bits must be in 1..16"),

@@ -427,6 +427,9 @@ def test_bench_methods_name_the_local_steps():
     assert not parse_spec(method_spec("dense", outer, "x")).local_steps.enabled
     with pytest.raises(ValueError, match="local steps :overlap"):
         method_spec("group_topk:overlap", base, "x")
+    compact = parse_spec(method_spec("local_compact@4", outer, "x")).compression
+    assert (compact.codec, compact.ratio, compact.value_dtype, compact.packed_indices) == ("group_topk", 0.02, "int8", True)
+    assert compact.collective == "allgather" and not compact.adam_correction
 
 
 def _local_exchange(rank, world):

@@ -66,6 +66,10 @@ BAD_SPECS = [
      with_change("compression.momentum_correction", True, "compression.error_feedback", False),
      "compression: momentum_correction works on rayzip's error feedback"),
     ("collective typo", with_change("compression.collective", "rings"), "compression.collective: Input should be 'auto'"),
+    ("int8 values for plain top-k", with_change("compression", {"codec": "topk", "value_dtype": "int8"}),
+     "compression: value_dtype must be one of ['fp16', 'fp32'], got 'int8'"),
+    ("packed offsets for plain top-k", with_change("compression", {"codec": "topk", "packed_indices": True}),
+     "compression: packed_indices does not apply to codec topk"),
 ]
 
 

@@ -13,16 +13,25 @@ from typing import Any
 from .base import Codec, CodecError, Payload, WireOverflowError
 from ..xp import array_module, as_array
 
-__all__ = ["SparseCodec", "VALUE_DTYPES", "coo_sum", "scatter"]
+__all__ = ["SparseCodec", "VALUE_DTYPES", "coo_sum", "scatter", "summed_value_dtype"]
 
 VALUE_DTYPES = {"fp16": "<f2", "fp32": "<f4"}
+SCALED_VALUE_DTYPES = ("int8",)  # multiples of a scale per group: group top-k only
 FP16_MAX = 65504.0
 
 
-def check_value_dtype(value_dtype: str) -> str:
-    if value_dtype not in VALUE_DTYPES:
-        raise CodecError(f"value_dtype must be one of {sorted(VALUE_DTYPES)}, got {value_dtype!r}")
+def check_value_dtype(value_dtype: str, scaled: bool = False) -> str:
+    allowed = sorted(VALUE_DTYPES) + (list(SCALED_VALUE_DTYPES) if scaled else [])
+    if value_dtype not in allowed:
+        raise CodecError(f"value_dtype must be one of {allowed}, got {value_dtype!r}")
     return value_dtype
+
+
+def summed_value_dtype(value_dtype: str) -> str:
+    """The type partial sums of sparse values travel in (the ring collective): int8 values
+    are multiples of their group's scale, which a sum of several workers' values does not
+    share, so they are summed in fp16."""
+    return "fp16" if value_dtype in SCALED_VALUE_DTYPES else value_dtype
 
 
 def scatter(indices, values, numel: int, xp):

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..codecs import Codec, CodecError, Payload
+from ..codecs.sparse import summed_value_dtype
 from ..xp import array_module, as_array, to_torch
 from .cost import Cost, Link, collective_costs
 from .ring import chunk_nbytes, sparse_ring_allreduce
@@ -127,7 +128,7 @@ class Ring(Communicator):
 
     @staticmethod
     def _value_dtype(codec) -> str:
-        return getattr(codec, "value_dtype", "fp32")
+        return summed_value_dtype(getattr(codec, "value_dtype", "fp32"))
 
 
 COLLECTIVES = {cls.name: cls for cls in (AllReduce, AllGather, Ring)}
