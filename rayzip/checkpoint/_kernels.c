@@ -226,7 +226,6 @@ static inline __attribute__((always_inline)) void for_each_group(void (*fn)(void
         return;
     }
     if (threads > MAX_GROUPS) threads = MAX_GROUPS;
-    if (threads < 1) threads = 1;
     GroupWorker workers[MAX_GROUPS];
     pthread_t ids[MAX_GROUPS];
     int started[MAX_GROUPS] = {0};
@@ -684,10 +683,9 @@ static void planes_range(void *arg, int g) {
 
 static void run_planes(Planes *c, int threads) {
     Py_ssize_t chunks = c->n / PLANE_CHUNK;
-    int parts = threads < 1 ? 1 : threads > MAX_GROUPS ? MAX_GROUPS : threads;
-    if (parts > chunks) parts = chunks < 1 ? 1 : (int)chunks;
+    int parts = chunks < threads ? (int)chunks : threads;  /* for_each_group caps the threads */
+    if (parts < 1) parts = 1;
     c->part = (c->n + parts - 1) / parts;
-    if (c->part < 1) c->part = 1;
     for_each_group(planes_range, c, parts, parts);
 }
 

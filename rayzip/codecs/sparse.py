@@ -13,7 +13,7 @@ from typing import Any
 from .base import Codec, CodecError, Payload, WireOverflowError
 from ..xp import array_module, as_array
 
-__all__ = ["SparseCodec", "VALUE_DTYPES", "coo_sum", "scatter", "summed_value_dtype"]
+__all__ = ["SparseCodec", "VALUE_DTYPES", "coo_sum", "scatter", "summed_value_bytes", "summed_value_dtype"]
 
 VALUE_DTYPES = {"fp16": "<f2", "fp32": "<f4"}
 SCALED_VALUE_DTYPES = ("int8",)  # multiples of a scale per group: group top-k only
@@ -32,6 +32,11 @@ def summed_value_dtype(value_dtype: str) -> str:
     are multiples of their group's scale, which a sum of several workers' values does not
     share, so they are summed in fp16."""
     return "fp16" if value_dtype in SCALED_VALUE_DTYPES else value_dtype
+
+
+def summed_value_bytes(codec) -> int:
+    """Bytes of one summed value of ``codec`` on the ring (fp32 for codecs without a value type)."""
+    return 2 if summed_value_dtype(getattr(codec, "value_dtype", "fp32")) == "fp16" else 4
 
 
 def scatter(indices, values, numel: int, xp):

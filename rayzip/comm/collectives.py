@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..codecs import Codec, CodecError, Payload
-from ..codecs.sparse import summed_value_dtype
+from ..codecs.sparse import summed_value_bytes, summed_value_dtype
 from ..xp import array_module, as_array, to_torch
 from .cost import Cost, Link, collective_costs
 from .ring import chunk_nbytes, sparse_ring_allreduce
@@ -122,7 +122,7 @@ class Ring(Communicator):
         return total
 
     def documented_bytes(self, codec, payload):
-        value_bytes = 2 if self._value_dtype(codec) == "fp16" else 4
+        value_bytes = summed_value_bytes(codec)
         return sum(HEADER_BYTES + chunk_nbytes(span, span if entries < 0 else entries, value_bytes)[0]
                    for span, entries in self.sent)
 

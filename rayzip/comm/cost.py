@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..codecs.sparse import summed_value_dtype
+from ..codecs.sparse import summed_value_bytes
 from .ring import chunk_nbytes
 from .transport import HEADER_BYTES, ring_allreduce_bytes
 
@@ -84,6 +84,6 @@ def collective_costs(codec, numel: int, world: int) -> dict[str, Cost]:
         # bytes at n = 2), and its sum is what every other rayzip path computes.
         del costs["allgather"]
     if codec.sparse:
-        value_bytes = 2 if summed_value_dtype(getattr(codec, "value_dtype", "fp32")) == "fp16" else 4
-        costs["ring"] = ring_cost(numel, fields["values"].count / numel if numel else 0.0, world, value_bytes)
+        costs["ring"] = ring_cost(numel, fields["values"].count / numel if numel else 0.0, world,
+                                  summed_value_bytes(codec))
     return costs
