@@ -144,6 +144,58 @@ def test_huffman_round_trips_any_bytes(kind, n, seed, order):
     assert np.array_equal(back, data)
 
 
+def package_merge_cost(counts: list[int], max_bits: int) -> int:
+    """Σ count × length of the optimal code of at most ``max_bits`` bits, by package-merge."""
+    leaves = sorted((c, (i,)) for i, c in enumerate(counts) if c)
+    items = leaves
+    for _ in range(max_bits - 1):
+        packages = [(items[i][0] + items[i + 1][0], items[i][1] + items[i + 1][1]) for i in range(0, len(items) - 1, 2)]
+        items = sorted(leaves + packages, key=lambda item: item[0])
+    depth = [0] * len(counts)
+    for _, symbols in items[: 2 * len(leaves) - 2]:
+        for s in symbols:
+            depth[s] += 1
+    return sum(c * d for c, d in zip(counts, depth))
+
+
+def test_huffman_codes_are_the_optimal_codes_within_the_length_limit():
+    # Counts doubling 20 times would give an unlimited Huffman code 20 bits deep; the stored
+    # code must be limited to 11 bits and still cost the least any such code can.
+    counts = [2**i for i in range(20)] + [3, 5, 7]
+    data = np.repeat(np.arange(len(counts), dtype=np.uint8), counts)
+    np.random.default_rng(0).shuffle(data)
+    stream = transforms.kernels.huffman_encode(data, 0)
+    assert stream[0] & 1 == 0
+    table = np.frombuffer(stream[33:33 + 128], dtype=np.uint8)
+    lengths = np.stack([table & 15, table >> 4], axis=1).reshape(-1).astype(int)
+    present = np.array(counts + [0] * (256 - len(counts))) > 0
+    assert np.array_equal(lengths > 0, present)
+    assert lengths.max() <= 11
+    assert sum(2.0 ** -int(n) for n in lengths[present]) <= 1.0
+    cost = int(sum(c * int(n) for c, n in zip(counts, lengths)))
+    assert cost == package_merge_cost(counts, 11)
+    assert cost < package_merge_cost(counts, 10)  # the limit binds: a plain Huffman code is deeper
+    back = np.empty_like(data)
+    transforms.kernels.huffman_decode(stream, back)
+    assert np.array_equal(back, data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bell_shaped_weights_are_coded_with_the_top_mantissa_bits_beside_the_exponent(dtype):
+    weights = (torch.randn(512, 384, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
+    words = tensor_words(weights)[0]
+    name = str(dtype).removeprefix("torch.")
+    codec = codecs.choose(words, None, name, np, False, tuple(weights.shape))
+    assert isinstance(codec, Planes) and codec.rotate == codecs.WEIGHT_ROTATE == 3
+
+    def stored(rotate):
+        return sum(len(codecs.pack_stream(s)[0]) for s in Planes(rotate=rotate).encode(words, None, np)[0])
+
+    assert stored(3) < stored(1)
+    assert all(getattr(c, "rotate", None) != 3 for c in codecs.candidates(name, True, tuple(weights.shape)))
+    assert all(getattr(c, "rotate", None) != 3 for c in codecs.candidates(name, False, tuple(weights.shape), True))
+
+
 @pytest.mark.parametrize("n", [1 << 18, (1 << 18) + 3, 600_001])
 def test_large_huffman_streams_round_trip_and_code_the_same_bytes_every_time(n):
     # From 256 KB on, order 0 codes two bytes per table lookup, and every stream writes its

@@ -47,9 +47,14 @@ static int by_weight(const void *a, const void *b) {
     return x->symbol - y->symbol;
 }
 
-/* Huffman code lengths for the present symbols, by the two-queue method on leaves sorted
- * by weight (O(k log k); order-1 codes build up to 256 of these). If the tree is deeper
- * than MAX_BITS, the counts are halved (keeping every present symbol) and it is rebuilt. */
+/* Optimal code lengths of at most MAX_BITS bits for the present symbols, by package-merge
+ * (Larmore and Hirschberg). Halving the counts until a plain Huffman tree fits, as before,
+ * also gave the frequent symbols of a long-tailed exponent plane (a trained layer's tiny
+ * weights span many binades) longer codes than they need: 0.02 bits a byte on the GPT's
+ * weights. Level j's list is the leaves merged with the pairs of level j-1's list, by
+ * weight; the optimal code takes the first 2k-2 items of the last list, and the items taken
+ * from each list are a prefix of it, whose leaves are the lightest ones. A leaf's length is
+ * the number of lists whose taken prefix holds it. O(k MAX_BITS) per code. */
 static void code_lengths(const uint64_t counts[256], uint8_t lengths[256]) {
     Leaf leaves[256];
     int k = 0;
@@ -57,28 +62,31 @@ static void code_lengths(const uint64_t counts[256], uint8_t lengths[256]) {
     memset(lengths, 0, 256);
     if (k == 0) return;
     if (k == 1) { lengths[leaves[0].symbol] = 1; return; }
-    for (;;) {
-        qsort(leaves, k, sizeof(Leaf), by_weight);
-        uint64_t weight[511];
-        int parent[511], depth[511], deepest = 0;
-        for (int i = 0; i < k; i++) weight[i] = leaves[i].weight;
-        int leaf = 0, inner = k;
-        for (int next = k; next < 2 * k - 1; next++) {
-            int pick[2];
-            for (int t = 0; t < 2; t++)
-                pick[t] = (leaf < k && (inner >= next || weight[leaf] <= weight[inner])) ? leaf++ : inner++;
-            weight[next] = weight[pick[0]] + weight[pick[1]];
-            parent[pick[0]] = parent[pick[1]] = next;
+    qsort(leaves, k, sizeof(Leaf), by_weight);
+    uint64_t weight[2][512];
+    uint8_t is_leaf[MAX_BITS][512];
+    int size[MAX_BITS];
+    for (int i = 0; i < k; i++) { weight[0][i] = leaves[i].weight; is_leaf[0][i] = 1; }
+    size[0] = k;
+    for (int j = 1; j < MAX_BITS; j++) {
+        const uint64_t *below = weight[(j - 1) & 1];
+        uint64_t *here = weight[j & 1];
+        int pairs = size[j - 1] / 2, leaf = 0, pair = 0, n = 0;
+        while (leaf < k || pair < pairs) {
+            uint64_t packed = pair < pairs ? below[2 * pair] + below[2 * pair + 1] : UINT64_MAX;
+            if (leaf < k && leaves[leaf].weight <= packed) { here[n] = leaves[leaf++].weight; is_leaf[j][n++] = 1; }
+            else { here[n] = packed; is_leaf[j][n++] = 0; pair++; }
         }
-        depth[2 * k - 2] = 0;
-        for (int node = 2 * k - 3; node >= 0; node--) depth[node] = depth[parent[node]] + 1;
-        for (int i = 0; i < k; i++) if (depth[i] > deepest) deepest = depth[i];
-        if (deepest <= MAX_BITS) {
-            for (int i = 0; i < k; i++) lengths[leaves[i].symbol] = (uint8_t)depth[i];
-            return;
-        }
-        for (int i = 0; i < k; i++) leaves[i].weight = (leaves[i].weight >> 1) | 1;
+        size[j] = n;
     }
+    uint8_t depth[256] = {0};
+    for (int j = MAX_BITS - 1, taken = 2 * k - 2; j >= 0 && taken > 0; j--) {
+        int leaves_taken = 0;
+        for (int i = 0; i < taken; i++) leaves_taken += is_leaf[j][i];
+        for (int i = 0; i < leaves_taken; i++) depth[i]++;
+        taken = 2 * (taken - leaves_taken);
+    }
+    for (int i = 0; i < k; i++) lengths[leaves[i].symbol] = depth[i];
 }
 
 /* Canonical codes, bit-reversed for an LSB-first stream. Fails on lengths that overfill

@@ -53,6 +53,8 @@ PLAN_SAMPLE = 1 << 16  # bytes of a stream whose statistics decide its coding
 
 
 def _bytes(data) -> np.ndarray:
+    if type(data) is np.ndarray and data.dtype == np.uint8 and data.ndim == 1 and data.flags.c_contiguous:
+        return data  # the common case, a plane: numpy's conversions cost more than the plan's statistics
     return np.ascontiguousarray(asnumpy(data)).reshape(-1).view(np.uint8)
 
 
@@ -85,18 +87,24 @@ def stream_stats(data) -> tuple[float, float | None, int, int]:
     return _entropy(counts), order1, int(seen.any(axis=1).sum()), distinct
 
 
+def _spaced(length: int, count: int) -> list[int]:
+    """``count`` evenly spaced starts from 0 to ``length`` inclusive (np.linspace cost more
+    than the statistics of the sample it placed)."""
+    return [length * i // (count - 1) for i in range(count)]
+
+
 def _sample(arr: np.ndarray, size: int) -> np.ndarray:
     """Four evenly spaced runs of ``size`` bytes in all."""
     if arr.size <= size:
         return arr
     run = size // 4
-    return np.concatenate([arr[s: s + run] for s in np.linspace(0, arr.size - run, 4).astype(np.int64)])
+    return np.concatenate([arr[s: s + run] for s in _spaced(arr.size - run, 4)])
 
 
 def _plan(arr: np.ndarray) -> tuple[str, int, float]:
     """How a stream of bytes should be coded: ``(coding, parameter, estimated stored
     bytes)``, the parameter being the Huffman order or the zstd level. Statistics of a
-    256 KB sample decide:
+    64 KB sample decide:
 
     * near-random (>= 7.9 bits per byte: low mantissa bytes): raw;
     * nearly all one value (< 1 bit per byte: unchanged tensors, exponents of XOR deltas):
@@ -352,6 +360,18 @@ def _index_bits(counts: np.ndarray, total: int, bits: int) -> int:
 CODECS = {"raw": Raw, "planes": Planes, "prefix": Prefix, "factored": Factored}
 
 
+# Weights are coded with their words rotated left by 3 (fp32 and bf16): the top byte is then
+# the exponent's low 6 bits and the mantissa's top 2, and the low byte the sign, the
+# exponent's top 2 bits (the same in nearly every weight: they sit within a few binades of
+# 1/8) and 5 low mantissa bits. Both are Huffman-coded. Within a binade near a layer's scale
+# a trained weight's density falls (a bell, not a box), so the top mantissa bits are skewed
+# given the exponent, and a byte of higher entropy loses less to Huffman's whole-bit codes.
+# On the GPT workload's weights this stores 0.31% less than the exponent byte alone (the
+# rotation by 1), and 0.77% less in bf16, every layer smaller, for a second Huffman-coded
+# plane (coding takes about a quarter longer). Optimizer state keeps its own codecs.
+WEIGHT_ROTATE = 3
+
+
 def candidates(dtype: str, optimizer_state: bool, shape: tuple[int, ...] | None = None,
                delta: bool = False) -> list[StreamCodec]:
     """The codecs worth trying for a dtype, the default (fastest) first."""
@@ -359,6 +379,8 @@ def candidates(dtype: str, optimizer_state: bool, shape: tuple[int, ...] | None 
         bits = {"float32": (9, 12), "float16": (6, 8), "bfloat16": (9, 12), "float64": (12,)}[dtype]
         prefixes = [Prefix(b) for b in bits]
         planes = [Planes(rotate=1), Planes()]
+        if dtype in ("float32", "bfloat16") and not optimizer_state and not delta:
+            planes.insert(0, Planes(rotate=WEIGHT_ROTATE))
         factored = [Factored()] if Factored.matrix(shape) and not delta else []
         return [*prefixes, *planes, *factored] if optimizer_state and PREFIX_FIRST else [*planes, *prefixes, *factored]
     if dtype.startswith(("int", "uint")) or dtype == "bool":
@@ -418,11 +440,11 @@ def _choice_sample(words, base, shape, xp):
         rows, cols = matrix
         count = max(2, -(-SAMPLE // cols))
         if count < rows:
-            picked = np.linspace(0, rows - 1, count).astype(np.int64)
+            picked = np.array(_spaced(rows - 1, count), dtype=np.int64)
             return words.reshape(rows, cols)[xp.asarray(picked)].reshape(-1), None, (count, cols)
         return words, None, shape
     run = SAMPLE // 16
-    starts = np.linspace(0, words.size - run, 16).astype(np.int64)
+    starts = _spaced(words.size - run, 16)
     sample = xp.concatenate([words[s: s + run] for s in starts])
     sample_base = None if base is None else xp.concatenate([base[s: s + run] for s in starts])
     return sample, sample_base, None
