@@ -20,6 +20,7 @@ Each codec gives ``encode(words, base, xp, shape=None) -> (streams, params)`` an
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -360,16 +361,18 @@ def _index_bits(counts: np.ndarray, total: int, bits: int) -> int:
 CODECS = {"raw": Raw, "planes": Planes, "prefix": Prefix, "factored": Factored}
 
 
-# Weights are coded with their words rotated left by 3 (fp32 and bf16): the top byte is then
-# the exponent's low 6 bits and the mantissa's top 2, and the low byte the sign, the
-# exponent's top 2 bits (the same in nearly every weight: they sit within a few binades of
-# 1/8) and 5 low mantissa bits. Both are Huffman-coded. Within a binade near a layer's scale
-# a trained weight's density falls (a bell, not a box), so the top mantissa bits are skewed
-# given the exponent, and a byte of higher entropy loses less to Huffman's whole-bit codes.
-# On the GPT workload's weights this stores 0.31% less than the exponent byte alone (the
-# rotation by 1), and 0.77% less in bf16, every layer smaller, for a second Huffman-coded
-# plane (coding takes about a quarter longer). Optimizer state keeps its own codecs.
-WEIGHT_ROTATE = 3
+# RAYZIP_CHECKPOINT_WEIGHT_ROTATE=3 codes weights (fp32 and bf16, not optimizer state, not
+# deltas) with their words rotated left by 3: the top byte is then the exponent's low 6 bits
+# and the mantissa's top 2, and the low byte the sign, the exponent's top 2 bits (the same
+# in nearly every weight) and 5 low mantissa bits, both Huffman-coded. Within a binade near
+# a layer's scale a trained weight's density falls (a bell, not a box), so the top mantissa
+# bits are skewed given the exponent. On the GPT workload's weights that stores 0.33% less
+# than the rotation by 1 (0.8% in bf16), every layer smaller, but coding a second plane with
+# Huffman codes slows weights down by a third or more (the README's checkpoint benchmark):
+# smaller, not the default.
+WEIGHT_ROTATE = int(os.environ.get("RAYZIP_CHECKPOINT_WEIGHT_ROTATE", "1"))
+if WEIGHT_ROTATE not in (1, 3):
+    raise ValueError(f"RAYZIP_CHECKPOINT_WEIGHT_ROTATE must be 1 (faster) or 3 (smaller), not {WEIGHT_ROTATE}")
 
 
 def candidates(dtype: str, optimizer_state: bool, shape: tuple[int, ...] | None = None,
@@ -379,7 +382,7 @@ def candidates(dtype: str, optimizer_state: bool, shape: tuple[int, ...] | None 
         bits = {"float32": (9, 12), "float16": (6, 8), "bfloat16": (9, 12), "float64": (12,)}[dtype]
         prefixes = [Prefix(b) for b in bits]
         planes = [Planes(rotate=1), Planes()]
-        if dtype in ("float32", "bfloat16") and not optimizer_state and not delta:
+        if WEIGHT_ROTATE != 1 and dtype in ("float32", "bfloat16") and not optimizer_state and not delta:
             planes.insert(0, Planes(rotate=WEIGHT_ROTATE))
         factored = [Factored()] if Factored.matrix(shape) and not delta else []
         return [*prefixes, *planes, *factored] if optimizer_state and PREFIX_FIRST else [*planes, *prefixes, *factored]
