@@ -316,11 +316,15 @@ def test_scratch_buffers_are_reused_only_after_every_view_of_them_is_gone():
 
 
 @pytest.mark.parametrize("kind", range(5))
-def test_stream_statistics_match_numpy(kind):
-    data = skewed_bytes(kind, 30_000, kind)
-    fast = codecs.stream_stats(data)
+@pytest.mark.parametrize("n, sample", [(30_000, 0), (200_003, 1 << 16), (1 << 16, 1 << 16), (70_001, 4099)])
+def test_stream_statistics_match_numpy(kind, n, sample):
+    # With a sample, the kernel reads four spaced runs in place: the statistics of the
+    # runs concatenated (order 1 carries the context across their joins), as numpy sees them.
+    data = skewed_bytes(kind, n, kind)
+    fast = codecs.stream_stats(data, sample)
     with engine("numpy"):
-        slow = codecs.stream_stats(data)
+        slow = codecs.stream_stats(data, sample)
+        assert codecs.stream_stats(codecs._sample(data, sample) if sample else data) == slow
     assert fast[0] == pytest.approx(slow[0], abs=1e-9) and fast[2:] == slow[2:]
     assert (fast[1] is None) == (slow[1] is None)
     if fast[1] is not None:

@@ -40,7 +40,7 @@ import numpy as np
 import xxhash
 
 from ..xp import asnumpy, is_torch
-from .codecs import CODECS, SAMPLE, Factored, choose, choose_delta, pack_stream, unpack_stream
+from .codecs import CODECS, SAMPLE, Factored, choose, choose_delta, pack_stream, stream_plan, unpack_stream
 from .transforms import WORD_DTYPES, tensor_words, words_to_tensor
 
 __all__ = ["CheckpointError", "FORMAT", "decode", "encode", "inspect", "load", "save", "verify"]
@@ -214,7 +214,13 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
         streams, params = codec.encode(words, prior, xp, shape=tuple(tensor.shape), threads=workers)
         entry = {"dtype": dtype, "shape": list(tensor.shape), "codec": codec.name, "params": params,
                  "delta": is_delta}
-        return entry, [submit(_pack, stream, workers) for stream in streams], submit(_hash, asnumpy(words))
+        return entry, [pack_task(stream, submit) for stream in streams], _completed(_hash, asnumpy(words))
+
+    def pack_task(stream, submit: Callable[..., Future]) -> Future:
+        # A stream stored raw costs a checksum: done here, it costs less than a task's
+        # hand-off, which holds the GIL (two threads queued on it over the GPT's 450 streams).
+        plan = stream_plan(stream)
+        return (_completed if plan is not None and plan[0] == "raw" else submit)(_pack, stream, workers, plan)
 
     # A model's layers repeat: the codec chosen for the largest tensor of a family (same
     # dtype, delta or not, weights or optimizer state, matrix or not, and the last part of
@@ -264,7 +270,7 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
             start += part.size
         entry = {"dtype": dtype, "count": int(words.size), "codec": codec.name, "params": params,
                  "delta": prior is not None, "members": names}
-        return [(entry, [submit(_pack, stream, workers) for stream in streams], submit(_hash, words))]
+        return [(entry, [pack_task(stream, submit) for stream in streams], _completed(_hash, words))]
 
     members: dict[str, dict] = {}
     pending: deque = deque()
@@ -397,8 +403,8 @@ def _completed(fn, *args) -> Future:
     return future
 
 
-def _pack(stream, threads: int = 1) -> tuple[Any, int, str, str]:
-    blob, coding = pack_stream(stream, threads=threads)
+def _pack(stream, threads: int = 1, plan: tuple[str, int] | None = None) -> tuple[Any, int, str, str]:
+    blob, coding = pack_stream(stream, threads=threads, plan=plan)
     return blob, int(stream.nbytes), coding, _hash(blob)
 
 
