@@ -124,24 +124,25 @@ def _plan(arr: np.ndarray) -> tuple[str, int, float]:
     order0, order1, contexts, _ = stream_stats(arr, PLAN_SAMPLE)  # the sample read in place
     if order0 >= RAW_ABOVE:
         return "raw", 0, float(arr.size)
-    sample = _sample(arr, PLAN_SAMPLE)
-    scale = arr.size / sample.size
     if order0 < RUNS_BELOW or arr.size < HUFFMAN_FROM:
-        return "zstd", ZSTD_LEVEL, _zstd_bytes(sample, ZSTD_LEVEL) * scale
+        return "zstd", ZSTD_LEVEL, _zstd_estimate(arr, ZSTD_LEVEL)
     order0_bytes = arr.size * order0 / 8 + TABLE_BYTES
     if order1 is not None:
         order1_bytes = arr.size * order1 / 8 + TABLE_BYTES * contexts
         if order1_bytes < 0.98 * order0_bytes:
             return "huffman", 1, order1_bytes
     if order0 >= MIXED_ABOVE:
-        fast = _zstd_bytes(sample, ZSTD_FAST) * scale
+        fast = _zstd_estimate(arr, ZSTD_FAST)
         if fast < order0_bytes:
             return "zstd", ZSTD_FAST, fast
     return "huffman", 0, order0_bytes
 
 
-def _zstd_bytes(data: np.ndarray, level: int) -> int:
-    return len(_compressor(level).compress(data))
+def _zstd_estimate(arr: np.ndarray, level: int) -> float:
+    """zstd's stored bytes for ``arr`` at ``level``, from the plan's sample (built only here:
+    the other codings' statistics read it in place)."""
+    sample = _sample(arr, PLAN_SAMPLE)
+    return len(_compressor(level).compress(sample)) * arr.size / sample.size
 
 
 def _compressor(level: int):
