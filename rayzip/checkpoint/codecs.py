@@ -379,7 +379,7 @@ CODECS = {"raw": Raw, "planes": Planes, "prefix": Prefix, "factored": Factored}
 # a layer's scale a trained weight's density falls (a bell, not a box), so the top mantissa
 # bits are skewed given the exponent. On the GPT workload's weights that stores 0.33% less
 # than the rotation by 1 (0.8% in bf16), every layer smaller, but coding a second plane with
-# Huffman codes slows weights down by a third or more (the README's checkpoint benchmark):
+# Huffman codes slows weights down by a quarter to a half (the README's checkpoint benchmark):
 # smaller, not the default.
 WEIGHT_ROTATE = int(os.environ.get("RAYZIP_CHECKPOINT_WEIGHT_ROTATE", "1"))
 if WEIGHT_ROTATE not in (1, 3):
