@@ -76,6 +76,9 @@ def as_array(x: Any) -> tuple[Any, Any]:
                 raise RuntimeError("a CUDA tensor needs cupy: pip install 'rayzip[gpu]'")
             if not t.is_contiguous():
                 t = t.contiguous()
+            from .cuda import share_torch_allocator
+
+            share_torch_allocator()  # cupy's temporaries then come from torch's pool
             return _cupy.from_dlpack(t), _cupy
         return t.resolve_conj().resolve_neg().numpy(), np
     if _cupy is not None and isinstance(x, _cupy.ndarray):

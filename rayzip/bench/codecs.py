@@ -3,6 +3,11 @@
 Every figure is taken in the same run, on the same array: the plain copy of that array is
 the memory-bandwidth reference each codec is compared with (``vs_memcpy``), so the ratios
 hold on a noisy, shared machine where absolute GB/s do not.
+
+On ``cuda`` each codec that has a CUDA kernel is timed twice, with the kernel and with the
+torch-op path it replaces (``kernel: false``), and the checkpoint's byte-plane transform
+(XOR with a base, rotate, split; and the inverse) is timed as well: the GPU's figures are
+the kernels' against a device-to-device copy and against torch ops, in one run.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .. import cuda
 from ..codecs import CodecError, get_codec
 from ..xp import keep_freed_memory
 from .timing import best_time
@@ -34,6 +40,7 @@ class CodecResult:
     rel_error: float
     vs_memcpy: float  # encode throughput / memcpy throughput
     decode_vs_memcpy: float
+    kernel: bool = True  # False: the torch-op path, with the CUDA kernels turned off
 
 
 def parse_size(text: str) -> int:
@@ -81,6 +88,9 @@ def _array_module(device: str):
     return cupy
 
 
+KERNEL_CODECS = ("fp16", "bf16", "group_topk", "qsgd", "dct_quant")  # codecs with a CUDA kernel (rayzip.cuda)
+
+
 def run_codec_bench(size_bytes: int, specs: list[str], repeat: int = 3, device: str = "cpu",
                     seed: int = 0, progress=None) -> dict:
     """Benchmark each codec spec on ``size_bytes`` of gaussian fp32 data."""
@@ -99,17 +109,47 @@ def run_codec_bench(size_bytes: int, specs: list[str], repeat: int = 3, device: 
         codec = get_codec(name, **params)
         if progress:
             progress(name)
-        encode_s, payload = best_time(lambda: codec.encode(x), repeat, xp)
-        decode_s, decoded = best_time(lambda: codec.decode(payload), repeat, xp)
-        encode_gbps, decode_gbps = x.nbytes / encode_s / 1e9, x.nbytes / decode_s / 1e9
-        results.append(CodecResult(
-            name=name, params=codec.params(), ratio=x.nbytes / max(payload.nbytes, 1),
-            payload_bytes=payload.nbytes, encode_gbps=encode_gbps, decode_gbps=decode_gbps,
-            rel_error=float(xp.linalg.norm(decoded - x)) / norm,
-            vs_memcpy=encode_gbps / memcpy_gbps, decode_vs_memcpy=decode_gbps / memcpy_gbps,
-        ))
-    return {"size_bytes": int(x.nbytes), "device": device, "repeat": repeat,
-            "memcpy_gbps": memcpy_gbps, "codecs": [asdict(r) for r in results]}
+        paths = (True, False) if device == "cuda" and name in KERNEL_CODECS else (True,)
+        for kernel in paths:
+            with cuda.kernels_on(kernel):
+                encode_s, payload = best_time(lambda: codec.encode(x), repeat, xp)
+                decode_s, decoded = best_time(lambda: codec.decode(payload), repeat, xp)
+            encode_gbps, decode_gbps = x.nbytes / encode_s / 1e9, x.nbytes / decode_s / 1e9
+            results.append(CodecResult(
+                name=name, params=codec.params(), ratio=x.nbytes / max(payload.nbytes, 1),
+                payload_bytes=payload.nbytes, encode_gbps=encode_gbps, decode_gbps=decode_gbps,
+                rel_error=float(xp.linalg.norm(decoded - x)) / norm,
+                vs_memcpy=encode_gbps / memcpy_gbps, decode_vs_memcpy=decode_gbps / memcpy_gbps, kernel=kernel,
+            ))
+            del payload, decoded
+    report = {"size_bytes": int(x.nbytes), "device": device, "repeat": repeat,
+              "memcpy_gbps": memcpy_gbps, "codecs": [asdict(r) for r in results]}
+    if device == "cuda":
+        report["device_name"] = xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+        report["transforms"] = _transform_rows(x, scratch, repeat, xp, memcpy_gbps)
+    return report
+
+
+def _transform_rows(x, base, repeat: int, xp, memcpy_gbps: float) -> list[dict]:
+    """The checkpoint's byte planes of ``x`` XORed with ``base`` and rotated by one (split),
+    and back (join), with the CUDA kernel and with array ops, checked to round-trip."""
+    from ..checkpoint.transforms import byte_planes, from_byte_planes
+
+    words, base_words = x.view(xp.uint32), base.view(xp.uint32)
+    rows = []
+    for kernel in (True, False):
+        with cuda.kernels_on(kernel):
+            split_s, planes = best_time(lambda: byte_planes(words, xp, base=base_words, rotate=1), repeat, xp)
+            join_s, back = best_time(lambda: from_byte_planes(planes, xp.uint32, xp, base=base_words, rotate=1),
+                                     repeat, xp)
+        if not bool((back == words).all()):
+            raise RuntimeError("checkpoint byte planes did not round-trip on the GPU")
+        split_gbps, join_gbps = x.nbytes / split_s / 1e9, x.nbytes / join_s / 1e9
+        rows.append({"name": "xor+rotate+byte planes", "kernel": kernel, "encode_gbps": split_gbps,
+                     "decode_gbps": join_gbps, "vs_memcpy": split_gbps / memcpy_gbps,
+                     "decode_vs_memcpy": join_gbps / memcpy_gbps})
+        del planes, back
+    return rows
 
 
 def render_table(report: dict):
@@ -119,13 +159,17 @@ def render_table(report: dict):
                         f"memcpy {report['memcpy_gbps']:.2f} GB/s; best of {report['repeat']}")
     for col in ("codec", "ratio", "enc GB/s", "dec GB/s", "enc/memcpy", "dec/memcpy", "rel err"):
         if col == "codec":
-            table.add_column(col, no_wrap=True, min_width=max(len(r["name"]) for r in report["codecs"]))
+            table.add_column(col, no_wrap=True, min_width=max(len(_label(r)) for r in report["codecs"]))
         else:
             table.add_column(col, justify="right")
-    for r in report["codecs"]:
-        table.add_row(r["name"], f"{r['ratio']:.2f}x", f"{r['encode_gbps']:.3f}", f"{r['decode_gbps']:.3f}",
-                      f"{r['vs_memcpy']:.3f}", f"{r['decode_vs_memcpy']:.3f}", f"{r['rel_error']:.2e}")
+    for r in report["codecs"] + report.get("transforms", []):
+        table.add_row(_label(r), f"{r.get('ratio', 1.0):.2f}x", f"{r['encode_gbps']:.3f}", f"{r['decode_gbps']:.3f}",
+                      f"{r['vs_memcpy']:.3f}", f"{r['decode_vs_memcpy']:.3f}", f"{r.get('rel_error', 0.0):.2e}")
     return table
+
+
+def _label(row: dict) -> str:
+    return row["name"] if row.get("kernel", True) else f"{row['name']} (torch ops)"
 
 
 
@@ -133,10 +177,12 @@ def markdown_table(report: dict) -> str:
     """The report as a Markdown table, for the README (generated, not typed)."""
     head = ["codec", "ratio", "encode GB/s", "decode GB/s", "encode / memcpy", "decode / memcpy", "rel. L2 error"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in report["codecs"]:
-        params = ", ".join(f"{k}={v}" for k, v in r["params"].items() if k in ("ratio", "bits", "levels"))
+    for r in report["codecs"] + report.get("transforms", []):
+        params = ", ".join(f"{k}={v}" for k, v in r.get("params", {}).items() if k in ("ratio", "bits", "levels"))
         name = f"{r['name']} ({params})" if params else r["name"]
+        if not r.get("kernel", True):
+            name += ", torch ops"
         lines.append("| " + " | ".join([
-            name, f"{r['ratio']:.2f}×", f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}", f"{r['vs_memcpy']:.3f}",
-            f"{r['decode_vs_memcpy']:.3f}", f"{r['rel_error']:.3g}"]) + " |")
+            name, f"{r.get('ratio', 1.0):.2f}×", f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}",
+            f"{r['vs_memcpy']:.3f}", f"{r['decode_vs_memcpy']:.3f}", f"{r.get('rel_error', 0.0):.3g}"]) + " |")
     return "\n".join(lines)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import cuda
 from ..xp import array_module, is_torch
 from . import scratch
 
@@ -84,6 +85,10 @@ def byte_planes(words, xp, base=None, rotate: int = 0, threads: int = 1):
         kernels.split_planes(np.ascontiguousarray(words), planes, width, rotate,
                              None if base is None else np.ascontiguousarray(base), threads)
         return planes
+    if cuda.enabled(words) and width > 1:  # XOR, rotation and split in one pass
+        from ..cuda import planes as gpu_planes
+
+        return gpu_planes.split(words, base, rotate)
     if base is not None:
         words = words ^ base
     if rotate:
@@ -104,6 +109,10 @@ def from_byte_planes(planes, dtype, xp, base=None, rotate: int = 0, threads: int
         kernels.join_planes([np.ascontiguousarray(row) for row in planes], words, width, rotate,
                             None if base is None else np.ascontiguousarray(base), threads)
         return words
+    if cuda.enabled(planes[0]) and width > 1:
+        from ..cuda import planes as gpu_planes
+
+        return gpu_planes.join(planes, dtype, base, rotate)
     out = xp.empty((count, width), dtype=xp.uint8)
     for j in range(width):
         out[:, j] = planes[j]

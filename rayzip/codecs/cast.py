@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from .base import Codec, Field, Payload, WireOverflowError
+from .. import cuda
 from .kernels import all_finite, bf16_bits_finite, from_bf16_bits, to_bf16_bits, to_fp16, widen
 
 __all__ = ["NoCompression", "Float16", "BFloat16"]
@@ -63,8 +64,14 @@ class _Narrowing(_Cast):
         pass
 
     def _encode(self, flat, xp):
-        values = self._narrow(flat)
-        if not self._all_finite(values, xp):
+        if cuda.enabled(flat):  # cast and check in one pass
+            from ..cuda.cast import narrow
+
+            values, finite = narrow(flat, self.name)
+        else:
+            values = self._narrow(flat)
+            finite = self._all_finite(values, xp)
+        if not finite:
             Codec._check_finite(self, flat, xp)  # NaN/Inf in the input: raises, naming the first
             raise WireOverflowError(f"{self.name}: |x| up to {float(abs(flat).max()):.4g} overflows {self.name}; "
                                     "use bf16 or none", first_index=int(xp.argmax(~xp.isfinite(self._widen(values)))))

@@ -34,6 +34,7 @@ import numpy as np
 from .base import Codec, CodecError, Field, Payload, check_int
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .kernels import all_finite, fused, fused_for
+from .. import cuda
 from ..xp import array_module
 
 __all__ = ["DCTQuant", "dct_matrix", "wire_order", "zigzag_order"]
@@ -117,8 +118,20 @@ class DCTQuant(Codec):
     def _fused(self, flat) -> bool:
         return fused_for(flat) and self.block <= 32
 
+    def _on_gpu(self, arr) -> bool:
+        return self.block == 8 and cuda.enabled(arr)
+
+    def _gpu_slots(self, xp):
+        """Each position's wire slot (-1: not sent), on the device, once."""
+        key = ("slots", xp)
+        if key not in self._device_basis:
+            from ..cuda.dct_quant import slots
+
+            self._device_basis[key] = xp.asarray(slots(wire_order(8, self.kept)))
+        return self._device_basis[key]
+
     def _kernel_checks_finite(self, flat) -> bool:
-        return self._fused(flat)
+        return self._fused(flat) or self._on_gpu(flat)
 
     def _encode(self, flat, xp):
         if self._fused(flat):  # the separable transform and quantization, block by block in C
@@ -133,6 +146,16 @@ class DCTQuant(Codec):
                     or not all_finite(tail):
                 self._check_finite(flat, xp)  # raises, with the count and the first index
             return {"scales": scales, "codes": pack_bits(codes, self.bits, np), "tail": tail}
+        if self._on_gpu(flat):  # transform, scale and quantize fused, 32 blocks a CTA
+            from ..cuda.dct_quant import encode
+
+            blocks = flat.size // 64
+            scales, codes, finite = encode(flat[: blocks * 64], self._gpu_slots(xp), self.kept, self.bits)
+            tail = flat[blocks * 64:]
+            if not finite or (tail.size and not all_finite(tail)):
+                self._check_finite(flat, xp)
+            return {"scales": scales, "codes": codes if self.bits <= 8 else pack_bits(codes, self.bits, xp),
+                    "tail": tail.copy() if tail.size else tail}
         coef = self.coefficients(flat, xp)
         peak = xp.abs(coef).max(axis=1) if coef.size else xp.zeros(0, xp.float32)
         top = 2**self.bits - 1
@@ -156,7 +179,18 @@ class DCTQuant(Codec):
                               _dct32(8), wire_order(8, self.kept), self.bits, out[:body], codes.dtype == np.uint16)
             out[body:] = payload.arrays["tail"]
             return out
-        codes = unpack_bits(payload.arrays["codes"], self.bits, scales.size * self.kept, xp)
+        if self._on_gpu(scales) and self.bits == 8:  # at 8 bits the packed bytes are the codes
+            codes = payload.arrays["codes"]
+        else:
+            codes = unpack_bits(payload.arrays["codes"], self.bits, scales.size * self.kept, xp)
+        if self._on_gpu(scales):
+            from ..cuda.dct_quant import decode
+
+            out = xp.empty(payload.numel, dtype=xp.float32)
+            decode(scales, codes, self._gpu_slots(xp), self.kept, self.bits, out=out)
+            if out.size > scales.size * 64:
+                out[scales.size * 64:] = payload.arrays["tail"]
+            return out
         coef = (codes.astype(xp.float32).reshape(scales.size, self.kept) * (2 / top) - 1) * scales[:, None]
         blocks = (coef @ self.basis(xp)).reshape(-1)
         return xp.concatenate([blocks.astype(xp.float32), payload.arrays["tail"].astype(xp.float32)])

@@ -34,8 +34,10 @@ from __future__ import annotations
 from .base import CodecError, Field, Payload, check_int, check_ratio, index_dtype, kept_count
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .sparse import VALUE_DTYPES, SparseCodec, check_value_dtype
-from .kernels import all_finite, fused_for, top_magnitude_rows
+from .kernels import all_finite, rows_kernel_for, top_magnitude_rows
 from .topk import top_magnitude
+from .. import cuda
+from ..cuda.group_topk import MAX_WIDTH, wire_rows
 from ..xp import array_module
 
 __all__ = ["GroupTopK"]
@@ -77,12 +79,15 @@ class GroupTopK(SparseCodec):
         return [indices, Field("values", VALUE_DTYPES[self.value_dtype], count)]
 
     def _kernel_checks_finite(self, flat) -> bool:
-        return fused_for(flat)
+        return rows_kernel_for(self.group_size, flat)
 
     def _encode(self, flat, xp):
         full, k, tail, k_tail = self._split(flat.size)
         body = flat[: full * self.group_size].reshape(full, self.group_size)
         rest = flat[full * self.group_size:]
+        if cuda.enabled(flat) and self.value_dtype in VALUE_DTYPES and not self.packed_indices \
+                and self.group_size <= MAX_WIDTH:
+            return self._encode_on_gpu(flat, body, rest, k_tail, xp)
         offsets, values, finite = top_magnitude_rows(body, k)
         if finite is False or (finite and not all_finite(rest)):
             self._check_finite(flat, xp)  # raises, with the count and the first index
@@ -102,6 +107,20 @@ class GroupTopK(SparseCodec):
         inverse = xp.where(scales > 0, 1 / xp.where(scales > 0, scales, 1), 0).astype(xp.float32)
         quantized = xp.rint(values.astype(xp.float32) * inverse[_group_of(values.size, k, full, xp)])
         return {"scales": scales, "indices": indices, "values": xp.clip(quantized, -127, 127).astype(xp.int8)}
+
+    def _encode_on_gpu(self, flat, body, rest, k_tail, xp):
+        """The kernel writes the wire (uint16 offsets, fp16 or fp32 values) itself: no casts
+        and no overflow pass afterwards, each of which costs a launch on the host."""
+        offsets, values, finite, fits = wire_rows(body, kept_count(self.ratio, self.group_size), self.value_dtype)
+        if not finite or (rest.size and not all_finite(rest)):
+            self._check_finite(flat, xp)  # raises, with the count and the first index
+        if not fits:
+            raise self._fp16_overflow()
+        if rest.size:
+            tail_offsets = top_magnitude(rest, k_tail, xp)
+            offsets = xp.concatenate([offsets, tail_offsets.astype(offsets.dtype)])
+            values = xp.concatenate([values, self._narrow_values(rest[tail_offsets])])
+        return {"indices": offsets, "values": values}
 
     def _to_coo(self, payload: Payload):
         arrays = payload.arrays

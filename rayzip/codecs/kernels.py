@@ -21,6 +21,8 @@ import warnings
 import numpy as np
 import torch
 
+from .. import cuda
+from ..cuda.group_topk import MAX_WIDTH
 from ..xp import as_array
 from ..xp import to_torch as _to_torch
 
@@ -29,13 +31,19 @@ try:  # the fused C encoders (setup.py); without them the torch/numpy path does 
 except ImportError:  # pragma: no cover - depends on the build
     fused = None
 
-__all__ = ["all_finite", "bf16_bits_finite", "from_bf16_bits", "fused", "fused_for", "to_bf16_bits", "to_fp16",
-           "top_magnitude_rows", "widen"]
+__all__ = ["all_finite", "bf16_bits_finite", "rows_kernel_for", "from_bf16_bits", "fused", "fused_for", "to_bf16_bits",
+           "to_fp16", "top_magnitude_rows", "widen"]
 
 
 def fused_for(arr) -> bool:
     """True when the fused C encoders can take ``arr``: built, and a host (numpy) array."""
     return fused is not None and isinstance(arr, np.ndarray)
+
+
+def rows_kernel_for(rows_width: int, arr) -> bool:
+    """True when :func:`top_magnitude_rows` runs a kernel (host C or CUDA) on rows of
+    ``arr`` that reports NaN/Inf as it reads them."""
+    return fused_for(arr) or (cuda.enabled(arr) and rows_width <= MAX_WIDTH)
 
 
 def _array(tensor: torch.Tensor):
@@ -98,6 +106,10 @@ def top_magnitude_rows(rows, k: int):
         values = np.empty((rows.shape[0], k), dtype=np.float32)
         finite = fused.group_topk(rows, rows.shape[1], k, columns, values)
         return columns, values, finite
+    if rows_kernel_for(rows.shape[1], rows):  # CUDA: one block per row, radix select in shared memory
+        from ..cuda.group_topk import top_magnitude_rows as on_gpu
+
+        return on_gpu(rows, k)
     tensor = to_torch(rows)
     picked = torch.topk(tensor.abs(), k, dim=-1, sorted=False).indices
     columns = torch.sort(picked, dim=-1).values

@@ -25,6 +25,7 @@ import numpy as np
 from .base import Codec, Field, Payload, check_int
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .kernels import fused, fused_for
+from .. import cuda
 from .seeding import call_seed, mix64
 from ..xp import array_module
 
@@ -67,6 +68,9 @@ class QSGD(Codec):
         buckets = -(-numel // self.bucket_size)
         return [Field("norms", "<f4", buckets), Field("codes", "|u1", packed_nbytes(numel, self.bits))]
 
+    def _kernel_checks_finite(self, flat) -> bool:
+        return cuda.enabled(flat)
+
     def _buckets(self, flat, xp):
         buckets = -(-flat.size // self.bucket_size)
         padded = xp.zeros(buckets * self.bucket_size, dtype=xp.float32)
@@ -82,6 +86,13 @@ class QSGD(Codec):
             codes = np.empty(flat.size, dtype=np.uint16 if wide else np.uint8)
             fused.qsgd(flat, self.bucket_size, self.levels, seed, norms, codes, wide)
             return {"norms": norms, "codes": pack_bits(codes, self.bits, np)}
+        if cuda.enabled(flat):  # a block per bucket: norm, noise and codes in one pass
+            from ..cuda.qsgd import encode
+
+            norms, codes, finite = encode(flat, self.bucket_size, self.levels, seed, self.bits)
+            if not finite:
+                self._check_finite(flat, xp)
+            return {"norms": norms, "codes": pack_bits(codes, self.bits, xp)}
         rows = self._buckets(flat, xp)
         norms = xp.sqrt(xp.einsum("ij,ij->i", rows, rows, dtype=xp.float32))
         scale = xp.where(norms > 0, self.levels / xp.where(norms > 0, norms, 1), 0).astype(xp.float32)
@@ -102,7 +113,13 @@ class QSGD(Codec):
         norms, packed = payload.arrays["norms"], payload.arrays["codes"]
         xp = array_module(norms)
         n = payload.numel
-        level = unpack_bits(packed, self.bits, n, xp).astype(xp.float32) - self.levels
+        if cuda.enabled(norms):
+            from ..cuda.qsgd import decode
+
+            codes = packed if self.bits == 8 else unpack_bits(packed, self.bits, n, xp)  # 8 bits: the codes
+            return decode(norms, codes, self.bucket_size, self.levels, n)
+        codes = unpack_bits(packed, self.bits, n, xp)
+        level = codes.astype(xp.float32) - self.levels
         padded = xp.zeros(norms.size * self.bucket_size, dtype=xp.float32)
         padded[:n] = level
         rows = padded.reshape(norms.size, self.bucket_size) * (norms / self.levels)[:, None]

@@ -87,11 +87,12 @@ class SparseCodec(Codec):
     def _narrow_values(self, values):
         """Cast kept values to the wire dtype; fp16 refuses what it cannot hold."""
         if self.value_dtype == "fp16" and values.size and float(abs(values).max()) > FP16_MAX:
-            raise WireOverflowError(
-                f"{self.name}: kept values exceed the fp16 range (|x| > {FP16_MAX}); "
-                "use value_dtype='fp32'"
-            )
+            raise self._fp16_overflow()
         return values.astype(VALUE_DTYPES[self.value_dtype])
+
+    def _fp16_overflow(self) -> WireOverflowError:
+        return WireOverflowError(f"{self.name}: kept values exceed the fp16 range (|x| > {FP16_MAX}); "
+                                 "use value_dtype='fp32'")
 
     def aggregate(self, payloads: list[Payload]) -> Payload:
         """Sum sparse payloads into one ``coo`` payload (union of indices)."""
