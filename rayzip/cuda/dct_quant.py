@@ -37,20 +37,25 @@ def _common() -> str:
 __constant__ float cs[64] = {""" + values + "};\n"
 
 _ENCODE = r"""
-// PACK (bits <= 8): the CTA stages its 32 blocks' codes in shared memory and writes them
-// bit-packed (rayzip.codecs.bitpack's little-endian stream); a CTA's codes start on a byte,
-// since 32 * kept * bits is a multiple of 8. Otherwise each code is written as a Code.
-template <typename Code, bool PACK>
-__device__ void encode(const float* __restrict__ x, long long blocks, const int* __restrict__ slot, int kept,
-                       int bits, float* __restrict__ scales, Code* __restrict__ codes, int* __restrict__ nonfinite) {
+// MODE 0: codes over 8 bits, written as uint16 for pack_bits. MODE 1: 8-bit codes, which are
+// the packed stream, written in place. MODE 2: fewer bits: the CTA stages its 32 blocks' codes
+// in shared memory and writes them bit-packed (rayzip.codecs.bitpack's little-endian stream);
+// a CTA's codes start on a byte, since 32 * kept * bits is a multiple of 8.
+// FULL: every coefficient is sent, in row-major order (keep = 1), so no slot table is read.
+#define MODE %(mode)d
+#define FULL %(full)d
+typedef %(code_t)s code_t;
+extern "C" __global__ void dct_encode(const float* __restrict__ x, long long blocks, const int* __restrict__ slot,
+                                      int kept, int bits, float* __restrict__ scales, code_t* __restrict__ codes,
+                                      int* __restrict__ nonfinite) {
     __shared__ float tile[BLOCKS_PER_CTA][65];      // 65: rows of a tile fall in different banks
     __shared__ int slots[64];
-    __shared__ unsigned char staged[PACK ? BLOCKS_PER_CTA * 64 : 1];
+    __shared__ unsigned char staged[MODE == 2 ? BLOCKS_PER_CTA * 64 : 1];
     const int t = threadIdx.x, b = t >> 3, r = t & 7;
     const long long first = (long long)blockIdx.x * BLOCKS_PER_CTA;
     const int here = (int)min((long long)BLOCKS_PER_CTA, blocks - first);
     const bool live = b < here;
-    for (int i = t; i < 64; i += blockDim.x) slots[i] = slot[i];
+    if (!FULL) for (int i = t; i < 64; i += blockDim.x) slots[i] = slot[i];
     if (live) {                                       // row r of block b: y[u] = sum_c C[u][c] x[r][c]
         const float* src = x + (first + b) * 64 + r * 8;
         float row[8];
@@ -83,7 +88,7 @@ __device__ void encode(const float* __restrict__ x, long long blocks, const int*
 #pragma unroll
             for (int rr = 0; rr < 8; ++rr) s += cs[v * 8 + rr] * column[rr];
             z[v] = s;
-            if (slots[v * 8 + r] >= 0) peak = fmaxf(peak, fabsf(s));
+            if (FULL || slots[v * 8 + r] >= 0) peak = fmaxf(peak, fabsf(s));
         }
     }
     for (int o = 1; o < 8; o <<= 1) peak = fmaxf(peak, __shfl_xor_sync(0xffffffffu, peak, o));
@@ -94,39 +99,39 @@ __device__ void encode(const float* __restrict__ x, long long blocks, const int*
         const float top = (float)((1 << bits) - 1), half = top / 2.f;
 #pragma unroll
         for (int v = 0; v < 8; ++v) {
-            const int s = slots[v * 8 + r];
+            const int s = FULL ? v * 8 + r : slots[v * 8 + r];
             if (s < 0) continue;
             float q = rintf((z[v] * inverse + 1.f) * half);
             q = fminf(fmaxf(q, 0.f), top);
-            if (PACK) staged[b * kept + s] = (unsigned char)q;
-            else codes[block * kept + s] = (Code)q;
+            if (MODE == 2) staged[b * kept + s] = (unsigned char)q;
+            else codes[block * kept + s] = (code_t)q;
         }
     }
-    if (PACK) {
+    if (MODE == 2) {
         __syncthreads();
         const int count = here * kept, nbytes = (count * bits + 7) / 8;
         unsigned char* out = (unsigned char*)codes + first * kept * bits / 8;
-        for (int byte = t; byte < nbytes; byte += blockDim.x) {
-            int i = byte * 8 / bits, skip = byte * 8 - i * bits, have = 0;
-            unsigned int v = 0;
-            while (have < 8 && i < count) {
-                v |= ((unsigned int)staged[i] >> skip) << have;
-                have += bits - skip;
-                skip = 0;
-                ++i;
+        if (8 %% bits == 0) {                          // whole codes per byte: no division
+            const int per = 8 / bits;
+            for (int byte = t; byte < nbytes; byte += blockDim.x) {
+                unsigned int v = 0;
+                for (int j = 0, i = byte * per; j < per && i < count; ++j, ++i) v |= (unsigned int)staged[i] << (j * bits);
+                out[byte] = (unsigned char)v;
             }
-            out[byte] = (unsigned char)v;
+        } else {
+            for (int byte = t; byte < nbytes; byte += blockDim.x) {
+                int i = byte * 8 / bits, skip = byte * 8 - i * bits, have = 0;
+                unsigned int v = 0;
+                while (have < 8 && i < count) {
+                    v |= ((unsigned int)staged[i] >> skip) << have;
+                    have += bits - skip;
+                    skip = 0;
+                    ++i;
+                }
+                out[byte] = (unsigned char)v;
+            }
         }
     }
-}
-
-extern "C" __global__ void dct_encode_packed(const float* x, long long blocks, const int* slot, int kept, int bits,
-                                             float* scales, unsigned char* packed, int* nonfinite) {
-    encode<unsigned char, true>(x, blocks, slot, kept, bits, scales, packed, nonfinite);
-}
-extern "C" __global__ void dct_encode_u16(const float* x, long long blocks, const int* slot, int kept, int bits,
-                                          float* scales, unsigned short* codes, int* nonfinite) {
-    encode<unsigned short, false>(x, blocks, slot, kept, bits, scales, codes, nonfinite);
 }
 """
 
@@ -218,8 +223,10 @@ def encode(body, slot, kept: int, bits: int):
              else cupy.empty(blocks * kept, dtype=cupy.uint16))
     nonfinite = cupy.zeros(1, dtype=cupy.int32)
     if blocks:
-        name = "dct_encode_packed" if bits <= 8 else "dct_encode_u16"
-        raw_kernel(_common() + _ENCODE, name)((-(-blocks // 32),), (_THREADS,), (
+        mode = 0 if bits > 8 else 1 if bits == 8 else 2
+        source = _common() + _ENCODE % {"mode": mode, "full": int(kept == 64),
+                                        "code_t": "unsigned short" if mode == 0 else "unsigned char"}
+        raw_kernel(source, "dct_encode")((-(-blocks // 32),), (_THREADS,), (
             cupy.ascontiguousarray(body, dtype=cupy.float32), cupy.int64(blocks), slot, cupy.int32(kept),
             cupy.int32(bits), scales, codes, nonfinite))
     return scales, codes, not bool(nonfinite.get()[0])

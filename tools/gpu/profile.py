@@ -37,7 +37,8 @@ from rayzip.cuda import raw_kernel
 from rayzip.cuda import dct_quant, group_topk, qsgd
 
 for label, source, name in [
-        ("dct encode", dct_quant._common() + dct_quant._ENCODE, "dct_encode_packed"),
+        ("dct encode", dct_quant._common() + dct_quant._ENCODE % {"mode": 1, "full": 1, "code_t": "unsigned char"},
+         "dct_encode"),
         ("group top-k", group_topk._SOURCE % {"per": 32, "column_t": "unsigned short", "value_t": "unsigned short"},
          "group_topk"),
         ("qsgd warp", qsgd._ENCODE % {"pairs": 8}, "qsgd_warp_u8")]:
