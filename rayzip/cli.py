@@ -308,6 +308,10 @@ def bench_codecs(
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2)
     console.print(render_table(report))
+    if "sparse_sum" in report:
+        sums = report["sparse_sum"]
+        console.print(f"sparse chunk sum, 2 x {sums['entries_each']} entries: merge kernel {sums['kernel_ms']:.3f} ms, "
+                      f"array ops {sums['array_ops_ms']:.3f} ms ({sums['speedup']:.1f}x)")
     _write_report(report, json_path)
 
 

@@ -159,7 +159,7 @@ def test_kernels_equal_the_torch_ops_on_the_gpu():
         with cuda.kernels_on(False):
             want = codec.decode(slow)
         torch.testing.assert_close(decoded, want, rtol=0, atol=0)
-    for bits, keep in ((8, 1.0), (4, 1.0), (12, 1.0), (8, 0.25), (3, 0.3)):
+    for bits, keep in ((8, 1.0), (4, 1.0), (2, 1.0), (12, 1.0), (8, 0.25), (3, 0.3), (3, 1.0)):
         params = {"bits": bits, "keep": keep}
         fast, slow = _gpu_pair("dct_quant", params, x)
         np.testing.assert_allclose(cupy.asnumpy(fast.arrays["scales"]), cupy.asnumpy(slow.arrays["scales"]),
@@ -293,3 +293,24 @@ def test_narrowing_kernels_round_as_torch_does_and_report_overflow():
         get_codec("fp16").encode(torch.tensor([1.0, 70000.0, 2.0], device="cuda"))
     with pytest.raises(NonFiniteError, match="first at flat index 1"):
         get_codec("bf16").encode(torch.tensor([1.0, float("nan"), 2.0], device="cuda"))
+
+
+def test_chunk_sum_by_merging_equals_the_sorting_one():
+    from rayzip import cuda
+    from rayzip.comm.ring import Chunk
+
+    rng = np.random.default_rng(5)
+    span = 1_000_003
+    for sizes in ((20_000, 30_000), (0, 500), (500, 0), (1, 1)):
+        shared = rng.choice(span, min(sizes) // 2, replace=False)
+        chunks = []
+        for size in sizes:
+            indices = np.unique(np.concatenate([shared, rng.choice(span, size - shared.size, replace=False)]))
+            values = rng.standard_normal(indices.size, dtype=np.float32)
+            chunks.append(Chunk(span, cupy.asarray(indices), cupy.asarray(values)))
+        results = []
+        for kernel in (True, False):
+            with cuda.kernels_on(kernel):
+                results.append(chunks[0].add(chunks[1]))
+        np.testing.assert_array_equal(cupy.asnumpy(results[0].indices), cupy.asnumpy(results[1].indices))
+        np.testing.assert_array_equal(cupy.asnumpy(results[0].values), cupy.asnumpy(results[1].values))

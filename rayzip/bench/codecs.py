@@ -127,7 +127,32 @@ def run_codec_bench(size_bytes: int, specs: list[str], repeat: int = 3, device: 
     if device == "cuda":
         report["device_name"] = xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
         report["transforms"] = _transform_rows(x, scratch, repeat, xp, memcpy_gbps)
+        report["sparse_sum"] = _sparse_sum(numel, repeat, xp, seed)
     return report
+
+
+def _sparse_sum(numel: int, repeat: int, xp, seed: int) -> dict:
+    """The ring's chunk accumulation on the GPU: two chunks of 1% of ``numel`` entries each,
+    half of their indices shared, summed by the merge kernel and by the array ops (sort)."""
+    from ..comm.ring import Chunk
+
+    rng = np.random.default_rng(seed + 1)
+    entries = max(1, numel // 100)
+    shared = rng.choice(numel, entries // 2, replace=False)
+    chunks = []
+    for _ in range(2):
+        own = rng.choice(numel, entries - shared.size, replace=False)
+        indices = np.unique(np.concatenate([shared, own]))
+        chunks.append(Chunk(numel, xp.asarray(indices), xp.asarray(rng.standard_normal(indices.size, dtype=np.float32))))
+    times = {}
+    for kernel in (True, False):
+        with cuda.kernels_on(kernel):
+            times[kernel], total = best_time(lambda: chunks[0].add(chunks[1]), repeat, xp)
+        if not kernel and not (bool((total.indices == merged.indices).all()) and bool((total.values == merged.values).all())):
+            raise RuntimeError("the merge kernel's chunk sum differs from the array ops'")
+        merged = total
+    return {"entries_each": int(entries), "kernel_ms": times[True] * 1e3, "array_ops_ms": times[False] * 1e3,
+            "speedup": times[False] / times[True]}
 
 
 def _transform_rows(x, base, repeat: int, xp, memcpy_gbps: float) -> list[dict]:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import cuda
 from ..codecs.sparse import VALUE_DTYPES, coo_sum
 from ..xp import array_module, as_array, to_torch
 
@@ -62,6 +63,10 @@ class Chunk:
             else:
                 total[other.indices] += other.values
             return Chunk(self.span, None, total)
+        if cuda.enabled(self.values):  # both sorted: merge, do not sort again
+            from ..cuda.sparse import merge_sum
+
+            return Chunk(self.span, *merge_sum(self.indices, self.values, other.indices, other.values))
         indices, values = coo_sum(xp.concatenate([self.indices, other.indices]),
                                   xp.concatenate([self.values, other.values]), xp)
         return Chunk(self.span, indices, values)

@@ -24,6 +24,15 @@ MAX_WIDTH = 2048  # a row lives in its warp's registers: 64 words a lane at most
 _SOURCE = r"""
 #define PER %(per)d   // words of a row each lane holds: ceil(width / 32)
 #define FULL 0xffffffffu
+#if __CUDA_ARCH__ >= 800
+#define WARP_SUM(v) __reduce_add_sync(FULL, (v))
+#else
+__device__ __forceinline__ unsigned int warp_sum(unsigned int v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+#define WARP_SUM(v) warp_sum(v)
+#endif
 typedef %(column_t)s column_t;   // int64 for the codec's own use, uint16 for the wire
 typedef %(value_t)s value_t;     // float, or the fp16 bits of the wire
 // flags: 1 a NaN/Inf in the rows, 2 a kept value beyond fp16's range (when the values are fp16)
@@ -58,12 +67,12 @@ extern "C" __global__ void group_topk(const unsigned int* __restrict__ rows, int
         int count = 0;
 #pragma unroll
         for (int j = 0; j < PER; ++j) count += key[j] >= candidate;
-        if ((int)__reduce_add_sync(FULL, (unsigned int)count) >= k) threshold = candidate;
+        if ((int)WARP_SUM((unsigned int)count) >= k) threshold = candidate;
     }
     int above_all = 0;
 #pragma unroll
     for (int j = 0; j < PER; ++j) above_all += key[j] > threshold;
-    const unsigned int wanted = k - (int)__reduce_add_sync(FULL, (unsigned int)above_all);  // equal keys taken
+    const unsigned int wanted = k - (int)WARP_SUM((unsigned int)above_all);  // equal keys taken
     // Choices in column order: an entry's slot is the count of choices before it, those
     // above the threshold and the equal ones as far as they are wanted (the lowest columns).
     const unsigned int before = (1u << lane) - 1u;

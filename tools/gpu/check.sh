@@ -19,11 +19,11 @@ if python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1; then echo "h
 else echo "host C kernels NOT built (the numpy/torch paths run on the host):"; tail -3 "$OUT/build.log"; fi
 if want tests; then
   echo "=== GPU tests"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
 fi
 if want bench; then
   echo "=== rayzip bench codecs --device cuda --size 256M"
-  timeout 150 python3 -m rayzip bench codecs --device cuda --size 256M --repeat 20 \
+  timeout 90 python3 -m rayzip bench codecs --device cuda --size 256M --repeat 20 \
     --codecs "none;fp16;bf16;topk:ratio=0.01;randomk:ratio=0.01;group_topk:ratio=0.01;qsgd;dct_quant;dct_quant:bits=4" \
     --json "$OUT/bench-codecs-cuda.json" 2>&1 | tail -30
 fi
