@@ -194,7 +194,7 @@ def render_table(report: dict):
 
 
 def _label(row: dict) -> str:
-    return row["name"] if row.get("kernel", True) else f"{row['name']} (torch ops)"
+    return row["name"] if row.get("kernel", True) else f"{row['name']} (no kernel)"
 
 
 
@@ -206,7 +206,7 @@ def markdown_table(report: dict) -> str:
         params = ", ".join(f"{k}={v}" for k, v in r.get("params", {}).items() if k in ("ratio", "bits", "levels"))
         name = f"{r['name']} ({params})" if params else r["name"]
         if not r.get("kernel", True):
-            name += ", torch ops"
+            name += ", no kernel"
         lines.append("| " + " | ".join([
             name, f"{r.get('ratio', 1.0):.2f}×", f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}",
             f"{r['vs_memcpy']:.3f}", f"{r['decode_vs_memcpy']:.3f}", f"{r.get('rel_error', 0.0):.3g}"]) + " |")
