@@ -24,6 +24,7 @@ Usage::
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 from functools import lru_cache
 
@@ -102,10 +103,15 @@ def share_torch_allocator() -> bool:
 
 @contextmanager
 def torch_stream(device=None):
-    """cupy work inside the block is queued on torch's current stream of ``device``."""
+    """cupy work inside the block is queued on torch's current stream of ``device``, so that
+    it reads what torch queued before it and torch reads its results in order. Nothing to do
+    where cupy was never imported (no CUDA array has crossed the seam)."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        yield
+        return
     import torch
 
-    cupy = _cupy()
     stream = torch.cuda.current_stream(device)
     with cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index or 0):
         yield

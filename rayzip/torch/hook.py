@@ -37,7 +37,6 @@ With AMP's ``GradScaler``, pass it so that residuals follow the loss scale::
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
 import bisect
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import cuda
 from ..codecs import NonFiniteError, WireOverflowError, get_codec
 from ..codecs.base import find_nonfinite
 from ..codecs.kernels import all_finite
@@ -666,13 +666,8 @@ def _side_stream(state: CompressionState):
         return
     if state._stream is None:
         state._stream = torch.cuda.Stream(device=device)
-    with torch.cuda.device(device), torch.cuda.stream(state._stream):
-        cupy = sys.modules.get("cupy")
-        if cupy is None:
-            yield
-            return
-        with cupy.cuda.ExternalStream(state._stream.cuda_stream, device.index or 0):
-            yield
+    with torch.cuda.device(device), torch.cuda.stream(state._stream), cuda.torch_stream(device):
+        yield
 
 
 def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

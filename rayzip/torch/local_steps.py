@@ -47,6 +47,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from .. import cuda
 from ..codecs import NonFiniteError
 from ..codecs.kernels import all_finite
 from ..spec import CompressionSpec
@@ -326,7 +327,7 @@ class _InFlight:
             if stream is None:
                 self._result = call()
             else:
-                with torch.cuda.stream(stream):
+                with torch.cuda.stream(stream), cuda.torch_stream(stream.device):  # cupy's work too
                     self._result = call()
         except BaseException as exc:  # handed to the caller's thread
             self._error = exc
