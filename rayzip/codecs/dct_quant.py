@@ -170,19 +170,16 @@ class DCTQuant(Codec):
         scales = payload.arrays["scales"]
         xp = array_module(scales)
         top = 2**self.bits - 1
+        codes = payload.arrays["codes"]  # read only: at 8 bits the packed bytes are the codes
+        if self.bits != 8:
+            codes = unpack_bits(codes, self.bits, scales.size * self.kept, xp)
         if self.block == 8 and fused_for(scales) and hasattr(fused, "dct_dequant"):
-            codes = payload.arrays["codes"]  # read only: at 8 bits the packed bytes are the codes
-            codes = codes if self.bits == 8 else unpack_bits(codes, self.bits, scales.size * self.kept, xp)
             out = np.empty(payload.numel, dtype=np.float32)
             body = scales.size * 64
             fused.dct_dequant(np.ascontiguousarray(scales, dtype=np.float32), np.ascontiguousarray(codes),
                               _dct32(8), wire_order(8, self.kept), self.bits, out[:body], codes.dtype == np.uint16)
             out[body:] = payload.arrays["tail"]
             return out
-        if self._on_gpu(scales) and self.bits == 8:  # at 8 bits the packed bytes are the codes
-            codes = payload.arrays["codes"]
-        else:
-            codes = unpack_bits(payload.arrays["codes"], self.bits, scales.size * self.kept, xp)
         if self._on_gpu(scales):
             from ..cuda.dct_quant import decode
 

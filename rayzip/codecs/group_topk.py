@@ -87,7 +87,7 @@ class GroupTopK(SparseCodec):
         rest = flat[full * self.group_size:]
         if cuda.enabled(flat) and self.value_dtype in VALUE_DTYPES and not self.packed_indices \
                 and self.group_size <= MAX_WIDTH:
-            return self._encode_on_gpu(flat, body, rest, k_tail, xp)
+            return self._encode_on_gpu(flat, body, rest, k, k_tail, xp)
         offsets, values, finite = top_magnitude_rows(body, k)
         if finite is False or (finite and not all_finite(rest)):
             self._check_finite(flat, xp)  # raises, with the count and the first index
@@ -108,10 +108,10 @@ class GroupTopK(SparseCodec):
         quantized = xp.rint(values.astype(xp.float32) * inverse[_group_of(values.size, k, full, xp)])
         return {"scales": scales, "indices": indices, "values": xp.clip(quantized, -127, 127).astype(xp.int8)}
 
-    def _encode_on_gpu(self, flat, body, rest, k_tail, xp):
+    def _encode_on_gpu(self, flat, body, rest, k, k_tail, xp):
         """The kernel writes the wire (uint16 offsets, fp16 or fp32 values) itself: no casts
         and no overflow pass afterwards, each of which costs a launch on the host."""
-        offsets, values, finite, fits = wire_rows(body, kept_count(self.ratio, self.group_size), self.value_dtype)
+        offsets, values, finite, fits = wire_rows(body, k, self.value_dtype)
         if not finite or (rest.size and not all_finite(rest)):
             self._check_finite(flat, xp)  # raises, with the count and the first index
         if not fits:

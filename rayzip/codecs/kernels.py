@@ -106,7 +106,7 @@ def top_magnitude_rows(rows, k: int):
         values = np.empty((rows.shape[0], k), dtype=np.float32)
         finite = fused.group_topk(rows, rows.shape[1], k, columns, values)
         return columns, values, finite
-    if rows_kernel_for(rows.shape[1], rows):  # CUDA: one block per row, radix select in shared memory
+    if rows_kernel_for(rows.shape[1], rows):  # CUDA: a warp per row, the threshold by a binary search
         from ..cuda.group_topk import top_magnitude_rows as on_gpu
 
         return on_gpu(rows, k)

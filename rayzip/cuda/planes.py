@@ -62,10 +62,6 @@ KERNELS(unsigned long long, u64)
 _NAMES = {2: "u16", 4: "u32", 8: "u64"}
 
 
-def supported(words) -> bool:
-    return words.dtype.itemsize in _NAMES
-
-
 def _base(base, like):
     """(base words, whether there is a base): without one, ``like`` stands in, unread."""
     import cupy
