@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from rayzip import checkpoint
 from rayzip.checkpoint import CheckpointError, codecs, transforms
 from rayzip.checkpoint.codecs import Planes, Prefix
+from rayzip.checkpoint.store import write_manifest
 from rayzip.checkpoint.transforms import tensor_words
 from rayzip.cli import app
 
@@ -276,7 +277,7 @@ def test_a_large_tensor_is_the_same_bytes_on_any_threads_and_restores_on_any(tmp
     state = {"model": {"w": torch.randn(1500, 1500, generator=torch.Generator().manual_seed(0))}}
     one, blobs_one = checkpoint.encode(state, threads=1)
     two, blobs_two = checkpoint.encode(state, threads=2)
-    assert b"".join(blobs_one) == b"".join(blobs_two) and one["version"] == 4
+    assert b"".join(blobs_one) == b"".join(blobs_two) and one["version"] == checkpoint.store.VERSION
     streams = one["tensors"]["/model/w"]["streams"]
     assert any(s["coding"] == "huffman" and s["nbytes"] >= 2 << 20 for s in streams)
     for threads in (1, 2, 3):
@@ -430,7 +431,7 @@ def test_adam_second_moment_is_coded_by_its_rows_and_columns(tmp_path):
                           codecs.Factored)
     assert not isinstance(codecs.choose(words, None, "float32", np, True, (v.numel(),)), codecs.Factored)
     checkpoint.save(tmp_path / "c", {"optimizer": {"state": {0: {"exp_avg_sq": v}}}, "model": {"w": weights}})
-    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    manifest = checkpoint.read_manifest(tmp_path / "c")
     entry = manifest["tensors"]["/optimizer/state/0/exp_avg_sq"]
     assert entry["codec"] == "factored" and entry["params"] == {"columns": 384}
     assert manifest["tensors"]["/model/w"]["codec"] != "factored"
@@ -449,7 +450,7 @@ def test_a_tensor_changed_everywhere_since_its_base_is_coded_alone(tmp_path):
     state = {"model": {"w": weights + 1e-6 * torch.randn(256, 384, generator=gen)},
              "optimizer": {"state": {0: {"exp_avg_sq": adam_second_moment(256, 384, 2)}}}}
     checkpoint.save(tmp_path / "c", state, base=tmp_path / "base")
-    tensors = json.loads((tmp_path / "c" / "manifest.json").read_text())["tensors"]
+    tensors = checkpoint.read_manifest(tmp_path / "c")["tensors"]
     assert tensors["/model/w"]["delta"] is True
     moment = tensors["/optimizer/state/0/exp_avg_sq"]
     assert moment["delta"] is False and moment["codec"] == "factored"
@@ -477,7 +478,7 @@ def test_threads_write_the_same_bytes(tmp_path):
 def test_a_huffman_checkpoint_without_the_kernels_is_a_clear_error(tmp_path):
     checkpoint.save(tmp_path / "c", adam_state(0)(3))
     assert any(s["coding"] == "huffman" for e in checkpoint.inspect(tmp_path / "c")["tensors"] for s in
-               json.loads((tmp_path / "c" / "manifest.json").read_text())["tensors"][e["name"]]["streams"])
+               checkpoint.read_manifest(tmp_path / "c")["tensors"][e["name"]]["streams"])
     with engine("numpy"), pytest.raises(CheckpointError, match="C kernels are not built"):
         checkpoint.load(tmp_path / "c")
 
@@ -531,7 +532,7 @@ def _saved(tmp_path):
 
 def test_a_flipped_byte_names_the_file_and_the_tensor(tmp_path):
     path, info = _saved(tmp_path)
-    manifest = json.loads((path / "manifest.json").read_text())
+    manifest = checkpoint.read_manifest(path)
     stream = manifest["tensors"]["/optimizer/m"]["streams"][0]
     data = bytearray((path / "tensors.bin").read_bytes())
     data[stream["offset"] + stream["stored"] // 2] ^= 0x10
@@ -544,7 +545,7 @@ def test_a_flipped_byte_names_the_file_and_the_tensor(tmp_path):
 
 def test_a_truncated_file_names_the_first_tensor_cut(tmp_path):
     path, info = _saved(tmp_path)
-    manifest = json.loads((path / "manifest.json").read_text())
+    manifest = checkpoint.read_manifest(path)
     cut = manifest["tensors"]["/optimizer/m"]["streams"][0]["offset"] + 1
     (path / "tensors.bin").write_bytes((path / "tensors.bin").read_bytes()[:cut])
     with pytest.raises(CheckpointError, match=r"tensors\.bin: .*truncated.*'/optimizer/m'"):
@@ -643,24 +644,22 @@ def test_delta_chain_keeps_the_registered_checkpoints_base_until_a_newer_one_is_
 
 def test_hundreds_of_small_tensors_round_trip_in_batches_each_with_its_own_entry(tmp_path, monkeypatch):
     """Biases and norms are coded a batch per task, not a task each (issue 21)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from rayzip.checkpoint import store
+    from rayzip.checkpoint import crew
 
     submitted = []
-    original = ThreadPoolExecutor.submit
+    original = crew._Helpers.submit
 
-    def counting(self, fn, *args, **kwargs):
+    def counting(self, fn, *args):
         submitted.append(fn)
-        return original(self, fn, *args, **kwargs)
+        return original(self, fn, *args)
 
-    monkeypatch.setattr(ThreadPoolExecutor, "submit", counting)
+    monkeypatch.setattr(crew._Helpers, "submit", counting)
     gen = torch.Generator().manual_seed(0)
     state = {"model": {f"layer{i}.{kind}": torch.randn(384, generator=gen) for i in range(150)
                        for kind in ("weight", "bias")},
              "big": torch.randn(1 << 18, generator=gen)}
     checkpoint.save(tmp_path / "c", state, threads=2)
-    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    manifest = checkpoint.read_manifest(tmp_path / "c")
     assert len(manifest["tensors"]) == 301
     # 300 small tensors: a handful of batch tasks, not 300 (plus the big one's own tasks).
     assert len(submitted) < 30, len(submitted)
@@ -711,13 +710,16 @@ def _many_small_tensors():
 def test_small_tensors_are_coded_together_each_restored_and_named_exactly(tmp_path):
     state = _many_small_tensors()
     manifest = checkpoint.save(tmp_path / "c", state)
-    # Weights and optimizer state are packed apart; the large tensor has its own streams.
-    assert len(manifest["packs"]) == 2
+    # Weights and optimizer state are packed apart, and by family (the layer norms' weights
+    # apart from their biases); the large tensor has its own streams.
+    families = sorted(sorted({name.rsplit(".", 1)[-1].rsplit("/", 1)[-1] for name in pack["members"]})
+                      for pack in manifest["packs"])
+    assert families == [["bias"], ["exp_avg"], ["step"], ["weight"]], families
     small = {name: e for name, e in manifest["tensors"].items() if name != "/model/embed.weight"}
     assert all(e["codec"] == "packed" and not e["streams"] for e in small.values())
     assert manifest["tensors"]["/model/embed.weight"]["streams"]
     streams = sum(len(e["streams"]) for e in [*manifest["tensors"].values(), *manifest["packs"]])
-    assert streams <= 16, streams  # 160 small tensors: a few streams in all, not 4 each
+    assert streams <= 4 * (len(manifest["packs"]) + 1), streams  # 160 small tensors: 4 streams a pack, not 4 each
     back = checkpoint.load(tmp_path / "c")
     for name, value in state["model"].items():
         assert_bit_exact(value, back["model"][name], name)
@@ -732,8 +734,8 @@ def test_small_tensors_are_coded_together_each_restored_and_named_exactly(tmp_pa
     data = bytearray((tmp_path / "c" / "tensors.bin").read_bytes())
     data[stream["offset"] + stream["stored"] // 2] ^= 0x04
     (tmp_path / "c" / "tensors.bin").write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"tensors\.bin: tensors '/model/blocks\.0\.ln\.weight', "
-                                              r"'/model/blocks\.0\.ln\.bias', .* and 77 more \(coded together\): .*checksum"):
+    with pytest.raises(CheckpointError, match=r"tensors\.bin: tensors '/model/blocks\.0\.ln\.bias', "
+                                              r"'/model/blocks\.1\.ln\.bias', .* and 37 more \(coded together\): .*checksum"):
         checkpoint.load(tmp_path / "c")
 
 
@@ -758,7 +760,97 @@ def test_a_version_2_checkpoint_without_packs_still_loads(tmp_path, monkeypatch)
     assert not manifest["packs"]
     del manifest["packs"]
     manifest["version"] = 2
-    (tmp_path / "c" / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(tmp_path / "c", manifest)
     back = checkpoint.load(tmp_path / "c")
     assert_bit_exact(state["model"]["blocks.3.ln.bias"], back["model"]["blocks.3.ln.bias"])
     assert checkpoint.verify(tmp_path / "c")["tensors"] == 161
+
+
+def test_the_manifest_is_compressed_and_version_4_plain_manifests_still_load(tmp_path):
+    state = _many_small_tensors()
+    manifest = checkpoint.save(tmp_path / "c", state)
+    stored = (tmp_path / "c" / "manifest.json.zst").read_bytes()
+    plain = json.dumps(manifest, separators=(",", ":")).encode()
+    assert not (tmp_path / "c" / "manifest.json").exists() and len(stored) < len(plain) / 4
+    assert checkpoint.read_manifest(tmp_path / "c") == manifest
+    # A version-4 checkpoint: the same tensors.bin, its manifest plain JSON.
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps({**manifest, "version": 4}))
+    (tmp_path / "c" / "manifest.json.zst").unlink()
+    back = checkpoint.load(tmp_path / "c")
+    for name, value in state["model"].items():
+        assert_bit_exact(value, back["model"][name], name)
+    # Saving over it leaves only the new manifest.
+    checkpoint.save(tmp_path / "c", state)
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["manifest.json.zst", "tensors.bin"]
+
+
+def test_a_damaged_manifest_names_its_file(tmp_path):
+    checkpoint.save(tmp_path / "c", {"w": torch.randn(1000)})
+    path = tmp_path / "c" / "manifest.json.zst"
+    stored = bytearray(path.read_bytes())
+    for damaged in (stored[: len(stored) // 2], b"{}", stored[:4] + b"\x00" * (len(stored) - 4)):
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(CheckpointError, match=r"manifest\.json\.zst: (manifest cannot be decompressed|not a)"):
+            checkpoint.load(tmp_path / "c")
+
+
+def test_a_save_on_two_threads_finishes_while_its_helper_is_held_elsewhere(tmp_path):
+    """The calling thread runs queued calls itself while it waits: a helper that is asleep,
+    slow to wake or busy with another checkpoint never holds a save up."""
+    import threading
+    import time
+
+    from rayzip.checkpoint import crew
+
+    release = threading.Event()
+    blocker = crew._helpers(1).submit(release.wait)
+    while not blocker.running():  # the helper holds it (the caller must not take it: it never ends)
+        time.sleep(0.001)
+    state = _many_small_tensors()
+    state["model"]["large"] = torch.randn(3 << 20, generator=torch.Generator().manual_seed(1))
+    done = {}
+
+    def round_trip():
+        manifest, blobs = checkpoint.encode(state, threads=2)
+        done["back"] = checkpoint.decode(manifest, blobs, threads=2)
+
+    worker = threading.Thread(target=round_trip, daemon=True)
+    try:
+        worker.start()
+        worker.join(timeout=60)
+        assert "back" in done, "a two-thread save waited for its held helper"
+        assert not blocker.done()
+    finally:
+        release.set()
+        blocker.result(timeout=10)
+    for name, value in state["model"].items():
+        assert_bit_exact(value, done["back"]["model"][name], name)
+
+
+def test_a_family_takes_its_largest_tensors_codec_whichever_thread_arrives_first(tmp_path, monkeypatch):
+    """The bytes do not depend on the thread count: the family's codec is chosen on its
+    largest member even when another member's thread reaches the choice first."""
+    import time
+
+    from rayzip.checkpoint import store
+
+    gen = torch.Generator().manual_seed(3)
+    rows, cols = torch.rand(700, 1, generator=gen) * 12 - 14, torch.rand(1, 400, generator=gen) * 12
+    structured = torch.exp2(rows + cols) * (1 + 0.1 * torch.rand(700, 400, generator=gen))  # a row and a column factor
+    plain = torch.exp2(torch.randn(600, 400, generator=gen) * 3 - 10)  # no structure by row or column
+    state = {"optimizer": {0: {"exp_avg_sq": structured}, 1: {"exp_avg_sq": plain}}}
+    chosen = {t.numel(): type(store.choose_for(tensor_words(t)[0], None, "float32", np, True, tuple(t.shape))[0]).__name__
+              for t in (structured, plain)}
+    assert chosen[structured.numel()] != chosen[plain.numel()], chosen  # else the test shows nothing
+    one, blobs_one = checkpoint.encode(state, threads=1)
+    original = store.tensor_words
+
+    def slow_for_the_largest(tensor):
+        if tensor.numel() == structured.numel():
+            time.sleep(0.3)  # the other member's thread gets to the family's choice first
+        return original(tensor)
+
+    monkeypatch.setattr(store, "tensor_words", slow_for_the_largest)
+    two, blobs_two = checkpoint.encode(state, threads=2)
+    assert [e["codec"] for e in two["tensors"].values()] == [e["codec"] for e in one["tensors"].values()]
+    assert b"".join(bytes(b) for b in blobs_two) == b"".join(bytes(b) for b in blobs_one)

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from rayzip import checkpoint
 from rayzip.checkpoint import CheckpointError
 from rayzip.checkpoint import store as store_module
+from rayzip.checkpoint.store import write_manifest
 from rayzip.cli import app
 
 FUZZ_CASES = 400  # bounded: about two seconds
@@ -62,7 +63,7 @@ def test_an_object_that_needs_pickle_is_refused_unless_allowed(tmp_path):
 def test_loading_a_pickled_entry_is_refused_and_runs_no_code(tmp_path):
     marker = tmp_path / "pwned"
     checkpoint.save(tmp_path / "ckpt", {"weights": torch.ones(3), "evil": _Payload(str(marker))}, allow_pickle=True)
-    with pytest.raises(CheckpointError, match=r"manifest.json: entry '/evil' is a pickled object.*refused"):
+    with pytest.raises(CheckpointError, match=r"manifest.json.zst: entry '/evil' is a pickled object.*refused"):
         checkpoint.load(tmp_path / "ckpt")
     assert not marker.exists()
     result = CliRunner().invoke(app, ["checkpoint", "decompress", str(tmp_path / "ckpt"), "-o",
@@ -77,10 +78,9 @@ def test_loading_a_pickled_entry_is_refused_and_runs_no_code(tmp_path):
 
 def test_the_manifest_cannot_point_the_data_file_elsewhere(tmp_path):
     checkpoint.save(tmp_path / "ckpt", {"w": torch.ones(4)})
-    manifest_path = tmp_path / "ckpt" / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
+    manifest = checkpoint.read_manifest(tmp_path / "ckpt")
     manifest["data"] = "../../etc/passwd"
-    manifest_path.write_text(json.dumps(manifest))
+    write_manifest(tmp_path / "ckpt", manifest)
     with pytest.raises(CheckpointError, match="its data file is '../../etc/passwd'"):
         checkpoint.load(tmp_path / "ckpt")
 
@@ -119,7 +119,7 @@ def test_fuzzed_streams_raise_checkpoint_error_and_never_crash(tmp_path, monkeyp
     later = {**original, "model": {k: (v + 1e-3 if v.is_floating_point() else v) for k, v in original["model"].items()}}
     source = tmp_path / "source"
     checkpoint.save(source, later, base=base)  # deltas, prefix mapping, planes and Huffman all in play
-    clean_manifest = json.loads((source / "manifest.json").read_text())
+    clean_manifest = checkpoint.read_manifest(source)
     codings = {s["coding"] for s in _streams(clean_manifest)}
     assert {"huffman", "raw"} <= codings
     assert {"prefix", "planes"} <= {e["codec"] for e in [*clean_manifest["tensors"].values(), *clean_manifest["packs"]]}
@@ -155,7 +155,7 @@ def test_fuzzed_streams_raise_checkpoint_error_and_never_crash(tmp_path, monkeyp
         (case / "tensors.bin").write_bytes(bytes(data))
         manifest["base"]["path"] = str(base.resolve())
         _refresh_checksums(manifest, bytes(data))
-        (case / "manifest.json").write_text(json.dumps(manifest))
+        write_manifest(case, manifest)
         try:
             back = checkpoint.load(case)
         except CheckpointError as exc:

@@ -13,6 +13,7 @@ Usage::
 """
 
 from .chain import DeltaChain
-from .store import CheckpointError, decode, encode, inspect, load, save, verify
+from .store import CheckpointError, decode, encode, has_manifest, inspect, load, read_manifest, save, verify
 
-__all__ = ["CheckpointError", "DeltaChain", "decode", "encode", "inspect", "load", "save", "verify"]
+__all__ = ["CheckpointError", "DeltaChain", "decode", "encode", "has_manifest", "inspect", "load", "read_manifest", "save",
+           "verify"]

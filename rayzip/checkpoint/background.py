@@ -8,7 +8,7 @@ thread; a write submitted while the previous one is still running waits for it (
 learns how long), so checkpoints are written, and can be registered, in order.
 
 A write that dies half-way (the process killed, the disk full) leaves a directory without
-``manifest.json``, which :func:`rayzip.checkpoint.load` refuses; whoever registers a
+a manifest (``manifest.json.zst``), which :func:`rayzip.checkpoint.load` refuses; whoever registers a
 checkpoint (Ray Train, a scheduler) must do so only after :meth:`BackgroundWriter.wait`
 returned without raising.
 
@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..xp import is_torch
+from .crew import Crew
 
 __all__ = ["BackgroundWriter", "SnapshotBuffers", "snapshot"]
 
@@ -83,20 +84,16 @@ def _torch_leaves(obj: Any):
 def snapshot(state: Any, threads: int | None = None, buffers: SnapshotBuffers | None = None) -> Any:
     """``state`` with every tensor (torch, numpy, cupy) copied to host memory; containers are
     rebuilt, other leaves kept. Tensors that share storage (tied weights) share their copy.
-    Torch tensors are copied on ``threads`` threads (default: the usable cores, at most 8),
-    since the loop waits for the copy, into ``buffers`` where it has them."""
-    from .store import default_threads
-
+    Torch tensors are copied by a :class:`~rayzip.checkpoint.crew.Crew` of ``threads``
+    threads (default: the usable cores, at most 8), since the loop waits for the copy, into
+    ``buffers`` where it has them; the calling thread copies too, and no threads are started
+    per snapshot."""
     copies: dict[tuple, Any] = {}
     nest = _copy(state, copies, buffers or SnapshotBuffers())
-    jobs = [(key, source) for key, (source, _) in copies.items()]
-    workers = max(1, min(threads or default_threads(), len(jobs)))
-    if workers > 1:
-        with ThreadPoolExecutor(workers, thread_name_prefix="rayzip-snapshot") as pool:
-            list(pool.map(lambda job: copies[job[0]][1].copy_(job[1]), jobs))
-    else:
-        for key, source in jobs:
-            copies[key][1].copy_(source)
+    with Crew(threads) as crew:
+        done = [crew.submit(target.copy_, source) for source, target in copies.values()]
+        for future in done:
+            crew.result(future)
     return _fill(nest, copies)
 
 

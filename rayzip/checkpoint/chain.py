@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from .store import save
+from .store import has_manifest, save
 
 __all__ = ["DeltaChain"]
 
@@ -46,7 +46,7 @@ class DeltaChain:
         ``history``. The checkpoint stores the updated history under ``"chain"`` (a restarted
         job passes it back); it is also returned."""
         current = self.root / history[-1] if history else None
-        if index % self.full_every == 0 or current is None or not (current / "manifest.json").exists():
+        if index % self.full_every == 0 or current is None or not has_manifest(current):
             current = self.root / f"base-{index:06d}"
             if current.exists():  # a restart redoing this index: the old base belongs to lost work
                 shutil.rmtree(current)
