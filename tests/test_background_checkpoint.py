@@ -134,3 +134,77 @@ def test_a_snapshot_reuses_the_host_tensors_of_one_that_was_written():
     second = snapshot(model.state_dict(), buffers=buffers)
     assert {name: t.data_ptr() for name, t in second.items()} == kept  # the same memory
     assert torch.equal(second["weight"], model.weight) and torch.equal(second["bias"], model.bias)
+
+
+def _adamw_model():
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step():
+        optimizer.zero_grad()
+        model(torch.randn(32, 64, generator=gen)).square().mean().backward()  # BatchNorm's buffers change here
+        optimizer.step()
+
+    step()  # the optimizer has state
+    return model, optimizer, step
+
+
+def _exact_copy(nest):
+    return {k: (v.clone() if torch.is_tensor(v) else _exact_copy(v) if isinstance(v, dict) else v) for k, v in nest.items()}
+
+
+def _assert_same(a, b, path=""):
+    if torch.is_tensor(a):
+        assert torch.equal(a.view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
+                           b.view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8)), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            _assert_same(a[key], b[key], f"{path}/{key}")
+    else:
+        assert a == b, path
+
+
+def test_deferred_copies_hold_the_state_at_the_checkpoint_and_the_optimizer_waits_for_them():
+    """Parameters and AdamW's moments are copied later, on another thread; the next forward
+    and backward run meanwhile (changing BatchNorm's buffers, which were copied at once), and
+    the optimizer's step waits until the copies are made."""
+    from rayzip.checkpoint.background import Deferred
+
+    model, optimizer, step = _adamw_model()
+    at_checkpoint = {"model": _exact_copy(model.state_dict()), "optimizer": _exact_copy(optimizer.state_dict()["state"])}
+    deferred = Deferred.for_optimizer(optimizer)
+    handle = deferred.guard(optimizer)
+    taken = snapshot({"model": model.state_dict(), "optimizer": optimizer.state_dict()["state"]}, defer=deferred)
+    assert len(deferred.jobs) == 6 + 6 * 3  # 6 parameters, 3 tensors of AdamW state each; not the 3 buffers
+    late = threading.Timer(0.3, deferred.finish)
+    late.start()
+    started = time.perf_counter()
+    step()  # forward and backward run now; the step waits for the copies
+    waited = time.perf_counter() - started
+    late.join()
+    handle.remove()
+    assert waited >= 0.25 and deferred.waited_s >= 0.2, (waited, deferred.waited_s)
+    _assert_same(at_checkpoint, taken)
+    assert not torch.equal(model[0].weight, taken["model"]["0.weight"])  # the step did change them
+
+
+def test_group_checkpoints_guarding_an_optimizer_write_the_state_of_the_checkpoint_step(tmp_path):
+    model, optimizer, step = _adamw_model()
+    group = GroupCheckpoints(world=1, device="cpu", background=True)
+    group.guard(optimizer)
+    for round_ in range(3):
+        at_checkpoint = {"model": _exact_copy(model.state_dict()), "optimizer": _exact_copy(optimizer.state_dict()["state"])}
+        target = tmp_path / f"c{round_}"
+        group.save(target, lambda copy: Parts(0, 1, copy({"model": model.state_dict(),
+                                                          "optimizer": optimizer.state_dict()["state"]}), None),
+                   lambda parts, target=target: checkpoint.save(target, parts.trainer))
+        assert group._deferred is not None and group._deferred.storages
+        for _ in range(2):
+            step()
+        assert group.flush() == [target]
+        back = checkpoint.load(target)
+        _assert_same(at_checkpoint["model"], back["model"])
+        _assert_same({str(k): v for k, v in at_checkpoint["optimizer"].items()}, {str(k): v for k, v in back["optimizer"].items()})
+    group.close()

@@ -649,9 +649,9 @@ def test_hundreds_of_small_tensors_round_trip_in_batches_each_with_its_own_entry
     submitted = []
     original = crew._Helpers.submit
 
-    def counting(self, fn, *args):
+    def counting(self, owner, fn, *args):
         submitted.append(fn)
-        return original(self, fn, *args)
+        return original(self, owner, fn, *args)
 
     monkeypatch.setattr(crew._Helpers, "submit", counting)
     gen = torch.Generator().manual_seed(0)
@@ -795,16 +795,18 @@ def test_a_damaged_manifest_names_its_file(tmp_path):
 
 
 def test_a_save_on_two_threads_finishes_while_its_helper_is_held_elsewhere(tmp_path):
-    """The calling thread runs queued calls itself while it waits: a helper that is asleep,
-    slow to wake or busy with another checkpoint never holds a save up."""
+    """The calling thread runs its queued calls itself while it waits: a helper that is
+    asleep, slow to wake or busy with another checkpoint never holds a save up. It does not
+    run another checkpoint's calls (which could be long: here, one that never ends)."""
     import threading
     import time
 
     from rayzip.checkpoint import crew
 
     release = threading.Event()
-    blocker = crew._helpers(1).submit(release.wait)
-    while not blocker.running():  # the helper holds it (the caller must not take it: it never ends)
+    other = crew.Crew(2)  # another checkpoint's, on the same helper
+    blocker, queued = other.submit(release.wait), other.submit(release.wait)
+    while not blocker.running():
         time.sleep(0.001)
     state = _many_small_tensors()
     state["model"]["large"] = torch.randn(3 << 20, generator=torch.Generator().manual_seed(1))
@@ -818,11 +820,12 @@ def test_a_save_on_two_threads_finishes_while_its_helper_is_held_elsewhere(tmp_p
     try:
         worker.start()
         worker.join(timeout=60)
-        assert "back" in done, "a two-thread save waited for its held helper"
-        assert not blocker.done()
+        assert "back" in done, "a two-thread save waited for its held helper, or ran the other's call"
+        assert not blocker.done() and not queued.running()
     finally:
         release.set()
         blocker.result(timeout=10)
+        queued.result(timeout=10)
     for name, value in state["model"].items():
         assert_bit_exact(value, done["back"]["model"][name], name)
 

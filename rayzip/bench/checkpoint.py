@@ -370,21 +370,24 @@ STALL_METHODS = ("rayzip-background", "rayzip-sync", "torch.save")
 def measure_stall(workload: Workload, rounds: int = 5, every: int = 5, directory: Path | None = None,
                   log: Callable[[str], None] = print) -> dict:
     """The time a training loop waits per checkpoint of its model and AdamW state, for each of
-    :data:`STALL_METHODS`: rayzip in the background (the snapshot, and any wait for the
-    previous write at the next checkpoint), rayzip written before the next step, and
-    ``torch.save``. The loop trains ``every`` steps between checkpoints; the methods take
+    :data:`STALL_METHODS`: rayzip in the background, as ``rayzip run`` takes it
+    (:class:`~rayzip.train.checkpoints.GroupCheckpoints` guarding the optimizer: the snapshot
+    of what is not left to the writer, the optimizer's next step waiting for the copies that
+    are, and any wait for the previous write at the next checkpoint), rayzip written before
+    the next step, and ``torch.save``. The loop trains ``every`` steps between checkpoints; the methods take
     turns, ``rounds`` checkpoints each, into files under ``directory`` (default: the temporary
     directory). The background snapshots reuse the host tensors of the one before, once it is
     written, as ``rayzip run`` does (the first round's pays for fresh memory). Also: the mean step time while a background write was in flight against the
     steps with no checkpoint work, as ``step_slowdown``."""
     from .. import checkpoint
-    from ..checkpoint.background import BackgroundWriter, SnapshotBuffers, snapshot
+    from ..train.checkpoints import GroupCheckpoints, Parts
 
     model = workload.model
     optimizer = workload.optimizer(model.parameters())
     generator = torch.Generator().manual_seed(1)
     root = Path(tempfile.mkdtemp(prefix="rayzip-stall-", dir=directory))
-    writer, buffers = BackgroundWriter(), SnapshotBuffers()
+    background = GroupCheckpoints(world=1, device="cpu", background=True)
+    background.guard(optimizer)
     stalls: dict[str, list[float]] = {m: [] for m in STALL_METHODS}
     quiet_steps, busy_steps = [], []
 
@@ -405,25 +408,27 @@ def measure_stall(workload: Workload, rounds: int = 5, every: int = 5, directory
         for r in range(rounds):
             for method in order[r % len(order):] + order[: r % len(order)]:
                 target = root / f"{method}-{r}"
-                start = time.perf_counter()
+                start, stalled = time.perf_counter(), background.stall_s
                 if method == "rayzip-background":
-                    taken = snapshot(state(), buffers=buffers)
-                    writer.submit(lambda taken=taken, target=target: checkpoint.save(target, taken))
+                    background.save(target, lambda copy: Parts(0, 1, copy(state()), None),
+                                    lambda parts, target=target: checkpoint.save(target, parts.trainer))
                 elif method == "rayzip-sync":
                     checkpoint.save(target, state())
                 else:
                     torch.save(state(), target)
                 stall = time.perf_counter() - start
                 for _ in range(every):
-                    in_flight = writer.pending and not writer.done()
+                    in_flight = background.pending is not None and not background.writer.done()
                     (busy_steps if in_flight else quiet_steps).append(step())
                 if method == "rayzip-background":
-                    stall += writer.wait()[1]  # the loop's next checkpoint would wait for it here
-                    buffers.release(taken)  # as GroupCheckpoints does: the next snapshot reuses them
+                    # What the loop waited for since the save: the optimizer's step for the
+                    # deferred copies, and the write (the next checkpoint would wait for it).
+                    background.flush()
+                    stall = background.stall_s - stalled
                 stalls[method].append(stall)
                 log(f"  {method:18s} stall {stall * 1e3:8.1f} ms")
     finally:
-        writer.close()
+        background.close()
         shutil.rmtree(root, ignore_errors=True)
     rows = [{"method": m, "stall_s": statistics.median(v), "stalls_s": v} for m, v in stalls.items()]
     sync = statistics.median(stalls["rayzip-sync"])

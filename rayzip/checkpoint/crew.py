@@ -46,7 +46,8 @@ def default_threads() -> int:
 class Crew:
     """Calls for one checkpoint, run by ``threads`` threads: this one and ``threads - 1``
     helpers kept for the process (with ``threads=1``, each call runs at submit time). A
-    thread waiting for a result (:meth:`result`) runs queued calls meanwhile. On exit, calls
+    thread waiting for a result (:meth:`result`) runs this crew's queued calls meanwhile (not
+    another checkpoint's: a snapshot's wait must not take a background save's coding). On exit, calls
     not yet started are cancelled and calls running are waited for, so nothing touches a
     checkpoint's buffers after its call returns.
 
@@ -78,13 +79,13 @@ class Crew:
     def submit(self, fn, *args) -> Future:
         if self.helpers is None:
             return completed(fn, *args)
-        future = self.helpers.submit(fn, *args)
+        future = self.helpers.submit(self, fn, *args)
         self.futures.append(future)
         return future
 
     def result(self, future: Future) -> Any:
         """``future.result()``, this thread running queued calls until it is done."""
-        return future.result() if self.helpers is None else self.helpers.result(future)
+        return future.result() if self.helpers is None else self.helpers.result(future, self)
 
 
 class _Helpers:
@@ -100,28 +101,33 @@ class _Helpers:
         for i in range(helpers):
             threading.Thread(target=self._serve, name=f"rayzip-ckpt-{i}", daemon=True).start()
 
-    def submit(self, fn, *args) -> Future:
+    def submit(self, owner: Crew, fn, *args) -> Future:
         future: Future = Future()
         with self.lock:
-            self.calls.append((future, fn, args))
+            self.calls.append((owner, future, fn, args))
             self.queued.notify()
             if self.waiting:
                 self.changed.notify()
         return future
 
-    def result(self, future: Future) -> Any:
+    def result(self, future: Future, owner: Crew) -> Any:
+        """``future.result()``, running ``owner``'s queued calls meanwhile."""
         while True:
             with self.lock:
-                while not future.done() and not self.calls:
+                while not future.done() and (mine := self._first_of(owner)) is None:
                     self.waiting += 1
                     try:
                         self.changed.wait()
                     finally:
                         self.waiting -= 1
-                call = None if future.done() else self.calls.popleft()
-            if call is None:
-                return future.result()
+                if future.done():
+                    return future.result()
+                call = self.calls[mine]
+                del self.calls[mine]
             self._run(*call)
+
+    def _first_of(self, owner: Crew) -> int | None:
+        return next((i for i, call in enumerate(self.calls) if call[0] is owner), None)
 
     def _serve(self) -> None:
         while True:
@@ -131,7 +137,7 @@ class _Helpers:
                 call = self.calls.popleft()
             self._run(*call)
 
-    def _run(self, future: Future, fn, args) -> None:
+    def _run(self, owner: Crew, future: Future, fn, args) -> None:
         if not future.set_running_or_notify_cancel():
             return
         try:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoint import DeltaChain
-from ..checkpoint.background import BackgroundWriter, SnapshotBuffers, snapshot
+from ..checkpoint.background import BackgroundWriter, Deferred, SnapshotBuffers, snapshot
 from ..checkpoint import load as load_checkpoint
 from ..checkpoint import save as save_checkpoint
 from ..codecs.memory import reshard_state
@@ -173,9 +173,24 @@ class GroupCheckpoints:
         self.stall_s = 0.0
         self.buffers = SnapshotBuffers()  # the last written snapshot's host tensors, for the next
         self._writing: Parts | None = None
+        self.optimizer: torch.optim.Optimizer | None = None  # see guard()
+        self._deferred: Deferred | None = None
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Let background snapshots leave ``optimizer``'s parameters and state to the writer's
+        thread, its ``step()`` waiting until they are copied (the wait counts as stall). Only
+        for a loop in which nothing else changes them between a checkpoint and that step: the
+        plain DDP and comm-hook exchanges, not local steps (whose synchronization writes the
+        parameters before forward) or the parameter server's."""
+        self.optimizer = optimizer
+        optimizer.register_step_pre_hook(lambda *_: self._copied())
+
+    def _copied(self) -> None:
+        if self._deferred is not None:
+            self.stall_s += self._deferred.wait()
 
     def _snapshot(self, nest: Any) -> Any:
-        return snapshot(nest, buffers=self.buffers)
+        return snapshot(nest, buffers=self.buffers, defer=self._deferred)
 
     def save(self, directory: Path, take: Callable[[Callable[[Any], Any] | None], Parts],
              write: Callable[[Parts], None],
@@ -186,13 +201,15 @@ class GroupCheckpoints:
         start = time.perf_counter()
         ready = self._finish()
         background = self.background if background is None else background
+        deferred = Deferred.for_optimizer(self.optimizer) if background and self.optimizer is not None else None
+        self._deferred = deferred
         parts = take(self._snapshot if background else None)
         if not background:
             write(parts)
             ready.append(directory)
         else:
             self.writer = self.writer or BackgroundWriter()
-            self.writer.submit(lambda: write(parts))
+            self.writer.submit(lambda: write(parts), first=None if deferred is None else deferred.finish)
             self.pending, self._writing = directory, parts
         self.stall_s += time.perf_counter() - start
         return ready

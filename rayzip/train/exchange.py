@@ -88,6 +88,9 @@ class Exchange:
         self.compute_probe_s = 0.0  # set by the loop on DDP modes (see compute_time)
         self.clips = True  # training.grad_clip_norm applies to what the optimizer receives
         self.skips_together = True  # skipped() is every rank's same answer (local steps: each rank's own)
+        # Only the optimizer's step, in apply(), changes the parameters and its state: a
+        # background checkpoint may copy them while the next forward and backward run.
+        self.only_step_changes_weights = optimizer is not None
 
     @property
     def ddp(self) -> bool:
@@ -254,6 +257,7 @@ class LocalStepsServerExchange(ParameterServerExchange):
                  optimizer: torch.optim.Optimizer):
         super().__init__(spec, model, rank, world, client)
         self.optimizer, self.every = optimizer, spec.local_steps.every
+        self.only_step_changes_weights = False  # each pull writes the parameters
         self.state = _ServerLocalState(client, optimizer)
         self.skips_together = False  # inner steps are each rank's own
         self.inner, self.synced = 0, False
@@ -324,6 +328,7 @@ class LocalStepsExchange(Exchange):
         super().__init__(spec, model, rank, world, optimizer, state=_LocalState(local, optimizer, rank, world))
         self.local = local
         self.skips_together = False  # inner steps are each rank's own; a round is dropped together
+        self.only_step_changes_weights = False  # a synchronization writes the parameters
 
     def begin_step(self, step: int, last: bool) -> None:
         # Every rank knows these steps alike. Under a fixed H the spec puts evaluations and

@@ -125,6 +125,8 @@ def run_task(spec: JobSpec, config: dict, task: Task, exchange: Exchange) -> Non
                checkpoints=GroupCheckpoints(world, task.device, spec.checkpoint.background), chain=chain,
                progress=ray.get_actor(config["progress"]) if config.get("progress") and rank == 0 else None,
                started=float(config.get("t0", time.time())), resumed_from=start)
+    if exchange.only_step_changes_weights:
+        run.checkpoints.guard(exchange.optimizer)
     try:
         _train(spec, config, task, exchange, run, start, saved)
     finally:
