@@ -208,3 +208,21 @@ def test_group_checkpoints_guarding_an_optimizer_write_the_state_of_the_checkpoi
         _assert_same(at_checkpoint["model"], back["model"])
         _assert_same({str(k): v for k, v in at_checkpoint["optimizer"].items()}, {str(k): v for k, v in back["optimizer"].items()})
     group.close()
+
+
+def test_a_checkpoint_that_fails_before_its_write_does_not_hold_the_optimizer_up(tmp_path):
+    model, optimizer, step = _adamw_model()
+    group = GroupCheckpoints(world=1, device="cpu", background=True)
+    group.guard(optimizer)
+
+    def take(copy):
+        copy({"model": model.state_dict()})  # deferred copies queued, then the checkpoint fails
+        raise RuntimeError("a part could not be taken")
+
+    with pytest.raises(RuntimeError, match="could not be taken"):
+        group.save(tmp_path / "c", take, lambda parts: None)
+    done = threading.Event()
+    stepping = threading.Thread(target=lambda: (step(), done.set()), daemon=True)
+    stepping.start()
+    assert done.wait(timeout=30), "the optimizer's step waited for copies that no write will make"
+    group.close()

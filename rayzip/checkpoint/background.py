@@ -154,8 +154,14 @@ class Deferred:
             self.jobs = []
             self.done.set()
 
+    def cancel(self) -> None:
+        """Nothing will make the copies (the checkpoint failed before its write started): a
+        step waiting for them goes on."""
+        self.jobs = []
+        self.done.set()
+
     def wait(self) -> float:
-        """Block until :meth:`finish` has run; the seconds waited."""
+        """Block until :meth:`finish` (or :meth:`cancel`) has run; the seconds waited."""
         if self.done.is_set():
             return 0.0
         start = time.perf_counter()

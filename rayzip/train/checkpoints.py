@@ -203,14 +203,19 @@ class GroupCheckpoints:
         background = self.background if background is None else background
         deferred = Deferred.for_optimizer(self.optimizer) if background and self.optimizer is not None else None
         self._deferred = deferred
-        parts = take(self._snapshot if background else None)
-        if not background:
-            write(parts)
-            ready.append(directory)
-        else:
-            self.writer = self.writer or BackgroundWriter()
-            self.writer.submit(lambda: write(parts), first=None if deferred is None else deferred.finish)
-            self.pending, self._writing = directory, parts
+        try:
+            parts = take(self._snapshot if background else None)
+            if not background:
+                write(parts)
+                ready.append(directory)
+            else:
+                self.writer = self.writer or BackgroundWriter()
+                self.writer.submit(lambda: write(parts), first=None if deferred is None else deferred.finish)
+                self.pending, self._writing = directory, parts
+        except BaseException:
+            if deferred is not None:
+                deferred.cancel()  # its write never started: the optimizer's step must not wait for it
+            raise
         self.stall_s += time.perf_counter() - start
         return ready
 
