@@ -15,6 +15,7 @@ try:
 except Exception:  # pragma: no cover - depends on the machine
     cupy, HAVE_CUPY = None, False
 
+from rayzip import cuda
 from rayzip.codecs import get_codec
 from rayzip.codecs.bitpack import unpack_bits
 
@@ -105,8 +106,6 @@ def _nccl_entry(rank, init_file, overlap, out):
 
 def _gpu_pair(codec_name, params, x):
     """(payload with the kernels, payload with torch ops) of the same input on the GPU."""
-    from rayzip import cuda
-
     with cuda.kernels_on(True):
         fast = get_codec(codec_name, **params).encode(x)
     with cuda.kernels_on(False):
@@ -152,8 +151,6 @@ def test_kernels_equal_the_torch_ops_on_the_gpu():
         a = unpack_bits(fast.arrays["codes"], codec.bits, values.numel(), cupy).astype(cupy.int64)
         b = unpack_bits(slow.arrays["codes"], codec.bits, values.numel(), cupy).astype(cupy.int64)
         assert float((a != b).mean()) < 1e-3 and int(cupy.abs(a - b).max()) <= 1
-        from rayzip import cuda
-
         with cuda.kernels_on(True):
             decoded = codec.decode(slow)
         with cuda.kernels_on(False):
@@ -169,8 +166,6 @@ def test_kernels_equal_the_torch_ops_on_the_gpu():
         a = unpack_bits(fast.arrays["codes"], bits, count, cupy).astype(cupy.int64)
         b = unpack_bits(slow.arrays["codes"], bits, count, cupy).astype(cupy.int64)
         assert int(cupy.abs(a - b).max()) <= 1 and float((a != b).mean()) < 1e-3
-        from rayzip import cuda
-
         with cuda.kernels_on(True):
             decoded = codec.decode(slow)
         with cuda.kernels_on(False):
@@ -191,7 +186,6 @@ def test_a_nan_on_the_gpu_is_reported_with_its_index(name, params):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_checkpoint_byte_planes_kernel_equals_the_host_and_round_trips(dtype):
-    from rayzip import cuda
     from rayzip.checkpoint.transforms import byte_planes, from_byte_planes, tensor_words
 
     x = torch.randn(1_000_003, dtype=dtype)
@@ -296,7 +290,6 @@ def test_narrowing_kernels_round_as_torch_does_and_report_overflow():
 
 
 def test_chunk_sum_by_merging_equals_the_sorting_one():
-    from rayzip import cuda
     from rayzip.comm.ring import Chunk
 
     rng = np.random.default_rng(5)

@@ -19,7 +19,7 @@ from collections import deque
 from concurrent.futures import Future, wait
 from typing import Any
 
-__all__ = ["Crew", "completed", "default_threads", "workers"]
+__all__ = ["Crew", "completed", "default_threads", "threads_for"]
 
 
 def completed(fn, *args) -> Future:
@@ -29,7 +29,7 @@ def completed(fn, *args) -> Future:
     return future
 
 
-def workers(threads: int | None) -> int:
+def threads_for(threads: int | None) -> int:
     """The threads a call asking for ``threads`` gets (None: :func:`default_threads`)."""
     return max(1, threads or default_threads())
 
@@ -59,7 +59,7 @@ class Crew:
     the work on small ones."""
 
     def __init__(self, threads: int | None):
-        self.workers = workers(threads)
+        self.workers = threads_for(threads)
         self.helpers = _helpers(self.workers - 1) if self.workers > 1 else None
         self.futures: list[Future] = []
 
@@ -149,15 +149,15 @@ class _Helpers:
                 self.changed.notify_all()
 
 
-_CREWS: dict[int, tuple[int, _Helpers]] = {}
-_CREWS_LOCK = threading.Lock()
+_HELPERS: dict[int, tuple[int, _Helpers]] = {}
+_HELPERS_LOCK = threading.Lock()
 
 
 def _helpers(helpers: int) -> _Helpers:
-    """The process's crew of ``helpers`` threads (a forked child makes its own)."""
-    with _CREWS_LOCK:
-        pid, crew = _CREWS.get(helpers, (None, None))
-        if crew is None or pid != os.getpid():
-            crew = _Helpers(helpers)
-            _CREWS[helpers] = (os.getpid(), crew)
-        return crew
+    """The process's ``helpers`` threads (a forked child makes its own)."""
+    with _HELPERS_LOCK:
+        pid, kept = _HELPERS.get(helpers, (None, None))
+        if kept is None or pid != os.getpid():
+            kept = _Helpers(helpers)
+            _HELPERS[helpers] = (os.getpid(), kept)
+        return kept

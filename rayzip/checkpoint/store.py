@@ -32,7 +32,6 @@ import json
 import math
 import os
 import pickle
-import threading
 from collections import deque
 from concurrent.futures import Future
 from pathlib import Path
@@ -44,8 +43,7 @@ import zstandard
 
 from ..xp import asnumpy, is_torch
 from .codecs import CODECS, SAMPLE, Factored, choose, choose_delta, pack_stream, stream_plan, unpack_stream
-from .crew import Crew, completed
-from .crew import workers as threads_for
+from .crew import Crew, completed, threads_for
 from .transforms import WORD_DTYPES, tensor_words, words_to_tensor
 
 __all__ = ["CheckpointError", "FORMAT", "decode", "encode", "has_manifest", "inspect", "load", "read_manifest", "save",
@@ -259,9 +257,9 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
     # threads. (When the first thread to arrive decided, two threads sometimes stored the GPT
     # workload's whole checkpoint 0.6% larger than one.) Its call was queued before any
     # other member's, so the others wait only for a call already running.
-    families: dict[tuple, Future] = {}
-    families_lock = threading.Lock()
-    leaders: dict[tuple, str] = {}
+    family_of: dict[str, tuple | None] = {}  # filled below, before any task runs
+    decided: dict[tuple, Future] = {}  # per family, the choice
+    leaders: dict[tuple, str] = {}  # per family, the tensor that makes it
 
     def family(name: str) -> tuple | None:
         """The key of the family whose codec choice ``name`` takes; None if too small to sample."""
@@ -273,17 +271,15 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
 
     def choose_for_family(name: str, words, prior, dtype: str, xp, shape: tuple[int, ...]):
         """``(codec, whether to code against the base)``; False where there is none."""
-        key = family(name)
-        if key is None or key not in leaders:
+        key = family_of[name]
+        if key is None:
             return choose_for(words, prior, dtype, xp, is_optimizer(name), shape)
-        with families_lock:
-            decided = families.setdefault(key, Future())
         if leaders[key] == name:
             try:
-                decided.set_result(choose_for(words, prior, dtype, xp, is_optimizer(name), shape))
+                decided[key].set_result(choose_for(words, prior, dtype, xp, is_optimizer(name), shape))
             except BaseException as exc:
-                decided.set_exception(exc)
-        return decided.result()
+                decided[key].set_exception(exc)
+        return decided[key].result()
 
     def prepare_batch(names: list[str]) -> list[tuple[dict, list[Future], Future]]:
         return [prepare(name, completed) for name in names]
@@ -332,9 +328,9 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
     alone = {name: int(tensor.nbytes) for name, tensor in tensors.items() if name not in packed}
     batches = _batches(alone)
     for name in (name for names in batches for name in names):
-        key = family(name)
-        if key is not None:
-            leaders.setdefault(key, name)
+        family_of[name] = key = family(name)
+        if key is not None and key not in leaders:
+            leaders[key], decided[key] = name, Future()
     # The packs, then the largest tensors first, so that the threads end on small ones together.
     with Crew(threads) as pool:
         for index, names in enumerate(groups):
@@ -485,10 +481,7 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     directory = Path(directory)
     path = directory / MANIFEST
     try:
-        raw = path.read_bytes()
-        if raw[:4] != b"\x28\xb5\x2f\xfd":
-            raise zstandard.ZstdError("not a zstd frame")
-        text = zstandard.ZstdDecompressor().decompress(raw, max_output_size=MANIFEST_MOST_BYTES)
+        text = zstandard.ZstdDecompressor().decompress(path.read_bytes(), max_output_size=MANIFEST_MOST_BYTES)
     except FileNotFoundError:
         path = directory / PLAIN_MANIFEST
         try:
