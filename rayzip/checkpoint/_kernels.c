@@ -1014,6 +1014,331 @@ static PyObject *py_exponent_restore(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The scaled split of an fp32 matrix (transforms.scaled_split, whose numpy code is the
+ * reference): each float's log magnitude to a quarter binade (exponent and top two mantissa
+ * bits, LOG_BITS) minus a row-and-column prediction, with whether its sign disagrees with a
+ * rank-one pattern, as one symbol byte; the 21 mantissa bits below as two byte planes and
+ * five-bit fields, eight in five bytes. */
+#define LOG_BITS 10
+#define LOW_BITS 21
+#define RESIDUAL_ZERO 64
+#define RESIDUAL_REACH 39
+#define SCALED_MAX ((Py_ssize_t)1 << 22)  /* rows and columns: 32-bit sums of 10-bit values */
+
+/* One row's sum of log magnitudes (added into the columns' too) and its count of signs that
+ * disagree with the columns' (cneg: 0 or 1 per column). 32-bit sums, eight to a vector:
+ * the caller keeps rows and columns below 2**22, so that they cannot overflow. */
+SIMD_CLONES static void scaled_row_sums(const uint32_t *restrict row, const uint32_t *restrict cneg,
+                                        uint32_t *restrict col_sum, Py_ssize_t cols, uint64_t *sum_out,
+                                        uint64_t *disagree_out) {
+    uint32_t sum = 0, disagree = 0;
+    for (Py_ssize_t j = 0; j < cols; j++) {
+        const uint32_t v = row[j], l = (v >> LOW_BITS) & ((1u << LOG_BITS) - 1);
+        sum += l;
+        col_sum[j] += l;
+        disagree += (v >> 31) ^ cneg[j];
+    }
+    *sum_out = sum;
+    *disagree_out = disagree;
+}
+
+/* One row's symbols and high and middle planes (cbias: a column's col_fix + 8); returns
+ * whether any residual fell outside the symbols (the caller finds those again, rarely). */
+SIMD_CLONES static int scaled_row_split(const uint32_t *restrict row, const int32_t *restrict cbias,
+                                        const uint32_t *restrict cneg, Py_ssize_t cols, int32_t row_fix,
+                                        uint32_t flip, uint8_t *restrict s, uint8_t *restrict h,
+                                        uint8_t *restrict m) {
+    uint32_t outside = 0;
+    for (Py_ssize_t j = 0; j < cols; j++) {
+        const uint32_t v = row[j];
+        const int32_t l = (int32_t)((v >> LOW_BITS) & ((1u << LOG_BITS) - 1));
+        int32_t x = row_fix + cbias[j];
+        x = x < 0 ? 0 : x > 16383 ? 16383 : x;
+        const int32_t residual = l - (x >> 4);
+        const uint32_t inside = (uint32_t)(residual + RESIDUAL_REACH) <= 2 * RESIDUAL_REACH;
+        outside |= inside ^ 1;
+        s[j] = (uint8_t)((inside ? (uint32_t)(residual + RESIDUAL_ZERO) << 1 : 0) | ((v >> 31) ^ flip ^ cneg[j]));
+        h[j] = (uint8_t)(v >> 13);
+        m[j] = (uint8_t)(v >> 5);
+    }
+    return outside != 0;
+}
+
+/* One row's words from its symbols (escaped ones take the prediction here: the caller
+ * corrects them); returns whether the row has escapes. */
+SIMD_CLONES static int scaled_row_join(const uint8_t *restrict s, const uint8_t *restrict h,
+                                       const uint8_t *restrict m, const int32_t *restrict cbias,
+                                       const uint32_t *restrict cneg, Py_ssize_t cols, int32_t row_fix, uint32_t flip,
+                                       uint32_t *restrict out) {
+    uint32_t escaped = 0;
+    for (Py_ssize_t j = 0; j < cols; j++) {
+        const uint32_t symbol = s[j];
+        int32_t x = row_fix + cbias[j];
+        x = x < 0 ? 0 : x > 16383 ? 16383 : x;
+        const uint32_t l = (uint32_t)((int32_t)(symbol >> 1) - RESIDUAL_ZERO + (x >> 4)) & ((1u << LOG_BITS) - 1);
+        escaped |= symbol < 2;
+        out[j] = ((symbol & 1) ^ flip ^ cneg[j]) << 31 | l << LOW_BITS | (uint32_t)h[j] << 13 | (uint32_t)m[j] << 5;
+    }
+    return escaped != 0;
+}
+
+/* The five low bits of eight floats in five bytes (little-endian bit order). Groups are
+ * stored 8 bytes at a time, each store's last 3 bytes overwritten by the next group's. */
+static inline uint64_t low_pair(uint64_t x) { return (x & 31) | (x >> 27 & 0x3E0); }  /* two words' low bits */
+
+static inline uint64_t low_group(const uint32_t *v) {
+    const uint8_t *p = (const uint8_t *)v;
+    return low_pair(load64(p)) | low_pair(load64(p + 8)) << 10 | low_pair(load64(p + 16)) << 20
+           | low_pair(load64(p + 24)) << 30;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#include <immintrin.h>
+#define LOW_AVX2 1
+/* Eight floats' low bits a group at a time in AVX2 lanes: scalar shifts and ORs took a
+ * quarter of the split. */
+__attribute__((target("avx2"))) static Py_ssize_t pack_low_avx2(const uint32_t *w, Py_ssize_t groups, uint8_t *low) {
+    const __m256i m31 = _mm256_set1_epi32(31), m10 = _mm256_set1_epi64x(0x3FF);
+    const __m256i odd = _mm256_setr_epi32(0, 5, 0, 5, 0, 5, 0, 5), pairs = _mm256_setr_epi64x(0, 10, 20, 30);
+    Py_ssize_t g = 0;
+    for (; g < groups; g++) {
+        __m256i v = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + 8 * g)), m31);
+        v = _mm256_sllv_epi32(v, odd);
+        v = _mm256_and_si256(_mm256_or_si256(v, _mm256_srli_epi64(v, 32)), m10);
+        v = _mm256_sllv_epi64(v, pairs);
+        __m128i o = _mm_or_si128(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        o = _mm_or_si128(o, _mm_unpackhi_epi64(o, o));
+        store64(low + 5 * g, (uint64_t)_mm_cvtsi128_si64(o));
+    }
+    return g;
+}
+
+__attribute__((target("avx2"))) static Py_ssize_t unpack_low_avx2(const uint8_t *low, Py_ssize_t groups, uint32_t *w) {
+    const __m256i m31 = _mm256_set1_epi32(31), pairs = _mm256_setr_epi64x(0, 10, 20, 30);
+    Py_ssize_t g = 0;
+    for (; g < groups; g++) {
+        __m256i a = _mm256_srlv_epi64(_mm256_set1_epi64x((long long)load64(low + 5 * g)), pairs);
+        a = _mm256_and_si256(_mm256_blend_epi32(a, _mm256_slli_epi64(a, 27), 0xAA), m31);
+        __m256i *out = (__m256i *)(w + 8 * g);
+        _mm256_storeu_si256(out, _mm256_or_si256(_mm256_loadu_si256(out), a));
+    }
+    return g;
+}
+#endif
+
+static void pack_low(const uint32_t *w, Py_ssize_t n, uint8_t *low) {
+    const Py_ssize_t groups = (n + 7) / 8;
+    Py_ssize_t g = 0;
+#ifdef LOW_AVX2
+    if (groups > 1 && __builtin_cpu_supports("avx2")) g = pack_low_avx2(w, groups - 1, low);
+#endif
+    for (; g + 1 < groups; g++) store64(low + 5 * g, low_group(w + 8 * g));
+    if (groups) {
+        uint32_t last[8] = {0};
+        memcpy(last, w + 8 * g, (size_t)(n - 8 * g) * 4);
+        const uint64_t acc = low_group(last);
+        for (int t = 0; t < 5; t++) low[5 * g + t] = (uint8_t)(acc >> (8 * t));
+    }
+}
+
+static void unpack_low(const uint8_t *low, Py_ssize_t n, uint32_t *w) {
+    const Py_ssize_t groups = (n + 7) / 8;
+    Py_ssize_t g = 0;
+#ifdef LOW_AVX2
+    if (groups > 1 && __builtin_cpu_supports("avx2")) g = unpack_low_avx2(low, groups - 1, w);
+#endif
+    for (; g + 1 < groups; g++) {  /* reads 3 bytes past the group: the next group's */
+        const uint64_t acc = load64(low + 5 * g);
+        uint32_t *v = w + 8 * g;
+        for (int t = 0; t < 8; t++) v[t] |= (uint32_t)(acc >> (5 * t)) & 31;
+    }
+    if (groups) {
+        uint64_t acc = 0;
+        for (int t = 0; t < 5; t++) acc |= (uint64_t)low[5 * g + t] << (8 * t);
+        for (Py_ssize_t i = 8 * g; i < n; i++) w[i] |= (uint32_t)(acc >> (5 * (i - 8 * g))) & 31;
+    }
+}
+
+/* The first byte below 2 (an escaped symbol) from s[j] on, or cols: eight at a time. */
+static inline Py_ssize_t next_escape(const uint8_t *s, Py_ssize_t j, Py_ssize_t cols) {
+    for (; j + 8 <= cols; j += 8) {
+        const uint64_t x = load64(s + j) & 0xFEFEFEFEFEFEFEFEull;  /* a zero byte: a symbol below 2 */
+        const uint64_t zero = (x - 0x0101010101010101ull) & ~x & 0x8080808080808080ull;
+        if (zero) return j + (__builtin_ctzll(zero) >> 3);
+    }
+    for (; j < cols; j++) if (s[j] < 2) return j;
+    return cols;
+}
+
+/* column_signs(words, rows, cols, picked, rounds, col_negative): transforms.column_signs,
+ * the alternating majority votes over the picked rows' signs (at most 64 rows: 8-bit
+ * counts). */
+SIMD_CLONES static uint32_t sign_disagreements(const uint8_t *restrict s, const uint8_t *restrict col, Py_ssize_t cols) {
+    uint32_t disagree = 0;
+    for (Py_ssize_t j = 0; j < cols; j++) disagree += s[j] ^ col[j];
+    return disagree;
+}
+
+SIMD_CLONES static void sign_count(const uint8_t *restrict s, uint8_t flip, uint8_t *restrict count, Py_ssize_t cols) {
+    for (Py_ssize_t j = 0; j < cols; j++) count[j] += s[j] ^ flip;
+}
+
+SIMD_CLONES static void sign_majority(const uint8_t *restrict count, Py_ssize_t k, uint8_t *restrict col, Py_ssize_t cols) {
+    for (Py_ssize_t j = 0; j < cols; j++) col[j] = 2 * count[j] > k;
+}
+
+static PyObject *py_column_signs(PyObject *self, PyObject *args) {
+    Py_buffer words, picked, out;
+    Py_ssize_t rows, cols;
+    int rounds;
+    if (!PyArg_ParseTuple(args, "y*nny*iw*", &words, &rows, &cols, &picked, &rounds, &out)) return NULL;
+    const Py_ssize_t k = picked.len / 8;
+    const int64_t *pick = picked.buf;
+    int fits = rows >= 1 && cols >= 1 && words.len == 4 * rows * cols && out.len == cols && picked.len % 8 == 0
+               && k >= 1 && k <= 64;
+    for (Py_ssize_t t = 0; fits && t < k; t++) fits = pick[t] >= 0 && pick[t] < rows;
+    uint8_t *signs = fits ? malloc((size_t)(k * cols)) : NULL, *count = fits ? malloc((size_t)cols) : NULL;
+    if (fits && (!signs || !count)) {
+        free(signs); free(count);
+        PyBuffer_Release(&words); PyBuffer_Release(&picked); PyBuffer_Release(&out);
+        return PyErr_NoMemory();
+    }
+    if (fits) {
+        Py_BEGIN_ALLOW_THREADS
+        const uint32_t *w = words.buf;
+        uint8_t *col = out.buf, row_neg[64];
+        memset(count, 0, (size_t)cols);
+        for (Py_ssize_t t = 0; t < k; t++) {
+            const uint32_t *restrict row = w + pick[t] * cols;
+            uint8_t *restrict s = signs + t * cols;
+            for (Py_ssize_t j = 0; j < cols; j++) s[j] = (uint8_t)(row[j] >> 31);
+            sign_count(s, 0, count, cols);
+        }
+        sign_majority(count, k, col, cols);
+        for (int round = 0; round < rounds; round++) {
+            for (Py_ssize_t t = 0; t < k; t++) row_neg[t] = 2 * (uint64_t)sign_disagreements(signs + t * cols, col, cols) > (uint64_t)cols;
+            memset(count, 0, (size_t)cols);
+            for (Py_ssize_t t = 0; t < k; t++) sign_count(signs + t * cols, row_neg[t], count, cols);
+            sign_majority(count, k, col, cols);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    free(signs); free(count);
+    PyBuffer_Release(&words); PyBuffer_Release(&picked); PyBuffer_Release(&out);
+    if (!fits) { PyErr_SetString(PyExc_ValueError, "column_signs: buffers do not fit rows x cols (64 picked rows at most)"); return NULL; }
+    Py_RETURN_NONE;
+}
+
+/* scaled_split(words, rows, cols, col_negative, row_negative, symbols, escapes, high,
+ * middle, low, row_fix, col_fix) -> the number of escapes written. Fills row_negative (each
+ * row's sign in the pattern: the majority of its floats' against the columns', ties
+ * positive) and the model. */
+static PyObject *py_scaled_split(PyObject *self, PyObject *args) {
+    Py_buffer b[10];
+    Py_ssize_t rows, cols;
+    if (!PyArg_ParseTuple(args, "y*nny*w*w*w*w*w*w*w*w*", &b[0], &rows, &cols, &b[2], &b[1], &b[3], &b[4], &b[5],
+                          &b[6], &b[7], &b[8], &b[9]))
+        return NULL;
+    const Py_ssize_t n = rows * cols;
+    const int fits = rows >= 1 && cols >= 1 && rows <= SCALED_MAX && cols <= SCALED_MAX && b[0].len == 4 * n
+                     && b[1].len == rows && b[2].len == cols
+                     && b[3].len == n && b[4].len >= 2 * n && b[5].len == n && b[6].len == n
+                     && b[7].len == (n + 7) / 8 * 5 && b[8].len == 2 * rows && b[9].len == 2 * cols;
+    Py_ssize_t found = 0;
+    int failed = !fits;
+    if (fits) {
+        Py_BEGIN_ALLOW_THREADS
+        const uint32_t *w = b[0].buf;
+        uint8_t *rneg = b[1].buf;
+        const uint8_t *cneg = b[2].buf;
+        uint8_t *sym = b[3].buf, *high = b[5].buf, *middle = b[6].buf, *low = b[7].buf;
+        uint16_t *esc = b[4].buf;
+        int16_t *row_fix = b[8].buf, *col_fix = b[9].buf;
+        uint32_t *col_sum = calloc((size_t)cols, sizeof(uint32_t)), *cneg32 = malloc((size_t)cols * 4);
+        int32_t *cbias = malloc((size_t)cols * 4);
+        if (!col_sum || !cneg32 || !cbias) failed = 1;
+        else {
+            for (Py_ssize_t j = 0; j < cols; j++) cneg32[j] = cneg[j] & 1;
+            int64_t row_total = 0;
+            for (Py_ssize_t i = 0; i < rows; i++) {
+                uint64_t sum, disagree;
+                scaled_row_sums(w + i * cols, cneg32, col_sum, cols, &sum, &disagree);
+                row_fix[i] = (int16_t)((32 * sum + (uint64_t)cols) / (2 * (uint64_t)cols));
+                rneg[i] = 2 * disagree > (uint64_t)cols;
+                row_total += row_fix[i];
+            }
+            for (Py_ssize_t j = 0; j < cols; j++) {
+                col_fix[j] = (int16_t)floor_div(32 * (int64_t)col_sum[j] - 2 * row_total + rows, 2 * (int64_t)rows);
+                cbias[j] = col_fix[j] + 8;
+            }
+            for (Py_ssize_t i = 0; i < rows; i++) {
+                const uint32_t *row = w + i * cols;
+                uint8_t *s = sym + i * cols;
+                if (scaled_row_split(row, cbias, cneg32, cols, row_fix[i], rneg[i] & 1u, s, high + i * cols,
+                                     middle + i * cols))
+                    for (Py_ssize_t j = next_escape(s, 0, cols); j < cols; j = next_escape(s, j + 1, cols))
+                        esc[found++] = (uint16_t)((row[j] >> LOW_BITS) & ((1u << LOG_BITS) - 1));
+            }
+            pack_low(w, n, low);
+        }
+        free(col_sum); free(cneg32); free(cbias);
+        Py_END_ALLOW_THREADS
+    }
+    for (int k = 0; k < 10; k++) PyBuffer_Release(&b[k]);
+    if (!fits) { PyErr_SetString(PyExc_ValueError, "scaled_split: buffers do not fit rows x cols"); return NULL; }
+    if (failed) return PyErr_NoMemory();
+    return PyLong_FromSsize_t(found);
+}
+
+/* scaled_join(symbols, escapes, high, middle, low, row_fix, col_fix, row_negative,
+ * col_negative, rows, cols, words): the inverse; ValueError where the escapes do not match. */
+static PyObject *py_scaled_join(PyObject *self, PyObject *args) {
+    Py_buffer b[10];
+    Py_ssize_t rows, cols;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*y*nnw*", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5], &b[6], &b[7],
+                          &b[8], &rows, &cols, &b[9]))
+        return NULL;
+    const Py_ssize_t n = rows * cols;
+    const int fits = rows >= 1 && cols >= 1 && rows <= SCALED_MAX && cols <= SCALED_MAX && b[0].len == n
+                     && b[1].len % 2 == 0 && b[2].len == n && b[3].len == n
+                     && b[4].len == (n + 7) / 8 * 5 && b[5].len == 2 * rows && b[6].len == 2 * cols
+                     && b[7].len == rows && b[8].len == cols && b[9].len == 4 * n;
+    const char *error = fits ? NULL : "scaled_join: buffers do not fit rows x cols";
+    if (fits) {
+        Py_BEGIN_ALLOW_THREADS
+        const uint8_t *sym = b[0].buf, *high = b[2].buf, *middle = b[3].buf, *low = b[4].buf;
+        const uint8_t *rneg = b[7].buf, *cneg = b[8].buf;
+        const uint16_t *esc = b[1].buf;
+        const Py_ssize_t escapes = b[1].len / 2;
+        const int16_t *row_fix = b[5].buf, *col_fix = b[6].buf;
+        const uint32_t log_mask = ((1u << LOG_BITS) - 1) << LOW_BITS;
+        uint32_t *w = b[9].buf;
+        Py_ssize_t used = 0;
+        uint32_t *cneg32 = malloc((size_t)cols * 4);
+        int32_t *cbias = malloc((size_t)cols * 4);
+        if (!cneg32 || !cbias) error = "scaled_join: out of memory";
+        for (Py_ssize_t j = 0; !error && j < cols; j++) { cneg32[j] = cneg[j] & 1; cbias[j] = col_fix[j] + 8; }
+        for (Py_ssize_t i = 0; i < rows && !error; i++) {
+            const uint8_t *s = sym + i * cols;
+            uint32_t *out = w + i * cols;
+            if (!scaled_row_join(s, high + i * cols, middle + i * cols, cbias, cneg32, cols, row_fix[i], rneg[i] & 1,
+                                 out))
+                continue;
+            for (Py_ssize_t j = next_escape(s, 0, cols); j < cols; j = next_escape(s, j + 1, cols)) {
+                if (used == escapes) { error = "scaled stream escapes holds too few values"; break; }
+                out[j] = (out[j] & ~log_mask) | ((uint32_t)esc[used++] << LOW_BITS & log_mask);
+            }
+        }
+        free(cneg32); free(cbias);
+        if (!error && used != escapes) error = "scaled stream escapes holds too many values";
+        if (!error) unpack_low(low, n, w);
+        Py_END_ALLOW_THREADS
+    }
+    for (int k = 0; k < 10; k++) PyBuffer_Release(&b[k]);
+    if (error) { PyErr_SetString(PyExc_ValueError, error); return NULL; }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"stream_stats", py_stream_stats, METH_VARARGS,
      "stream_stats(src, max_contexts[, sample]) -> (order-0 bits, order-1 bits or -1, contexts, distinct values)."},
@@ -1028,6 +1353,14 @@ static PyMethodDef methods[] = {
      "replaces top by its residual, in place."},
     {"exponent_restore", py_exponent_restore, METH_VARARGS,
      "exponent_restore(residual, rows, cols, row_fix, col_fix): the inverse, in place."},
+    {"column_signs", py_column_signs, METH_VARARGS,
+     "column_signs(words, rows, cols, picked, rounds, col_negative): the columns' signs in the rank-one pattern."},
+    {"scaled_split", py_scaled_split, METH_VARARGS,
+     "scaled_split(words, rows, cols, col_negative, row_negative, symbols, escapes, high, middle, low, row_fix, "
+     "col_fix) -> escapes written."},
+    {"scaled_join", py_scaled_join, METH_VARARGS,
+     "scaled_join(symbols, escapes, high, middle, low, row_fix, col_fix, row_negative, col_negative, rows, cols, "
+     "words): the inverse."},
     {"split_planes", py_split_planes, METH_VARARGS,
      "split_planes(words, planes, width, rotate, base|None[, threads]): XOR, rotate left, byte planes."},
     {"join_planes", py_join_planes, METH_VARARGS,

@@ -50,9 +50,9 @@ __all__ = ["CheckpointError", "FORMAT", "decode", "encode", "has_manifest", "ins
            "verify", "write_manifest"]
 
 FORMAT = "rayzip-checkpoint"
-VERSION = 5  # 3: packs of small tensors; 4: Huffman streams of 2 MB or more coded in groups;
-# 5: the manifest zstd-compressed
-READABLE_VERSIONS = (2, 3, 4, 5)
+VERSION = 6  # 3: packs of small tensors; 4: Huffman streams of 2 MB or more coded in groups;
+# 5: the manifest zstd-compressed; 6: the scaled codec
+READABLE_VERSIONS = (2, 3, 4, 5, 6)
 MANIFEST = "manifest.json.zst"
 PLAIN_MANIFEST = "manifest.json"  # versions 2 to 4
 MANIFEST_LEVEL = 9  # 6.6x smaller than the JSON on the GPT's 156 tensors, in 0.8 ms
@@ -267,7 +267,7 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
         if math.prod(shape) <= SAMPLE:
             return None
         return (_dtype_name(tensor), base_of(name) is not None, bool(is_optimizer(name)),
-                Factored.matrix(shape) is not None, _last_part(name))
+                Factored.matrix(shape) is not None, _last_part(name), _on_host(tensor))  # host-only codecs
 
     def choose_for_family(name: str, words, prior, dtype: str, xp, shape: tuple[int, ...]):
         """``(codec, whether to code against the base)``; False where there is none."""

@@ -37,8 +37,9 @@ try:  # the C kernels (setup.py); numpy does the same work, slower, without them
 except ImportError:  # pragma: no cover - depends on the build
     kernels = None
 
-__all__ = ["WORD_DTYPES", "byte_planes", "exponent_residual", "exponent_restore", "from_byte_planes", "kernels",
-           "prefix_split", "prefix_join", "rotate_left", "tensor_words", "words_to_tensor"]
+__all__ = ["SCALED_MAX", "WORD_DTYPES", "byte_planes", "column_signs", "exponent_residual", "exponent_restore",
+           "from_byte_planes", "kernels", "prefix_join", "prefix_split", "rotate_left", "row_signs", "scaled_join",
+           "scaled_split", "tensor_words", "words_to_tensor"]
 
 WORD_DTYPES = {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
@@ -137,11 +138,8 @@ def exponent_residual(top, xp):
     if kernels is not None and xp is np:
         kernels.exponent_residual(top, rows, cols, row_fix, col_fix)
         return row_fix, col_fix
-    row_sum = top.sum(axis=1, dtype=xp.int64)
-    row_fix[:] = (32 * row_sum + cols) // (2 * cols)
-    col_sum = top.sum(axis=0, dtype=xp.int64)
-    col_fix[:] = (32 * col_sum - 2 * int(row_fix.astype(xp.int64).sum()) + rows) // (2 * rows)
-    top -= _exponent_prediction(row_fix, col_fix, xp)
+    row_fix[:], col_fix[:] = _fit_rows_and_columns(top, xp)
+    top -= _prediction(row_fix, col_fix, xp, 255).astype(xp.uint8)
     return row_fix, col_fix
 
 
@@ -152,12 +150,22 @@ def exponent_restore(residual, row_fix, col_fix, xp) -> None:
         kernels.exponent_restore(residual, rows, cols, np.ascontiguousarray(row_fix, dtype=np.int16),
                                  np.ascontiguousarray(col_fix, dtype=np.int16))
         return
-    residual += _exponent_prediction(row_fix, col_fix, xp)
+    residual += _prediction(row_fix, col_fix, xp, 255).astype(xp.uint8)
 
 
-def _exponent_prediction(row_fix, col_fix, xp):
+def _fit_rows_and_columns(matrix, xp):
+    """``(row_fix, col_fix)``: 16 times the rows' means and the columns' means of what the
+    rows' leave, rounded (the C kernels compute the same integers)."""
+    rows, cols = matrix.shape
+    row_fix = (32 * matrix.sum(axis=1, dtype=xp.int64) + cols) // (2 * cols)
+    col_fix = (32 * matrix.sum(axis=0, dtype=xp.int64) - 2 * int(row_fix.sum()) + rows) // (2 * rows)
+    return row_fix, col_fix
+
+
+def _prediction(row_fix, col_fix, xp, most: int):
+    """The model's prediction for every cell, clamped to 0..``most``."""
     total = row_fix.astype(xp.int32)[:, None] + col_fix.astype(xp.int32)[None, :] + 8
-    return (xp.clip(total, 0, 4095) >> 4).astype(xp.uint8)
+    return xp.clip(total, 0, 16 * most + 15) >> 4
 
 
 def rotate_left(words, r: int):
@@ -181,3 +189,122 @@ def prefix_join(prefix, low, bits: int, xp):
     """Inverse of :func:`prefix_split`."""
     width = 8 * low.dtype.itemsize
     return (prefix.astype(low.dtype) << low.dtype.type(width - bits)) | low
+
+
+# The scaled split of an fp32 matrix (codecs.Scaled). A float's log magnitude to a quarter
+# binade is its exponent and top two mantissa bits, LOG_BITS bits read as one number; a
+# matrix's log magnitudes follow its rows and columns (Adam's moments, and weights trained a
+# few hundred steps), and its signs follow a rank-one pattern (a gradient's outer product):
+# both are predicted, and what the predictions miss is one byte per float.
+LOG_BITS = 10
+LOG_MOST = (1 << LOG_BITS) - 1
+LOW_BITS = 32 - 1 - LOG_BITS  # mantissa bits below the log magnitude: 21
+RESIDUAL_REACH = 39  # residuals within this many quarter binades are symbols, the rest escape:
+# a wider reach gives rarer symbols, which a code of at most 11 bits stores dearly
+RESIDUAL_ZERO = 64
+SIGN_SAMPLE_ROWS = 64  # rows whose signs fix the column pattern (the C kernel takes 64 at most)
+SCALED_MAX = 1 << 22  # rows and columns at most: the C kernel's sums are 32-bit
+SIGN_ROUNDS = 3
+
+
+def column_signs(words, rows: int, cols: int) -> np.ndarray:
+    """Each column's sign (uint8, 1 negative) in a rank-one pattern of signs that the
+    matrix's signs (the words' top bits) agree with as often as a few rounds of alternating
+    majority votes over a sample of evenly spaced rows find. Integer votes, ties positive:
+    the same pattern from any implementation."""
+    count = min(rows, SIGN_SAMPLE_ROWS)
+    steps = np.arange(count, dtype=np.int64)
+    picked = (steps * (rows - 1) + (count - 1) // 2) // (count - 1) if count > 1 else steps
+    if kernels is not None:
+        col_negative = np.empty(cols, np.uint8)
+        kernels.column_signs(np.ascontiguousarray(words), rows, cols, picked, SIGN_ROUNDS, col_negative)
+        return col_negative
+    signs = (words.reshape(rows, cols)[picked] >> np.uint32(31)).astype(np.int64)
+    col = 2 * signs.sum(axis=0) > count
+    for _ in range(SIGN_ROUNDS):
+        row = 2 * (signs != col[None, :]).sum(axis=1) > cols
+        col = 2 * (signs != row[:, None]).sum(axis=0) > count
+    return col.astype(np.uint8)
+
+
+def row_signs(words, rows: int, cols: int, col_negative: np.ndarray) -> np.ndarray:
+    """Each row's sign in the pattern: the majority of its floats' against the columns'."""
+    disagree = ((words.reshape(rows, cols) >> np.uint32(31)).astype(np.uint8) != col_negative[None, :]).sum(axis=1)
+    return (2 * disagree > cols).astype(np.uint8)
+
+
+def scaled_split(words, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """The streams of an fp32 matrix's words (uint32, ``rows * cols``): ``symbols`` (one byte
+    per float: its log magnitude's residual from the row-and-column model plus
+    ``RESIDUAL_ZERO``, times two, plus whether its sign disagrees with the pattern; a
+    residual beyond ``RESIDUAL_REACH`` is 0 there, its log magnitude in ``escapes``,
+    uint16), ``high`` and ``middle`` (mantissa bits 20..13 and 12..5), ``low`` (bits 4..0,
+    eight floats in five bytes), and the models: ``row_fix``, ``col_fix`` (int16, 1/16 fixed
+    point, as :func:`exponent_residual`'s) and the sign pattern's ``row_negative`` and
+    ``col_negative`` (uint8, 1 negative)."""
+    words = np.ascontiguousarray(words).reshape(-1)
+    col_negative = column_signs(words, rows, cols)
+    count = rows * cols
+    out = {"symbols": scratch.take(count), "high": scratch.take(count), "middle": scratch.take(count),
+           "low": scratch.take(-(-count // 8) * 5), "row_fix": np.empty(rows, np.int16),
+           "col_fix": np.empty(cols, np.int16), "row_negative": np.empty(rows, np.uint8), "col_negative": col_negative}
+    if kernels is not None:
+        escapes = scratch.take(2 * count, np.uint16)
+        found = kernels.scaled_split(words, rows, cols, col_negative, out["row_negative"], out["symbols"], escapes,
+                                     out["high"], out["middle"], out["low"], out["row_fix"], out["col_fix"])
+        out["escapes"] = escapes[:found].copy()
+        return out
+    row_negative = out["row_negative"] = row_signs(words, rows, cols, col_negative)
+    log = (words >> np.uint32(LOW_BITS)).astype(np.int64) & LOG_MOST
+    out["row_fix"][:], out["col_fix"][:] = _fit_rows_and_columns(log.reshape(rows, cols), np)
+    residual = log - _prediction(out["row_fix"], out["col_fix"], np, LOG_MOST).reshape(-1)
+    escaped = np.abs(residual) > RESIDUAL_REACH
+    disagree = ((words >> np.uint32(31)).astype(np.uint8).reshape(rows, cols)
+                ^ row_negative[:, None] ^ col_negative[None, :]).reshape(-1)
+    out["symbols"][:] = np.where(escaped, 0, (residual + RESIDUAL_ZERO) << 1) | disagree
+    out["escapes"] = log[escaped].astype("<u2")
+    out["high"][:] = words >> np.uint32(13)
+    out["middle"][:] = words >> np.uint32(5)
+    low = np.zeros(-(-count // 8) * 8, np.uint64)  # eight 5-bit fields to a 40-bit group
+    low[:count] = words & np.uint32(31)
+    packed = (low.reshape(-1, 8) << (5 * np.arange(8, dtype=np.uint64))).sum(axis=1, dtype=np.uint64)
+    out["low"][:] = packed.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :5].reshape(-1)
+    return out
+
+
+def scaled_join(streams: dict[str, np.ndarray], rows: int, cols: int) -> np.ndarray:
+    """Inverse of :func:`scaled_split`: the uint32 words. ValueError where the streams do not
+    fit the matrix (too few escapes, wrong lengths)."""
+    count = rows * cols
+    parts = {name: np.ascontiguousarray(streams[name]).reshape(-1).view(np.uint8)
+             for name in ("symbols", "high", "middle", "low", "row_negative", "col_negative")}
+    escapes = np.ascontiguousarray(streams["escapes"]).view("<u2")
+    row_fix = np.ascontiguousarray(streams["row_fix"]).view("<i2")
+    col_fix = np.ascontiguousarray(streams["col_fix"]).view("<i2")
+    expected = {"symbols": count, "high": count, "middle": count, "low": -(-count // 8) * 5,
+                "row_negative": rows, "col_negative": cols}
+    for name, length in expected.items():
+        if parts[name].size != length:
+            raise ValueError(f"scaled stream {name} holds {parts[name].size} bytes, {length} expected")
+    if row_fix.size != rows or col_fix.size != cols:
+        raise ValueError("scaled model does not fit the matrix")
+    if kernels is not None:
+        words = np.empty(count, np.uint32)
+        kernels.scaled_join(parts["symbols"], escapes, parts["high"], parts["middle"], parts["low"], row_fix, col_fix,
+                            parts["row_negative"], parts["col_negative"], rows, cols, words)
+        return words
+    symbols = parts["symbols"]
+    escaped = symbols < 2
+    if int(escaped.sum()) != escapes.size:
+        raise ValueError(f"scaled stream escapes holds {escapes.size} values, {int(escaped.sum())} expected")
+    log = (symbols >> 1).astype(np.int64) - RESIDUAL_ZERO + _prediction(row_fix, col_fix, np, LOG_MOST).reshape(-1)
+    log[escaped] = escapes
+    sign = ((symbols & 1).reshape(rows, cols) ^ parts["row_negative"][:, None]
+            ^ parts["col_negative"][None, :]).reshape(-1).astype(np.uint32)
+    padded = np.zeros(-(-count // 8) * 8, np.uint8).reshape(-1, 8)
+    padded[:, :5] = parts["low"].reshape(-1, 5)
+    low = (padded.view("<u8").reshape(-1, 1) >> (5 * np.arange(8, dtype=np.uint64))) & np.uint64(31)
+    return ((sign << np.uint32(31)) | ((log & LOG_MOST).astype(np.uint32) << np.uint32(LOW_BITS))
+            | (parts["high"].astype(np.uint32) << np.uint32(13)) | (parts["middle"].astype(np.uint32) << np.uint32(5))
+            | low.reshape(-1)[:count].astype(np.uint32))
+
