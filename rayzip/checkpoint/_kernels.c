@@ -1023,6 +1023,7 @@ static PyObject *py_exponent_restore(PyObject *self, PyObject *args) {
 #define LOW_BITS 21
 #define RESIDUAL_ZERO 64
 #define RESIDUAL_REACH 39
+#define SIGN_RANK_MAX 8
 #define SCALED_MAX ((Py_ssize_t)1 << 22)  /* rows and columns: 32-bit sums of 10-bit values */
 
 /* One row's sum of log magnitudes (added into the columns' too) and its count of signs that
@@ -1040,6 +1041,58 @@ SIMD_CLONES static void scaled_row_sums(const uint32_t *restrict row, const uint
     }
     *sum_out = sum;
     *disagree_out = disagree;
+}
+
+/* A row's int8 factors (the encoder's): its finite floats projected on each of the columns'
+ * factors, scaled so that the largest is +-127 (all 0 for a row with no projection). */
+SIMD_CLONES static float project_row(const uint32_t *restrict row, const float *restrict b, Py_ssize_t cols) {
+    float part[16] = {0};  /* sixteen running sums, so that the loop vectorises without reassociating */
+    Py_ssize_t j = 0;
+    for (; j + 16 <= cols; j += 16)
+        for (int l = 0; l < 16; l++) {
+            uint32_t v = row[j + l];
+            v = (v & 0x7F800000u) == 0x7F800000u ? 0u : v;  /* inf and NaN count as 0 */
+            float x;
+            memcpy(&x, &v, 4);
+            part[l] += x * b[j + l];
+        }
+    float sum = 0.0f;
+    for (; j < cols; j++) {
+        uint32_t v = row[j];
+        v = (v & 0x7F800000u) == 0x7F800000u ? 0u : v;
+        float x;
+        memcpy(&x, &v, 4);
+        sum += x * b[j];
+    }
+    for (int l = 0; l < 16; l++) sum += part[l];
+    return sum;
+}
+
+static void row_factors_of(const uint32_t *row, const float *b, int rank, Py_ssize_t cols, int8_t *out) {
+    float projection[SIGN_RANK_MAX], most = 0.0f;
+    for (int t = 0; t < rank; t++) {
+        projection[t] = project_row(row, b + t * cols, cols);
+        const float size = fabsf(projection[t]);
+        most = size > most ? size : most;
+    }
+    const int usable = most > 0.0f && isfinite(most);  /* huge rows overflow: no factors, not garbage */
+    for (int t = 0; t < rank; t++)
+        out[t] = (int8_t)(usable && isfinite(projection[t]) ? lrintf(127.0f * projection[t] / most) : 0);
+}
+
+/* A row's predicted signs (1 negative) from rank-k factors: the sign of the integer sum
+ * over t of a[t] * b[t * cols + j] (int8 values, so the sum is exact; zero is positive),
+ * a factor at a time so that the column loop vectorises. */
+SIMD_CLONES static void predict_signs(const int32_t *a, const int16_t *restrict b, int rank, Py_ssize_t cols,
+                                      uint32_t *restrict negative) {
+    int32_t *restrict sum = (int32_t *)negative;
+    for (Py_ssize_t j = 0; j < cols; j++) sum[j] = a[0] * (int32_t)b[j];
+    for (int t = 1; t < rank; t++) {
+        const int32_t at = a[t];
+        const int16_t *restrict bt = b + t * cols;
+        for (Py_ssize_t j = 0; j < cols; j++) sum[j] += at * (int32_t)bt[j];
+    }
+    for (Py_ssize_t j = 0; j < cols; j++) negative[j] = (uint32_t)sum[j] >> 31;
 }
 
 /* One row's symbols and high and middle planes (cbias: a column's col_fix + 8); returns
@@ -1170,6 +1223,15 @@ static inline Py_ssize_t next_escape(const uint8_t *s, Py_ssize_t j, Py_ssize_t 
     return cols;
 }
 
+/* Whether words hold a rows x cols fp32 matrix and picked (int64) 1 to 64 of its rows. */
+static int picked_rows_fit(const Py_buffer *words, Py_ssize_t rows, Py_ssize_t cols, const Py_buffer *picked) {
+    const Py_ssize_t k = picked->len / 8;
+    const int64_t *pick = picked->buf;
+    int fits = rows >= 1 && cols >= 1 && words->len == 4 * rows * cols && picked->len % 8 == 0 && k >= 1 && k <= 64;
+    for (Py_ssize_t t = 0; fits && t < k; t++) fits = pick[t] >= 0 && pick[t] < rows;
+    return fits;
+}
+
 /* column_signs(words, rows, cols, picked, rounds, col_negative): transforms.column_signs,
  * the alternating majority votes over the picked rows' signs (at most 64 rows: 8-bit
  * counts). */
@@ -1194,9 +1256,7 @@ static PyObject *py_column_signs(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*nny*iw*", &words, &rows, &cols, &picked, &rounds, &out)) return NULL;
     const Py_ssize_t k = picked.len / 8;
     const int64_t *pick = picked.buf;
-    int fits = rows >= 1 && cols >= 1 && words.len == 4 * rows * cols && out.len == cols && picked.len % 8 == 0
-               && k >= 1 && k <= 64;
-    for (Py_ssize_t t = 0; fits && t < k; t++) fits = pick[t] >= 0 && pick[t] < rows;
+    const int fits = picked_rows_fit(&words, rows, cols, &picked) && out.len == cols;
     uint8_t *signs = fits ? malloc((size_t)(k * cols)) : NULL, *count = fits ? malloc((size_t)cols) : NULL;
     if (fits && (!signs || !count)) {
         free(signs); free(count);
@@ -1229,21 +1289,145 @@ static PyObject *py_column_signs(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The sign model: rank 1 is a sign per row times a sign per column (row_negative,
+ * col_negative); rank 2 to SIGN_RANK_MAX, int8 factors, rank per row (row-major) and per
+ * column (factor-major), whose products' sum predicts the sign. */
+typedef struct { int rank; const int8_t *a; int16_t *b; int32_t a_row[SIGN_RANK_MAX]; uint32_t *negative; } SignFactors;
+
+static int sign_factors_init(SignFactors *f, int rank, const void *a, const void *b, Py_ssize_t cols) {
+    f->rank = rank;
+    if (rank == 1) return 0;
+    f->a = a;
+    f->b = malloc((size_t)rank * cols * sizeof(int16_t));
+    f->negative = malloc((size_t)cols * sizeof(uint32_t));
+    if (!f->b || !f->negative) return -1;
+    for (Py_ssize_t k = 0; k < rank * cols; k++) f->b[k] = ((const int8_t *)b)[k];
+    return 0;
+}
+
+static void sign_factors_free(SignFactors *f) { free(f->b); free(f->negative); }
+
+/* Row i's predicted signs against which its floats' are coded: the columns' (rank 1, the
+ * row's own sign applied by the caller) or the factors' prediction. */
+static const uint32_t *row_signs_of(SignFactors *f, Py_ssize_t i, const uint32_t *cneg32, Py_ssize_t cols) {
+    if (f->rank == 1) return cneg32;
+    for (int t = 0; t < f->rank; t++) f->a_row[t] = f->a[i * f->rank + t];
+    predict_signs(f->a_row, f->b, f->rank, cols, f->negative);
+    return f->negative;
+}
+
+/* A dot product in eight running sums, so that it vectorises without reassociating. */
+SIMD_CLONES static double dot_product(const double *restrict a, const double *restrict b, Py_ssize_t n) {
+    double part[8] = {0}, sum = 0.0;
+    Py_ssize_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) part[l] += a[j + l] * b[j + l];
+    for (; j < n; j++) sum += a[j] * b[j];
+    for (int l = 0; l < 8; l++) sum += part[l];
+    return sum;
+}
+
+/* sign_directions(words, rows, cols, picked, rank, col_factors): the columns' int8 factors of
+ * the sign model (transforms.sign_factors): the top `rank` right singular vectors of the
+ * picked rows, from a subspace iteration on their Gram matrix (at most 64 rows: a small one),
+ * scaled to +-127 per column. In C because LAPACK's threads, on a machine whose cores the
+ * checkpoint's own threads already use, made two-thread encodes twice as slow as one. */
+#define DIRECTION_ROUNDS 12  /* rounds of subspace iteration: 8 to 40 stored the GPT's first moment within 0.005% */
+static PyObject *py_sign_directions(PyObject *self, PyObject *args) {
+    Py_buffer words, picked, out;
+    Py_ssize_t rows, cols;
+    int rank;
+    if (!PyArg_ParseTuple(args, "y*nny*iw*", &words, &rows, &cols, &picked, &rank, &out)) return NULL;
+    const Py_ssize_t k = picked.len / 8;
+    const int64_t *pick = picked.buf;
+    const int fits = picked_rows_fit(&words, rows, cols, &picked) && rank >= 2 && rank <= SIGN_RANK_MAX
+                     && out.len == rank * cols;
+    double *sample = fits ? malloc((size_t)(k * cols) * sizeof(double)) : NULL;
+    double *right = fits ? calloc((size_t)(cols * rank), sizeof(double)) : NULL;
+    if (fits && (!sample || !right)) {
+        free(sample); free(right);
+        PyBuffer_Release(&words); PyBuffer_Release(&picked); PyBuffer_Release(&out);
+        return PyErr_NoMemory();
+    }
+    if (fits) {
+        Py_BEGIN_ALLOW_THREADS
+        const uint32_t *w = words.buf;
+        for (Py_ssize_t t = 0; t < k; t++)
+            for (Py_ssize_t j = 0; j < cols; j++) {
+                uint32_t v = w[pick[t] * cols + j];
+                v = (v & 0x7F800000u) == 0x7F800000u ? 0u : v;
+                float x;
+                memcpy(&x, &v, 4);
+                sample[t * cols + j] = x;
+            }
+        double gram[64][64], q[SIGN_RANK_MAX][64], z[SIGN_RANK_MAX][64];  /* directions in the sample's row space */
+        for (Py_ssize_t a = 0; a < k; a++)
+            for (Py_ssize_t b = a; b < k; b++) gram[a][b] = gram[b][a] = dot_product(sample + a * cols, sample + b * cols, cols);
+        uint32_t seed = 12345u;  /* a fixed start, not aligned with any axis */
+        for (int r = 0; r < rank; r++)
+            for (Py_ssize_t a = 0; a < k; a++) { seed = seed * 1664525u + 1013904223u; q[r][a] = (double)(seed >> 8) / 16777216.0 - 0.5; }
+        for (int round = 0; round < DIRECTION_ROUNDS; round++) {
+            for (int r = 0; r < rank; r++) {
+                for (Py_ssize_t a = 0; a < k; a++) z[r][a] = 0.0;
+                for (Py_ssize_t b = 0; b < k; b++) {
+                    const double weight = q[r][b];
+                    for (Py_ssize_t a = 0; a < k; a++) z[r][a] += gram[b][a] * weight;  /* gram is symmetric */
+                }
+            }
+            for (int r = 0; r < rank; r++) {  /* modified Gram-Schmidt */
+                for (int p = 0; p < r; p++) {
+                    double dot = 0.0;
+                    for (Py_ssize_t a = 0; a < k; a++) dot += z[r][a] * z[p][a];
+                    for (Py_ssize_t a = 0; a < k; a++) z[r][a] -= dot * z[p][a];
+                }
+                double norm = 0.0;
+                for (Py_ssize_t a = 0; a < k; a++) norm += z[r][a] * z[r][a];
+                norm = sqrt(norm);
+                for (Py_ssize_t a = 0; a < k; a++) q[r][a] = z[r][a] = norm > 0.0 ? z[r][a] / norm : 0.0;
+            }
+        }
+        for (int r = 0; r < rank; r++) {  /* right, rank x cols: the sample's rows combined */
+            double *restrict direction = right + r * cols;
+            for (Py_ssize_t a = 0; a < k; a++) {
+                const double weight = q[r][a], *restrict from = sample + a * cols;
+                for (Py_ssize_t j = 0; j < cols; j++) direction[j] += weight * from[j];
+            }
+            const double norm = sqrt(dot_product(direction, direction, cols));
+            for (Py_ssize_t j = 0; j < cols; j++) direction[j] = norm > 0.0 ? direction[j] / norm : 0.0;
+        }
+        int8_t *factors = out.buf;
+        for (Py_ssize_t j = 0; j < cols; j++) {
+            double most = 0.0;
+            for (int r = 0; r < rank; r++) most = fabs(right[r * cols + j]) > most ? fabs(right[r * cols + j]) : most;
+            for (int r = 0; r < rank; r++)
+                factors[r * cols + j] = (int8_t)(most > 0.0 ? lrint(127.0 * right[r * cols + j] / most) : 0);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    free(sample); free(right);
+    PyBuffer_Release(&words); PyBuffer_Release(&picked); PyBuffer_Release(&out);
+    if (!fits) { PyErr_SetString(PyExc_ValueError, "sign_directions: buffers do not fit (64 picked rows at most)"); return NULL; }
+    Py_RETURN_NONE;
+}
+
 /* scaled_split(words, rows, cols, col_negative, row_negative, symbols, escapes, high,
  * middle, low, row_fix, col_fix) -> the number of escapes written. Fills row_negative (each
  * row's sign in the pattern: the majority of its floats' against the columns', ties
  * positive) and the model. */
 static PyObject *py_scaled_split(PyObject *self, PyObject *args) {
-    Py_buffer b[10];
+    Py_buffer b[12];
     Py_ssize_t rows, cols;
-    if (!PyArg_ParseTuple(args, "y*nny*w*w*w*w*w*w*w*w*", &b[0], &rows, &cols, &b[2], &b[1], &b[3], &b[4], &b[5],
-                          &b[6], &b[7], &b[8], &b[9]))
+    int rank;
+    if (!PyArg_ParseTuple(args, "y*nny*w*w*w*w*w*w*w*w*iw*y*", &b[0], &rows, &cols, &b[2], &b[1], &b[3], &b[4], &b[5],
+                          &b[6], &b[7], &b[8], &b[9], &rank, &b[10], &b[11]))
         return NULL;
     const Py_ssize_t n = rows * cols;
     const int fits = rows >= 1 && cols >= 1 && rows <= SCALED_MAX && cols <= SCALED_MAX && b[0].len == 4 * n
                      && b[1].len == rows && b[2].len == cols
                      && b[3].len == n && b[4].len >= 2 * n && b[5].len == n && b[6].len == n
-                     && b[7].len == (n + 7) / 8 * 5 && b[8].len == 2 * rows && b[9].len == 2 * cols;
+                     && b[7].len == (n + 7) / 8 * 5 && b[8].len == 2 * rows && b[9].len == 2 * cols
+                     && rank >= 1 && rank <= SIGN_RANK_MAX
+                     && (rank == 1 || (b[10].len == rank * rows && b[11].len == rank * cols));
     Py_ssize_t found = 0;
     int failed = !fits;
     if (fits) {
@@ -1256,15 +1440,21 @@ static PyObject *py_scaled_split(PyObject *self, PyObject *args) {
         int16_t *row_fix = b[8].buf, *col_fix = b[9].buf;
         uint32_t *col_sum = calloc((size_t)cols, sizeof(uint32_t)), *cneg32 = malloc((size_t)cols * 4);
         int32_t *cbias = malloc((size_t)cols * 4);
-        if (!col_sum || !cneg32 || !cbias) failed = 1;
+        SignFactors f = {0};
+        float *col_float = rank > 1 ? malloc((size_t)rank * cols * sizeof(float)) : NULL;
+        if (!col_sum || !cneg32 || !cbias || (rank > 1 && !col_float)
+            || sign_factors_init(&f, rank, b[10].buf, b[11].buf, cols) < 0)
+            failed = 1;
         else {
             for (Py_ssize_t j = 0; j < cols; j++) cneg32[j] = cneg[j] & 1;
+            for (Py_ssize_t k = 0; k < rank * cols && rank > 1; k++) col_float[k] = ((const int8_t *)b[11].buf)[k];
             int64_t row_total = 0;
             for (Py_ssize_t i = 0; i < rows; i++) {
                 uint64_t sum, disagree;
+                if (rank > 1) row_factors_of(w + i * cols, col_float, rank, cols, (int8_t *)b[10].buf + i * rank);
                 scaled_row_sums(w + i * cols, cneg32, col_sum, cols, &sum, &disagree);
                 row_fix[i] = (int16_t)((32 * sum + (uint64_t)cols) / (2 * (uint64_t)cols));
-                rneg[i] = 2 * disagree > (uint64_t)cols;
+                rneg[i] = rank == 1 && 2 * disagree > (uint64_t)cols;
                 row_total += row_fix[i];
             }
             for (Py_ssize_t j = 0; j < cols; j++) {
@@ -1274,17 +1464,17 @@ static PyObject *py_scaled_split(PyObject *self, PyObject *args) {
             for (Py_ssize_t i = 0; i < rows; i++) {
                 const uint32_t *row = w + i * cols;
                 uint8_t *s = sym + i * cols;
-                if (scaled_row_split(row, cbias, cneg32, cols, row_fix[i], rneg[i] & 1u, s, high + i * cols,
-                                     middle + i * cols))
+                if (scaled_row_split(row, cbias, row_signs_of(&f, i, cneg32, cols), cols, row_fix[i],
+                                     rank == 1 ? rneg[i] & 1u : 0, s, high + i * cols, middle + i * cols))
                     for (Py_ssize_t j = next_escape(s, 0, cols); j < cols; j = next_escape(s, j + 1, cols))
                         esc[found++] = (uint16_t)((row[j] >> LOW_BITS) & ((1u << LOG_BITS) - 1));
             }
             pack_low(w, n, low);
         }
-        free(col_sum); free(cneg32); free(cbias);
+        free(col_sum); free(cneg32); free(cbias); free(col_float); sign_factors_free(&f);
         Py_END_ALLOW_THREADS
     }
-    for (int k = 0; k < 10; k++) PyBuffer_Release(&b[k]);
+    for (int k = 0; k < 12; k++) PyBuffer_Release(&b[k]);
     if (!fits) { PyErr_SetString(PyExc_ValueError, "scaled_split: buffers do not fit rows x cols"); return NULL; }
     if (failed) return PyErr_NoMemory();
     return PyLong_FromSsize_t(found);
@@ -1293,16 +1483,19 @@ static PyObject *py_scaled_split(PyObject *self, PyObject *args) {
 /* scaled_join(symbols, escapes, high, middle, low, row_fix, col_fix, row_negative,
  * col_negative, rows, cols, words): the inverse; ValueError where the escapes do not match. */
 static PyObject *py_scaled_join(PyObject *self, PyObject *args) {
-    Py_buffer b[10];
+    Py_buffer b[12];
     Py_ssize_t rows, cols;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*y*nnw*", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5], &b[6], &b[7],
-                          &b[8], &rows, &cols, &b[9]))
+    int rank;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*y*nnw*iy*y*", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5], &b[6], &b[7],
+                          &b[8], &rows, &cols, &b[9], &rank, &b[10], &b[11]))
         return NULL;
     const Py_ssize_t n = rows * cols;
     const int fits = rows >= 1 && cols >= 1 && rows <= SCALED_MAX && cols <= SCALED_MAX && b[0].len == n
                      && b[1].len % 2 == 0 && b[2].len == n && b[3].len == n
                      && b[4].len == (n + 7) / 8 * 5 && b[5].len == 2 * rows && b[6].len == 2 * cols
-                     && b[7].len == rows && b[8].len == cols && b[9].len == 4 * n;
+                     && b[7].len == rows && b[8].len == cols && b[9].len == 4 * n
+                     && rank >= 1 && rank <= SIGN_RANK_MAX
+                     && (rank == 1 || (b[10].len == rank * rows && b[11].len == rank * cols));
     const char *error = fits ? NULL : "scaled_join: buffers do not fit rows x cols";
     if (fits) {
         Py_BEGIN_ALLOW_THREADS
@@ -1316,25 +1509,27 @@ static PyObject *py_scaled_join(PyObject *self, PyObject *args) {
         Py_ssize_t used = 0;
         uint32_t *cneg32 = malloc((size_t)cols * 4);
         int32_t *cbias = malloc((size_t)cols * 4);
-        if (!cneg32 || !cbias) error = "scaled_join: out of memory";
+        SignFactors f = {0};
+        if (!cneg32 || !cbias || sign_factors_init(&f, rank, b[10].buf, b[11].buf, cols) < 0)
+            error = "scaled_join: out of memory";
         for (Py_ssize_t j = 0; !error && j < cols; j++) { cneg32[j] = cneg[j] & 1; cbias[j] = col_fix[j] + 8; }
         for (Py_ssize_t i = 0; i < rows && !error; i++) {
             const uint8_t *s = sym + i * cols;
             uint32_t *out = w + i * cols;
-            if (!scaled_row_join(s, high + i * cols, middle + i * cols, cbias, cneg32, cols, row_fix[i], rneg[i] & 1,
-                                 out))
+            if (!scaled_row_join(s, high + i * cols, middle + i * cols, cbias, row_signs_of(&f, i, cneg32, cols), cols,
+                                 row_fix[i], rank == 1 ? rneg[i] & 1u : 0, out))
                 continue;
             for (Py_ssize_t j = next_escape(s, 0, cols); j < cols; j = next_escape(s, j + 1, cols)) {
                 if (used == escapes) { error = "scaled stream escapes holds too few values"; break; }
                 out[j] = (out[j] & ~log_mask) | ((uint32_t)esc[used++] << LOW_BITS & log_mask);
             }
         }
-        free(cneg32); free(cbias);
+        free(cneg32); free(cbias); sign_factors_free(&f);
         if (!error && used != escapes) error = "scaled stream escapes holds too many values";
         if (!error) unpack_low(low, n, w);
         Py_END_ALLOW_THREADS
     }
-    for (int k = 0; k < 10; k++) PyBuffer_Release(&b[k]);
+    for (int k = 0; k < 12; k++) PyBuffer_Release(&b[k]);
     if (error) { PyErr_SetString(PyExc_ValueError, error); return NULL; }
     Py_RETURN_NONE;
 }
@@ -1355,12 +1550,14 @@ static PyMethodDef methods[] = {
      "exponent_restore(residual, rows, cols, row_fix, col_fix): the inverse, in place."},
     {"column_signs", py_column_signs, METH_VARARGS,
      "column_signs(words, rows, cols, picked, rounds, col_negative): the columns' signs in the rank-one pattern."},
+    {"sign_directions", py_sign_directions, METH_VARARGS,
+     "sign_directions(words, rows, cols, picked, rank, col_factors): the columns' int8 factors of the sign model."},
     {"scaled_split", py_scaled_split, METH_VARARGS,
      "scaled_split(words, rows, cols, col_negative, row_negative, symbols, escapes, high, middle, low, row_fix, "
-     "col_fix) -> escapes written."},
+     "col_fix, rank, row_factors (out, rank > 1), col_factors) -> escapes written."},
     {"scaled_join", py_scaled_join, METH_VARARGS,
      "scaled_join(symbols, escapes, high, middle, low, row_fix, col_fix, row_negative, col_negative, rows, cols, "
-     "words): the inverse."},
+     "words, rank, row_factors, col_factors): the inverse."},
     {"split_planes", py_split_planes, METH_VARARGS,
      "split_planes(words, planes, width, rotate, base|None[, threads]): XOR, rotate left, byte planes."},
     {"join_planes", py_join_planes, METH_VARARGS,

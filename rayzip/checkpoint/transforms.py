@@ -38,8 +38,8 @@ except ImportError:  # pragma: no cover - depends on the build
     kernels = None
 
 __all__ = ["SCALED_MAX", "WORD_DTYPES", "byte_planes", "column_signs", "exponent_residual", "exponent_restore",
-           "from_byte_planes", "kernels", "prefix_join", "prefix_split", "rotate_left", "row_signs", "scaled_join",
-           "scaled_split", "tensor_words", "words_to_tensor"]
+           "from_byte_planes", "kernels", "prefix_join", "prefix_split", "rotate_left", "row_factors", "row_signs",
+           "scaled_join", "scaled_split", "sign_factors", "tensor_words", "words_to_tensor"]
 
 WORD_DTYPES = {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
@@ -153,6 +153,14 @@ def exponent_restore(residual, row_fix, col_fix, xp) -> None:
     residual += _prediction(row_fix, col_fix, xp, 255).astype(xp.uint8)
 
 
+def _predicted_negative(model: dict, rows: int, cols: int) -> np.ndarray:
+    """The sign model's prediction, (rows, cols) uint8, 1 negative."""
+    if model["sign_rank"] == 1:
+        return model["row_negative"][:, None] ^ model["col_negative"][None, :]
+    left = model["row_factors"].reshape(rows, -1).astype(np.int64)
+    return (left @ model["col_factors"].reshape(-1, cols).astype(np.int64) < 0).astype(np.uint8)
+
+
 def _fit_rows_and_columns(matrix, xp):
     """``(row_fix, col_fix)``: 16 times the rows' means and the columns' means of what the
     rows' leave, rounded (the C kernels compute the same integers)."""
@@ -205,6 +213,7 @@ RESIDUAL_ZERO = 64
 SIGN_SAMPLE_ROWS = 64  # rows whose signs fix the column pattern (the C kernel takes 64 at most)
 SCALED_MAX = 1 << 22  # rows and columns at most: the C kernel's sums are 32-bit
 SIGN_ROUNDS = 3
+SIGN_RANK_MAX = 8  # the C kernel's
 
 
 def column_signs(words, rows: int, cols: int) -> np.ndarray:
@@ -212,9 +221,8 @@ def column_signs(words, rows: int, cols: int) -> np.ndarray:
     matrix's signs (the words' top bits) agree with as often as a few rounds of alternating
     majority votes over a sample of evenly spaced rows find. Integer votes, ties positive:
     the same pattern from any implementation."""
-    count = min(rows, SIGN_SAMPLE_ROWS)
-    steps = np.arange(count, dtype=np.int64)
-    picked = (steps * (rows - 1) + (count - 1) // 2) // (count - 1) if count > 1 else steps
+    picked = _sample_rows(rows)
+    count = picked.size
     if kernels is not None:
         col_negative = np.empty(cols, np.uint8)
         kernels.column_signs(np.ascontiguousarray(words), rows, cols, picked, SIGN_ROUNDS, col_negative)
@@ -233,34 +241,97 @@ def row_signs(words, rows: int, cols: int, col_negative: np.ndarray) -> np.ndarr
     return (2 * disagree > cols).astype(np.uint8)
 
 
-def scaled_split(words, rows: int, cols: int) -> dict[str, np.ndarray]:
+def sign_factors(words, rows: int, cols: int, rank: int) -> np.ndarray:
+    """The columns' int8 factors, ``(rank, cols)``, of a product whose signs predict the
+    matrix's: the top ``rank`` right singular vectors of a sample of evenly spaced rows (the
+    eigenvectors of its Gram matrix, a small one; the C kernel finds them by subspace
+    iteration), each column's scaled to +-127 (a positive scale keeps a sign). The rows'
+    factors are the rows projected on them (:func:`row_factors`). The first moment of a
+    gradient that is low-rank, as a transformer's are, follows them far better than one sign
+    per row and column. Only the int8 values decide; any float arithmetic may find them."""
+    if kernels is not None:
+        factors = np.empty((rank, cols), np.int8)
+        kernels.sign_directions(np.ascontiguousarray(words), rows, cols, _sample_rows(rows), rank, factors)
+        return factors
+    sample = _finite(words.reshape(rows, cols)[_sample_rows(rows)])
+    _, vectors = np.linalg.eigh(sample @ sample.T)
+    right = np.zeros((cols, rank))  # the top directions first; a sample of fewer rows, fewer
+    top = vectors[:, ::-1][:, :rank]
+    right[:, :top.shape[1]] = sample.T @ top
+    right /= np.maximum(np.linalg.norm(right, axis=0), np.finfo(np.float64).tiny)  # unit: a projection
+    return np.ascontiguousarray(_int8_rows(right).T)
+
+
+def row_factors(words, rows: int, cols: int, col_factors: np.ndarray) -> np.ndarray:
+    """Each row's int8 factors, ``(rows, rank)``: its finite floats projected on the columns'
+    factors, scaled to +-127 (the C kernel computes these in float32 while it reads the row)."""
+    return _int8_rows(_finite(words.reshape(rows, cols)) @ col_factors.astype(np.float64).T)
+
+
+def _finite(words) -> np.ndarray:
+    """fp32 words as float64, inf and NaN as 0 (a signalling NaN's cast is not a warning)."""
+    with np.errstate(invalid="ignore"):
+        values = words.view(np.float32).astype(np.float64)
+    values[~np.isfinite(values)] = 0.0
+    return values
+
+
+def _int8_rows(factors: np.ndarray) -> np.ndarray:
+    factors = np.where(np.isfinite(factors), factors, 0.0).astype(np.float64)
+    most = np.abs(factors).max(axis=1, keepdims=True)
+    return np.round(127 * factors / np.where(most > 0, most, 1.0)).astype(np.int8)
+
+
+def _sample_rows(rows: int) -> np.ndarray:
+    count = min(rows, SIGN_SAMPLE_ROWS)
+    steps = np.arange(count, dtype=np.int64)
+    return (steps * (rows - 1) + (count - 1) // 2) // (count - 1) if count > 1 else steps
+
+
+def scaled_split(words, rows: int, cols: int, sign_rank: int = 1) -> dict[str, np.ndarray]:
     """The streams of an fp32 matrix's words (uint32, ``rows * cols``): ``symbols`` (one byte
     per float: its log magnitude's residual from the row-and-column model plus
     ``RESIDUAL_ZERO``, times two, plus whether its sign disagrees with the pattern; a
     residual beyond ``RESIDUAL_REACH`` is 0 there, its log magnitude in ``escapes``,
     uint16), ``high`` and ``middle`` (mantissa bits 20..13 and 12..5), ``low`` (bits 4..0,
     eight floats in five bytes), and the models: ``row_fix``, ``col_fix`` (int16, 1/16 fixed
-    point, as :func:`exponent_residual`'s) and the sign pattern's ``row_negative`` and
-    ``col_negative`` (uint8, 1 negative)."""
+    point, as :func:`exponent_residual`'s) and the sign model: for ``sign_rank`` 1, a sign
+    per row and per column, ``row_negative`` and ``col_negative`` (uint8, 1 negative); above,
+    :func:`sign_factors`' ``row_factors`` and ``col_factors``. A matrix without a negative
+    sign among the sampled rows' (Adam's second moment) takes rank 1, which costs a bit per
+    row and column."""
     words = np.ascontiguousarray(words).reshape(-1)
-    col_negative = column_signs(words, rows, cols)
+    if sign_rank > 1 and not (words.reshape(rows, cols)[_sample_rows(rows)] >> np.uint32(31)).any():
+        sign_rank = 1
+    if sign_rank > 1:
+        col_factors = sign_factors(words, rows, cols, sign_rank)
+        left = np.zeros((rows, sign_rank), np.int8)  # the kernel's output
+        col_negative = np.zeros(cols, np.uint8)
+    else:
+        left = col_factors = np.zeros(0, np.int8)
+        col_negative = column_signs(words, rows, cols)
     count = rows * cols
     out = {"symbols": scratch.take(count), "high": scratch.take(count), "middle": scratch.take(count),
            "low": scratch.take(-(-count // 8) * 5), "row_fix": np.empty(rows, np.int16),
-           "col_fix": np.empty(cols, np.int16), "row_negative": np.empty(rows, np.uint8), "col_negative": col_negative}
+           "col_fix": np.empty(cols, np.int16), "row_negative": np.zeros(rows, np.uint8), "col_negative": col_negative,
+           "sign_rank": sign_rank, "row_factors": left, "col_factors": col_factors}
     if kernels is not None:
         escapes = scratch.take(2 * count, np.uint16)
         found = kernels.scaled_split(words, rows, cols, col_negative, out["row_negative"], out["symbols"], escapes,
-                                     out["high"], out["middle"], out["low"], out["row_fix"], out["col_fix"])
+                                     out["high"], out["middle"], out["low"], out["row_fix"], out["col_fix"], sign_rank,
+                                     left, col_factors)
         out["escapes"] = escapes[:found].copy()
         return out
-    row_negative = out["row_negative"] = row_signs(words, rows, cols, col_negative)
+    if sign_rank == 1:
+        out["row_negative"] = row_signs(words, rows, cols, col_negative)
+    else:
+        out["row_factors"] = row_factors(words, rows, cols, col_factors)
     log = (words >> np.uint32(LOW_BITS)).astype(np.int64) & LOG_MOST
     out["row_fix"][:], out["col_fix"][:] = _fit_rows_and_columns(log.reshape(rows, cols), np)
     residual = log - _prediction(out["row_fix"], out["col_fix"], np, LOG_MOST).reshape(-1)
     escaped = np.abs(residual) > RESIDUAL_REACH
     disagree = ((words >> np.uint32(31)).astype(np.uint8).reshape(rows, cols)
-                ^ row_negative[:, None] ^ col_negative[None, :]).reshape(-1)
+                ^ _predicted_negative(out, rows, cols)).reshape(-1)
     out["symbols"][:] = np.where(escaped, 0, (residual + RESIDUAL_ZERO) << 1) | disagree
     out["escapes"] = log[escaped].astype("<u2")
     out["high"][:] = words >> np.uint32(13)
@@ -288,10 +359,17 @@ def scaled_join(streams: dict[str, np.ndarray], rows: int, cols: int) -> np.ndar
             raise ValueError(f"scaled stream {name} holds {parts[name].size} bytes, {length} expected")
     if row_fix.size != rows or col_fix.size != cols:
         raise ValueError("scaled model does not fit the matrix")
+    sign_rank = int(streams.get("sign_rank", 1))
+    factors = {name: np.ascontiguousarray(streams.get(name, np.zeros(0, np.int8))).reshape(-1).view(np.int8)
+               for name in ("row_factors", "col_factors")}
+    if not 1 <= sign_rank <= SIGN_RANK_MAX or (sign_rank > 1 and (factors["row_factors"].size != sign_rank * rows
+                                                                   or factors["col_factors"].size != sign_rank * cols)):
+        raise ValueError(f"scaled sign model of rank {sign_rank} does not fit the matrix")
     if kernels is not None:
         words = np.empty(count, np.uint32)
         kernels.scaled_join(parts["symbols"], escapes, parts["high"], parts["middle"], parts["low"], row_fix, col_fix,
-                            parts["row_negative"], parts["col_negative"], rows, cols, words)
+                            parts["row_negative"], parts["col_negative"], rows, cols, words, sign_rank,
+                            factors["row_factors"], factors["col_factors"])
         return words
     symbols = parts["symbols"]
     escaped = symbols < 2
@@ -299,8 +377,8 @@ def scaled_join(streams: dict[str, np.ndarray], rows: int, cols: int) -> np.ndar
         raise ValueError(f"scaled stream escapes holds {escapes.size} values, {int(escaped.sum())} expected")
     log = (symbols >> 1).astype(np.int64) - RESIDUAL_ZERO + _prediction(row_fix, col_fix, np, LOG_MOST).reshape(-1)
     log[escaped] = escapes
-    sign = ((symbols & 1).reshape(rows, cols) ^ parts["row_negative"][:, None]
-            ^ parts["col_negative"][None, :]).reshape(-1).astype(np.uint32)
+    model = {**parts, **factors, "sign_rank": sign_rank}
+    sign = ((symbols & 1).reshape(rows, cols) ^ _predicted_negative(model, rows, cols)).reshape(-1).astype(np.uint32)
     padded = np.zeros(-(-count // 8) * 8, np.uint8).reshape(-1, 8)
     padded[:, :5] = parts["low"].reshape(-1, 5)
     low = (padded.view("<u8").reshape(-1, 1) >> (5 * np.arange(8, dtype=np.uint64))) & np.uint64(31)
