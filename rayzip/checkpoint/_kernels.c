@@ -1044,34 +1044,35 @@ SIMD_CLONES static void scaled_row_sums(const uint32_t *restrict row, const uint
 }
 
 /* A row's int8 factors (the encoder's): its finite floats projected on each of the columns'
- * factors, scaled so that the largest is +-127 (all 0 for a row with no projection). */
-SIMD_CLONES static float project_row(const uint32_t *restrict row, const float *restrict b, Py_ssize_t cols) {
-    float part[16] = {0};  /* sixteen running sums, so that the loop vectorises without reassociating */
+ * factors, scaled so that the largest is +-127 (all 0 for a row with no usable projection).
+ * One pass over the row for all the factors, eight running sums each, so that it vectorises
+ * without reassociating. */
+static inline float finite_or_zero(uint32_t v) {  /* inf and NaN count as 0 */
+    v = (v & 0x7F800000u) == 0x7F800000u ? 0u : v;
+    float x;
+    memcpy(&x, &v, 4);
+    return x;
+}
+
+/* The row's dot product with one factor, sixteen running sums. */
+SIMD_CLONES static float project_one(const uint32_t *restrict row, const float *restrict b, Py_ssize_t cols) {
+    float part[16] = {0}, sum = 0.0f;
     Py_ssize_t j = 0;
     for (; j + 16 <= cols; j += 16)
-        for (int l = 0; l < 16; l++) {
-            uint32_t v = row[j + l];
-            v = (v & 0x7F800000u) == 0x7F800000u ? 0u : v;  /* inf and NaN count as 0 */
-            float x;
-            memcpy(&x, &v, 4);
-            part[l] += x * b[j + l];
-        }
-    float sum = 0.0f;
-    for (; j < cols; j++) {
-        uint32_t v = row[j];
-        v = (v & 0x7F800000u) == 0x7F800000u ? 0u : v;
-        float x;
-        memcpy(&x, &v, 4);
-        sum += x * b[j];
-    }
+        for (int l = 0; l < 16; l++) part[l] += finite_or_zero(row[j + l]) * b[j + l];
+    for (; j < cols; j++) sum += finite_or_zero(row[j]) * b[j];
     for (int l = 0; l < 16; l++) sum += part[l];
     return sum;
 }
 
+static void project_row(const uint32_t *row, const float *b, int rank, Py_ssize_t cols, float *projection) {
+    for (int t = 0; t < rank; t++) projection[t] = project_one(row, b + t * cols, cols);  /* the row stays in L1 */
+}
+
 static void row_factors_of(const uint32_t *row, const float *b, int rank, Py_ssize_t cols, int8_t *out) {
     float projection[SIGN_RANK_MAX], most = 0.0f;
+    project_row(row, b, rank, cols, projection);
     for (int t = 0; t < rank; t++) {
-        projection[t] = project_row(row, b + t * cols, cols);
         const float size = fabsf(projection[t]);
         most = size > most ? size : most;
     }
