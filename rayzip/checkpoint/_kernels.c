@@ -1017,7 +1017,7 @@ static PyObject *py_exponent_restore(PyObject *self, PyObject *args) {
 /* The scaled split of an fp32 matrix (transforms.scaled_split, whose numpy code is the
  * reference): each float's log magnitude to a quarter binade (exponent and top two mantissa
  * bits, LOG_BITS) minus a row-and-column prediction, with whether its sign disagrees with a
- * rank-one pattern, as one symbol byte; the 21 mantissa bits below as two byte planes and
+ * sign model (rank 1: a sign per row and per column; above: int8 factors), as one symbol byte; the 21 mantissa bits below as two byte planes and
  * five-bit fields, eight in five bytes. */
 #define LOG_BITS 10
 #define LOW_BITS 21
@@ -1025,6 +1025,12 @@ static PyObject *py_exponent_restore(PyObject *self, PyObject *args) {
 #define RESIDUAL_REACH 39
 #define SIGN_RANK_MAX 8
 #define SCALED_MAX ((Py_ssize_t)1 << 22)  /* rows and columns: 32-bit sums of 10-bit values */
+
+/* The model's log magnitude for a cell: row_fix + col_fix + 8 (1/16 quarter binades), clamped
+ * to 0..1023 quarter binades, as transforms._prediction. */
+static inline int32_t log_prediction(int32_t total) {
+    return (total < 0 ? 0 : total > 16383 ? 16383 : total) >> 4;
+}
 
 /* One row's sum of log magnitudes (added into the columns' too) and its count of signs that
  * disagree with the columns' (cneg: 0 or 1 per column). 32-bit sums, eight to a vector:
@@ -1043,10 +1049,6 @@ SIMD_CLONES static void scaled_row_sums(const uint32_t *restrict row, const uint
     *disagree_out = disagree;
 }
 
-/* A row's int8 factors (the encoder's): its finite floats projected on each of the columns'
- * factors, scaled so that the largest is +-127 (all 0 for a row with no usable projection).
- * One pass over the row for all the factors, eight running sums each, so that it vectorises
- * without reassociating. */
 static inline float finite_or_zero(uint32_t v) {  /* inf and NaN count as 0 */
     v = (v & 0x7F800000u) == 0x7F800000u ? 0u : v;
     float x;
@@ -1054,7 +1056,8 @@ static inline float finite_or_zero(uint32_t v) {  /* inf and NaN count as 0 */
     return x;
 }
 
-/* The row's dot product with one factor, sixteen running sums. */
+/* The row's dot product with one factor, in sixteen running sums, so that it vectorises
+ * without reassociating. */
 SIMD_CLONES static float project_one(const uint32_t *restrict row, const float *restrict b, Py_ssize_t cols) {
     float part[16] = {0}, sum = 0.0f;
     Py_ssize_t j = 0;
@@ -1065,14 +1068,13 @@ SIMD_CLONES static float project_one(const uint32_t *restrict row, const float *
     return sum;
 }
 
-static void project_row(const uint32_t *row, const float *b, int rank, Py_ssize_t cols, float *projection) {
-    for (int t = 0; t < rank; t++) projection[t] = project_one(row, b + t * cols, cols);  /* the row stays in L1 */
-}
-
+/* A row's int8 factors (the encoder's): its finite floats projected on each of the columns'
+ * factors (a factor at a time: the row stays in L1), scaled so that the largest is +-127
+ * (all 0 for a row with no usable projection). */
 static void row_factors_of(const uint32_t *row, const float *b, int rank, Py_ssize_t cols, int8_t *out) {
     float projection[SIGN_RANK_MAX], most = 0.0f;
-    project_row(row, b, rank, cols, projection);
     for (int t = 0; t < rank; t++) {
+        projection[t] = project_one(row, b + t * cols, cols);
         const float size = fabsf(projection[t]);
         most = size > most ? size : most;
     }
@@ -1081,19 +1083,21 @@ static void row_factors_of(const uint32_t *row, const float *b, int rank, Py_ssi
         out[t] = (int8_t)(usable && isfinite(projection[t]) ? lrintf(127.0f * projection[t] / most) : 0);
 }
 
-/* A row's predicted signs (1 negative) from rank-k factors: the sign of the integer sum
- * over t of a[t] * b[t * cols + j] (int8 values, so the sum is exact; zero is positive),
- * a factor at a time so that the column loop vectorises. */
-SIMD_CLONES static void predict_signs(const int32_t *a, const int16_t *restrict b, int rank, Py_ssize_t cols,
+/* A row's predicted signs (1 negative) from rank-k factors: whether the sum over t of
+ * a[t] * b[t * cols + j] is below zero. The factors are int8 values held as floats, so every
+ * product and partial sum is an integer below 2**24, exact in any order, and a zero sum
+ * (even -0.0) is not below zero: the prediction is the integer one, as numpy computes it. A
+ * factor at a time, so that the column loop vectorises. */
+SIMD_CLONES static void predict_signs(const float *a, const float *restrict b, int rank, Py_ssize_t cols,
                                       uint32_t *restrict negative) {
-    int32_t *restrict sum = (int32_t *)negative;
-    for (Py_ssize_t j = 0; j < cols; j++) sum[j] = a[0] * (int32_t)b[j];
+    float *restrict sum = (float *)negative;
+    for (Py_ssize_t j = 0; j < cols; j++) sum[j] = a[0] * b[j];
     for (int t = 1; t < rank; t++) {
-        const int32_t at = a[t];
-        const int16_t *restrict bt = b + t * cols;
-        for (Py_ssize_t j = 0; j < cols; j++) sum[j] += at * (int32_t)bt[j];
+        const float at = a[t];
+        const float *restrict bt = b + t * cols;
+        for (Py_ssize_t j = 0; j < cols; j++) sum[j] += at * bt[j];
     }
-    for (Py_ssize_t j = 0; j < cols; j++) negative[j] = (uint32_t)sum[j] >> 31;
+    for (Py_ssize_t j = 0; j < cols; j++) negative[j] = sum[j] < 0.0f;
 }
 
 /* One row's symbols and high and middle planes (cbias: a column's col_fix + 8); returns
@@ -1106,9 +1110,7 @@ SIMD_CLONES static int scaled_row_split(const uint32_t *restrict row, const int3
     for (Py_ssize_t j = 0; j < cols; j++) {
         const uint32_t v = row[j];
         const int32_t l = (int32_t)((v >> LOW_BITS) & ((1u << LOG_BITS) - 1));
-        int32_t x = row_fix + cbias[j];
-        x = x < 0 ? 0 : x > 16383 ? 16383 : x;
-        const int32_t residual = l - (x >> 4);
+        const int32_t residual = l - log_prediction(row_fix + cbias[j]);
         const uint32_t inside = (uint32_t)(residual + RESIDUAL_REACH) <= 2 * RESIDUAL_REACH;
         outside |= inside ^ 1;
         s[j] = (uint8_t)((inside ? (uint32_t)(residual + RESIDUAL_ZERO) << 1 : 0) | ((v >> 31) ^ flip ^ cneg[j]));
@@ -1127,9 +1129,8 @@ SIMD_CLONES static int scaled_row_join(const uint8_t *restrict s, const uint8_t 
     uint32_t escaped = 0;
     for (Py_ssize_t j = 0; j < cols; j++) {
         const uint32_t symbol = s[j];
-        int32_t x = row_fix + cbias[j];
-        x = x < 0 ? 0 : x > 16383 ? 16383 : x;
-        const uint32_t l = (uint32_t)((int32_t)(symbol >> 1) - RESIDUAL_ZERO + (x >> 4)) & ((1u << LOG_BITS) - 1);
+        const uint32_t l = (uint32_t)((int32_t)(symbol >> 1) - RESIDUAL_ZERO + log_prediction(row_fix + cbias[j]))
+                           & ((1u << LOG_BITS) - 1);
         escaped |= symbol < 2;
         out[j] = ((symbol & 1) ^ flip ^ cneg[j]) << 31 | l << LOW_BITS | (uint32_t)h[j] << 13 | (uint32_t)m[j] << 5;
     }
@@ -1293,16 +1294,16 @@ static PyObject *py_column_signs(PyObject *self, PyObject *args) {
 /* The sign model: rank 1 is a sign per row times a sign per column (row_negative,
  * col_negative); rank 2 to SIGN_RANK_MAX, int8 factors, rank per row (row-major) and per
  * column (factor-major), whose products' sum predicts the sign. */
-typedef struct { int rank; const int8_t *a; int16_t *b; int32_t a_row[SIGN_RANK_MAX]; uint32_t *negative; } SignFactors;
+typedef struct { int rank; const int8_t *a; float *b; float a_row[SIGN_RANK_MAX]; uint32_t *negative; } SignFactors;
 
 static int sign_factors_init(SignFactors *f, int rank, const void *a, const void *b, Py_ssize_t cols) {
     f->rank = rank;
     if (rank == 1) return 0;
     f->a = a;
-    f->b = malloc((size_t)rank * cols * sizeof(int16_t));
+    f->b = malloc((size_t)rank * cols * sizeof(float));
     f->negative = malloc((size_t)cols * sizeof(uint32_t));
     if (!f->b || !f->negative) return -1;
-    for (Py_ssize_t k = 0; k < rank * cols; k++) f->b[k] = ((const int8_t *)b)[k];
+    for (Py_ssize_t k = 0; k < rank * cols; k++) f->b[k] = (float)((const int8_t *)b)[k];
     return 0;
 }
 
@@ -1312,7 +1313,7 @@ static void sign_factors_free(SignFactors *f) { free(f->b); free(f->negative); }
  * row's own sign applied by the caller) or the factors' prediction. */
 static const uint32_t *row_signs_of(SignFactors *f, Py_ssize_t i, const uint32_t *cneg32, Py_ssize_t cols) {
     if (f->rank == 1) return cneg32;
-    for (int t = 0; t < f->rank; t++) f->a_row[t] = f->a[i * f->rank + t];
+    for (int t = 0; t < f->rank; t++) f->a_row[t] = (float)f->a[i * f->rank + t];
     predict_signs(f->a_row, f->b, f->rank, cols, f->negative);
     return f->negative;
 }
@@ -1354,13 +1355,7 @@ static PyObject *py_sign_directions(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         const uint32_t *w = words.buf;
         for (Py_ssize_t t = 0; t < k; t++)
-            for (Py_ssize_t j = 0; j < cols; j++) {
-                uint32_t v = w[pick[t] * cols + j];
-                v = (v & 0x7F800000u) == 0x7F800000u ? 0u : v;
-                float x;
-                memcpy(&x, &v, 4);
-                sample[t * cols + j] = x;
-            }
+            for (Py_ssize_t j = 0; j < cols; j++) sample[t * cols + j] = finite_or_zero(w[pick[t] * cols + j]);
         double gram[64][64], q[SIGN_RANK_MAX][64], z[SIGN_RANK_MAX][64];  /* directions in the sample's row space */
         for (Py_ssize_t a = 0; a < k; a++)
             for (Py_ssize_t b = a; b < k; b++) gram[a][b] = gram[b][a] = dot_product(sample + a * cols, sample + b * cols, cols);
@@ -1412,9 +1407,9 @@ static PyObject *py_sign_directions(PyObject *self, PyObject *args) {
 }
 
 /* scaled_split(words, rows, cols, col_negative, row_negative, symbols, escapes, high,
- * middle, low, row_fix, col_fix) -> the number of escapes written. Fills row_negative (each
- * row's sign in the pattern: the majority of its floats' against the columns', ties
- * positive) and the model. */
+ * middle, low, row_fix, col_fix, rank, row_factors, col_factors) -> the number of escapes
+ * written. Fills the model: for rank 1, row_negative (each row's sign: the majority of its
+ * floats' against the columns', ties positive); above, row_factors (rows x rank). */
 static PyObject *py_scaled_split(PyObject *self, PyObject *args) {
     Py_buffer b[12];
     Py_ssize_t rows, cols;
@@ -1441,18 +1436,15 @@ static PyObject *py_scaled_split(PyObject *self, PyObject *args) {
         int16_t *row_fix = b[8].buf, *col_fix = b[9].buf;
         uint32_t *col_sum = calloc((size_t)cols, sizeof(uint32_t)), *cneg32 = malloc((size_t)cols * 4);
         int32_t *cbias = malloc((size_t)cols * 4);
-        SignFactors f = {0};
-        float *col_float = rank > 1 ? malloc((size_t)rank * cols * sizeof(float)) : NULL;
-        if (!col_sum || !cneg32 || !cbias || (rank > 1 && !col_float)
-            || sign_factors_init(&f, rank, b[10].buf, b[11].buf, cols) < 0)
+        SignFactors f = {0};  /* its row factors are written below, before they are read */
+        if (!col_sum || !cneg32 || !cbias || sign_factors_init(&f, rank, b[10].buf, b[11].buf, cols) < 0)
             failed = 1;
         else {
             for (Py_ssize_t j = 0; j < cols; j++) cneg32[j] = cneg[j] & 1;
-            for (Py_ssize_t k = 0; k < rank * cols && rank > 1; k++) col_float[k] = ((const int8_t *)b[11].buf)[k];
             int64_t row_total = 0;
             for (Py_ssize_t i = 0; i < rows; i++) {
                 uint64_t sum, disagree;
-                if (rank > 1) row_factors_of(w + i * cols, col_float, rank, cols, (int8_t *)b[10].buf + i * rank);
+                if (rank > 1) row_factors_of(w + i * cols, f.b, rank, cols, (int8_t *)b[10].buf + i * rank);
                 scaled_row_sums(w + i * cols, cneg32, col_sum, cols, &sum, &disagree);
                 row_fix[i] = (int16_t)((32 * sum + (uint64_t)cols) / (2 * (uint64_t)cols));
                 rneg[i] = rank == 1 && 2 * disagree > (uint64_t)cols;
@@ -1472,7 +1464,7 @@ static PyObject *py_scaled_split(PyObject *self, PyObject *args) {
             }
             pack_low(w, n, low);
         }
-        free(col_sum); free(cneg32); free(cbias); free(col_float); sign_factors_free(&f);
+        free(col_sum); free(cneg32); free(cbias); sign_factors_free(&f);
         Py_END_ALLOW_THREADS
     }
     for (int k = 0; k < 12; k++) PyBuffer_Release(&b[k]);
@@ -1482,7 +1474,8 @@ static PyObject *py_scaled_split(PyObject *self, PyObject *args) {
 }
 
 /* scaled_join(symbols, escapes, high, middle, low, row_fix, col_fix, row_negative,
- * col_negative, rows, cols, words): the inverse; ValueError where the escapes do not match. */
+ * col_negative, rows, cols, words, rank, row_factors, col_factors): the inverse; ValueError
+ * where the escapes do not match. */
 static PyObject *py_scaled_join(PyObject *self, PyObject *args) {
     Py_buffer b[12];
     Py_ssize_t rows, cols;
