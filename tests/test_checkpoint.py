@@ -558,8 +558,8 @@ def test_adam_second_moment_is_coded_by_its_rows_and_columns(tmp_path):
 
 def test_a_sample_of_a_wide_matrix_does_not_weigh_its_column_model_as_the_whole_matrix(monkeypatch):
     """A sample of a 384 x 1536 matrix is 11 of its rows: the 1536 column fixes weigh 35 times
-    more there than on the matrix. Counted as if they grew with the rows, the model was
-    judged larger than planes when it is 2% smaller (the GPT workload's exp_avg of
+    more there than on the matrix. Counted as if they grew with the rows, the model was not
+    chosen over planes though it stores 2% smaller (the GPT workload's exp_avg of
     mlp.2.weight)."""
     m = adam_second_moment(384, 1536, 3).sqrt() * torch.randn(384, 1536, generator=torch.Generator().manual_seed(4))
     words = tensor_words(m)[0]
