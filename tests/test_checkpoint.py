@@ -443,6 +443,56 @@ def test_scaled_split_kernel_matches_numpy_and_inverts(shape, sign_rank):
                     assert np.array_equal(transforms.scaled_join(parts, rows, cols), words), name
 
 
+@pytest.mark.parametrize("sign_rank", [1, 4])
+def test_scaled_split_on_threads_codes_the_same_streams_and_any_threads_join_them(sign_rank):
+    """A matrix of over three million floats is split in ranges of rows, a thread each: the
+    column sums are added, the ranges' escapes put back in order. 8 x 393 rows per range
+    would not be a multiple of 8 rows, so 1001 rows also tries the ranges' rounding."""
+    rows, cols = 1001, 3333
+    rng = np.random.default_rng(sign_rank)
+    value = (rng.standard_normal((rows, 1)) * rng.standard_normal((1, cols))
+             * np.exp(rng.standard_normal((rows, cols)))).astype(np.float32)
+    value.reshape(-1)[rng.integers(0, value.size, 300)] = np.float32(1e30)  # escapes all over
+    value.reshape(-1)[rng.integers(0, value.size, 300)] = np.inf
+    words = value.reshape(-1).view(np.uint32)
+    one = transforms.scaled_split(words, rows, cols, sign_rank, threads=1)
+    assert one["sign_rank"] == sign_rank and one["escapes"].size >= 500
+    for threads in (2, 3):
+        split = transforms.scaled_split(words, rows, cols, sign_rank, threads=threads)
+        for key, value in one.items():
+            assert np.array_equal(split[key], value), (threads, key)
+    for threads in (1, 2, 3):
+        assert np.array_equal(transforms.scaled_join(one, rows, cols, threads=threads), words), threads
+        for escapes in (one["escapes"][:-1], np.append(one["escapes"], 7).astype(np.uint16)):
+            with pytest.raises(ValueError, match="escapes"):
+                transforms.scaled_join({**one, "escapes": escapes}, rows, cols, threads=threads)
+
+
+def test_a_higher_sign_rank_is_chosen_only_where_it_pays_on_the_whole_matrix():
+    """Signs that follow no pattern: four directions found on the choice's sample itself (8
+    rows of 2048) fit those rows' signs, and rank 4 looks smaller than rank 1 there. Found on
+    the whole matrix, as the encoder finds them, they predict nothing, and their factors
+    cost more than rank 1's signs."""
+    rows, cols = 1024, 2048
+    rng = np.random.default_rng(11)
+    value = (np.exp(rng.standard_normal((rows, 1)) + rng.standard_normal((1, cols)))
+             * rng.standard_normal((rows, cols))).astype(np.float32)
+    words = value.reshape(-1).view(np.uint32)
+    chosen = codecs.choose(words, None, "float32", np, True, (rows, cols))
+    assert isinstance(chosen, codecs.Scaled) and chosen.sign_rank == 1, chosen
+    sample, _, sample_shape = codecs._choice_sample(words, None, (rows, cols), np)
+    assert sample_shape == (8, cols)
+
+    def per_float(codec, streams) -> float:  # as the choice counts them: the columns' model at its weight
+        return codec.stored_per_element([len(codecs.pack_stream(s)[0]) for s in streams], sample_shape, words.size)
+
+    four, one = codecs.Scaled(4), codecs.Scaled(1)
+    own = per_float(four, four.encode(sample, None, np, shape=sample_shape)[0])  # directions from the 8 rows
+    whole = per_float(four, four.encode_sample(sample, None, np, sample_shape, words, (rows, cols)))
+    rank_one = per_float(one, one.encode_sample(sample, None, np, sample_shape, words, (rows, cols)))
+    assert own < 0.997 * rank_one and whole > rank_one, (own, rank_one, whole)
+
+
 def test_a_first_moment_whose_signs_are_low_rank_is_coded_with_a_sign_model_of_rank_four(tmp_path):
     """A rank-4 product plus noise a quarter of its typical size, as a transformer's first
     moment is nearly low-rank: one sign per row and column agrees with about two thirds of

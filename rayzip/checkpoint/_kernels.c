@@ -1291,33 +1291,6 @@ static PyObject *py_column_signs(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The sign model: rank 1 is a sign per row times a sign per column (row_negative,
- * col_negative); rank 2 to SIGN_RANK_MAX, int8 factors, rank per row (row-major) and per
- * column (factor-major), whose products' sum predicts the sign. */
-typedef struct { int rank; const int8_t *a; float *b; float a_row[SIGN_RANK_MAX]; uint32_t *negative; } SignFactors;
-
-static int sign_factors_init(SignFactors *f, int rank, const void *a, const void *b, Py_ssize_t cols) {
-    f->rank = rank;
-    if (rank == 1) return 0;
-    f->a = a;
-    f->b = malloc((size_t)rank * cols * sizeof(float));
-    f->negative = malloc((size_t)cols * sizeof(uint32_t));
-    if (!f->b || !f->negative) return -1;
-    for (Py_ssize_t k = 0; k < rank * cols; k++) f->b[k] = (float)((const int8_t *)b)[k];
-    return 0;
-}
-
-static void sign_factors_free(SignFactors *f) { free(f->b); free(f->negative); }
-
-/* Row i's predicted signs against which its floats' are coded: the columns' (rank 1, the
- * row's own sign applied by the caller) or the factors' prediction. */
-static const uint32_t *row_signs_of(SignFactors *f, Py_ssize_t i, const uint32_t *cneg32, Py_ssize_t cols) {
-    if (f->rank == 1) return cneg32;
-    for (int t = 0; t < f->rank; t++) f->a_row[t] = (float)f->a[i * f->rank + t];
-    predict_signs(f->a_row, f->b, f->rank, cols, f->negative);
-    return f->negative;
-}
-
 /* A dot product in eight running sums, so that it vectorises without reassociating. */
 SIMD_CLONES static double dot_product(const double *restrict a, const double *restrict b, Py_ssize_t n) {
     double part[8] = {0}, sum = 0.0;
@@ -1406,16 +1379,184 @@ static PyObject *py_sign_directions(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The sign model: rank 1 is a sign per row times a sign per column (row_negative,
+ * col_negative); rank 2 to SIGN_RANK_MAX, int8 factors, rank per row (row-major) and per
+ * column (factor-major), whose products' sum predicts the sign. */
+typedef struct { int rank; const int8_t *a; const float *b; const uint32_t *cneg; } SignModel;
+
+/* Row i's predicted signs, against which its floats are coded: the columns' (rank 1, the
+ * row's own sign applied by the caller) or the factors' prediction, written to `negative`. */
+static const uint32_t *row_signs_of(const SignModel *f, Py_ssize_t i, Py_ssize_t cols, uint32_t *negative) {
+    if (f->rank == 1) return f->cneg;
+    float a_row[SIGN_RANK_MAX];
+    for (int t = 0; t < f->rank; t++) a_row[t] = (float)f->a[i * f->rank + t];
+    predict_signs(a_row, f->b, f->rank, cols, negative);
+    return negative;
+}
+
+/* The scaled transform of one matrix, on up to `threads` threads, a range of rows each. A
+ * range is a multiple of 8 rows, so that the low bits' groups of eight floats start at its
+ * start (the last range ends the matrix); below PLANE_CHUNK floats a thread costs more than
+ * it saves. The bytes do not depend on the threads: the column sums are integers, summed
+ * over the ranges; the escapes, each range's kept apart, are put back in order. */
+typedef struct {
+    Py_ssize_t rows, cols, part_rows;
+    int parts, rank;
+    SignModel model;
+    uint32_t *words;  /* the input of a split, the output of a join */
+    uint8_t *sym, *high, *middle, *low, *rneg;
+    uint16_t *esc;
+    Py_ssize_t escapes;  /* a join's */
+    int16_t *row_fix, *col_fix;
+    int8_t *row_factors;
+    /* the scratch: */
+    float *b;              /* rank x cols: the columns' factors as floats (rank > 1) */
+    uint32_t *cneg32;      /* cols: the columns' signs, 0 or 1 */
+    int32_t *cbias;        /* cols: a column's col_fix + 8 */
+    uint32_t *col_sums;    /* parts x cols (a split's) */
+    uint32_t *negative;    /* parts x cols: a row's predicted signs (rank > 1) */
+    Py_ssize_t *found;     /* parts: escapes found (split) or counted (join) */
+    Py_ssize_t *first;     /* parts + 1: where a join's range takes its escapes from */
+    int *bad;              /* parts: a join's range had too few or too many escapes */
+} Scaled;
+
+static void scaled_free(Scaled *c) {
+    free(c->b); free(c->cneg32); free(c->cbias); free(c->col_sums); free(c->negative);
+    free(c->found); free(c->first); free(c->bad);
+}
+
+/* Splits the rows into parts and takes the scratch; -1 where memory is short (the caller
+ * frees what was taken). */
+static int scaled_init(Scaled *c, int threads, const uint8_t *cneg, const int8_t *col_factors, int split) {
+    const Py_ssize_t rows = c->rows, cols = c->cols, chunks = rows * cols / PLANE_CHUNK;
+    int parts = chunks < threads ? (int)chunks : threads;
+    parts = parts < 1 ? 1 : parts > MAX_GROUPS ? MAX_GROUPS : parts;
+    c->part_rows = ((rows + parts - 1) / parts + 7) & ~(Py_ssize_t)7;
+    c->parts = parts = (int)((rows + c->part_rows - 1) / c->part_rows);
+    c->cneg32 = malloc((size_t)cols * 4);
+    c->cbias = malloc((size_t)cols * 4);
+    c->found = calloc((size_t)parts, sizeof(Py_ssize_t));
+    c->first = calloc((size_t)parts + 1, sizeof(Py_ssize_t));
+    c->bad = calloc((size_t)parts, sizeof(int));
+    c->col_sums = split ? calloc((size_t)parts * cols, 4) : NULL;
+    if (c->rank > 1) {
+        c->b = malloc((size_t)c->rank * cols * sizeof(float));
+        c->negative = malloc((size_t)parts * cols * 4);
+    }
+    if (!c->cneg32 || !c->cbias || !c->found || !c->first || !c->bad || (split && !c->col_sums)
+        || (c->rank > 1 && (!c->b || !c->negative)))
+        return -1;
+    for (Py_ssize_t j = 0; j < cols; j++) c->cneg32[j] = cneg[j] & 1;
+    for (Py_ssize_t k = 0; c->rank > 1 && k < c->rank * cols; k++) c->b[k] = (float)col_factors[k];
+    c->model = (SignModel){c->rank, c->row_factors, c->b, c->cneg32};
+    return 0;
+}
+
+static void part_bounds(const Scaled *c, int g, Py_ssize_t *lo, Py_ssize_t *hi) {
+    *lo = g * c->part_rows;
+    *hi = *lo + c->part_rows < c->rows ? *lo + c->part_rows : c->rows;
+}
+
+/* A split's first pass over a range: the rows' factors (rank > 1) and fixes, their signs
+ * (rank 1), and the range's column sums. */
+static void scaled_fit_part(void *arg, int g) {
+    Scaled *c = arg;
+    const Py_ssize_t cols = c->cols;
+    Py_ssize_t lo, hi;
+    part_bounds(c, g, &lo, &hi);
+    uint32_t *col_sum = c->col_sums + g * cols;
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        const uint32_t *row = c->words + i * cols;
+        uint64_t sum, disagree;
+        if (c->rank > 1) row_factors_of(row, c->b, c->rank, cols, c->row_factors + i * c->rank);
+        scaled_row_sums(row, c->cneg32, col_sum, cols, &sum, &disagree);
+        c->row_fix[i] = (int16_t)((32 * sum + (uint64_t)cols) / (2 * (uint64_t)cols));
+        c->rneg[i] = c->rank == 1 && 2 * disagree > (uint64_t)cols;
+    }
+}
+
+/* A split's second pass: the range's symbols, planes and low bits, its escapes at the
+ * start of the range's own place in esc (a float escapes at most once). */
+static void scaled_code_part(void *arg, int g) {
+    Scaled *c = arg;
+    const Py_ssize_t cols = c->cols;
+    Py_ssize_t lo, hi, found = 0;
+    part_bounds(c, g, &lo, &hi);
+    uint16_t *esc = c->esc + lo * cols;
+    uint32_t *negative = c->negative ? c->negative + g * cols : NULL;
+    for (Py_ssize_t block = lo; block < hi; block += 8) {  /* the low bits of 8 rows while they are in cache */
+        const Py_ssize_t end = block + 8 < hi ? block + 8 : hi;
+        for (Py_ssize_t i = block; i < end; i++) {
+            const uint32_t *row = c->words + i * cols;
+            uint8_t *s = c->sym + i * cols;
+            if (scaled_row_split(row, c->cbias, row_signs_of(&c->model, i, cols, negative), cols, c->row_fix[i],
+                                 c->rank == 1 ? c->rneg[i] & 1u : 0, s, c->high + i * cols, c->middle + i * cols))
+                for (Py_ssize_t j = next_escape(s, 0, cols); j < cols; j = next_escape(s, j + 1, cols))
+                    esc[found++] = (uint16_t)((row[j] >> LOW_BITS) & ((1u << LOG_BITS) - 1));
+        }
+        pack_low(c->words + block * cols, (end - block) * cols, c->low + block * cols / 8 * 5);
+    }
+    c->found[g] = found;
+}
+
+/* The symbols below 2 (escaped) among n, eight at a time. */
+static Py_ssize_t count_escapes(const uint8_t *s, Py_ssize_t n) {
+    const uint64_t seven = 0x7F7F7F7F7F7F7F7Full;
+    Py_ssize_t count = 0, j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const uint64_t x = load64(s + j) & 0xFEFEFEFEFEFEFEFEull;
+        count += __builtin_popcountll(~(((x & seven) + seven) | x | seven));  /* a bit per zero byte */
+    }
+    for (; j < n; j++) count += s[j] < 2;
+    return count;
+}
+
+static void scaled_count_part(void *arg, int g) {
+    Scaled *c = arg;
+    Py_ssize_t lo, hi;
+    part_bounds(c, g, &lo, &hi);
+    c->found[g] = count_escapes(c->sym + lo * c->cols, (hi - lo) * c->cols);
+}
+
+/* A join over a range: its words, the escaped log magnitudes from first[g] to first[g + 1],
+ * then the low bits. */
+static void scaled_join_part(void *arg, int g) {
+    Scaled *c = arg;
+    const Py_ssize_t cols = c->cols, limit = c->first[g + 1];
+    const uint32_t log_mask = ((1u << LOG_BITS) - 1) << LOW_BITS;
+    Py_ssize_t lo, hi, used = c->first[g];
+    part_bounds(c, g, &lo, &hi);
+    uint32_t *negative = c->negative ? c->negative + g * cols : NULL;
+    for (Py_ssize_t block = lo; block < hi && !c->bad[g]; block += 8) {  /* as the split's */
+        const Py_ssize_t end = block + 8 < hi ? block + 8 : hi;
+        for (Py_ssize_t i = block; i < end && !c->bad[g]; i++) {
+            const uint8_t *s = c->sym + i * cols;
+            uint32_t *out = c->words + i * cols;
+            if (!scaled_row_join(s, c->high + i * cols, c->middle + i * cols, c->cbias,
+                                 row_signs_of(&c->model, i, cols, negative), cols, c->row_fix[i],
+                                 c->rank == 1 ? c->rneg[i] & 1u : 0, out))
+                continue;
+            for (Py_ssize_t j = next_escape(s, 0, cols); j < cols; j = next_escape(s, j + 1, cols)) {
+                if (used == limit) { c->bad[g] = 1; break; }
+                out[j] = (out[j] & ~log_mask) | ((uint32_t)c->esc[used++] << LOW_BITS & log_mask);
+            }
+        }
+        unpack_low(c->low + block * cols / 8 * 5, (end - block) * cols, c->words + block * cols);
+    }
+    c->bad[g] |= used != limit;
+}
+
 /* scaled_split(words, rows, cols, col_negative, row_negative, symbols, escapes, high,
- * middle, low, row_fix, col_fix, rank, row_factors, col_factors) -> the number of escapes
- * written. Fills the model: for rank 1, row_negative (each row's sign: the majority of its
- * floats' against the columns', ties positive); above, row_factors (rows x rank). */
+ * middle, low, row_fix, col_fix, rank, row_factors, col_factors[, threads]) -> the number
+ * of escapes written. Fills the model: for rank 1, row_negative (each row's sign: the
+ * majority of its floats' against the columns', ties positive); above, row_factors (rows x
+ * rank). */
 static PyObject *py_scaled_split(PyObject *self, PyObject *args) {
     Py_buffer b[12];
     Py_ssize_t rows, cols;
-    int rank;
-    if (!PyArg_ParseTuple(args, "y*nny*w*w*w*w*w*w*w*w*iw*y*", &b[0], &rows, &cols, &b[2], &b[1], &b[3], &b[4], &b[5],
-                          &b[6], &b[7], &b[8], &b[9], &rank, &b[10], &b[11]))
+    int rank, threads = 1;
+    if (!PyArg_ParseTuple(args, "y*nny*w*w*w*w*w*w*w*w*iw*y*|i", &b[0], &rows, &cols, &b[2], &b[1], &b[3], &b[4],
+                          &b[5], &b[6], &b[7], &b[8], &b[9], &rank, &b[10], &b[11], &threads))
         return NULL;
     const Py_ssize_t n = rows * cols;
     const int fits = rows >= 1 && cols >= 1 && rows <= SCALED_MAX && cols <= SCALED_MAX && b[0].len == 4 * n
@@ -1428,43 +1569,28 @@ static PyObject *py_scaled_split(PyObject *self, PyObject *args) {
     int failed = !fits;
     if (fits) {
         Py_BEGIN_ALLOW_THREADS
-        const uint32_t *w = b[0].buf;
-        uint8_t *rneg = b[1].buf;
-        const uint8_t *cneg = b[2].buf;
-        uint8_t *sym = b[3].buf, *high = b[5].buf, *middle = b[6].buf, *low = b[7].buf;
-        uint16_t *esc = b[4].buf;
-        int16_t *row_fix = b[8].buf, *col_fix = b[9].buf;
-        uint32_t *col_sum = calloc((size_t)cols, sizeof(uint32_t)), *cneg32 = malloc((size_t)cols * 4);
-        int32_t *cbias = malloc((size_t)cols * 4);
-        SignFactors f = {0};  /* its row factors are written below, before they are read */
-        if (!col_sum || !cneg32 || !cbias || sign_factors_init(&f, rank, b[10].buf, b[11].buf, cols) < 0)
+        Scaled c = {.rows = rows, .cols = cols, .rank = rank, .words = b[0].buf, .rneg = b[1].buf, .sym = b[3].buf,
+                    .esc = b[4].buf, .high = b[5].buf, .middle = b[6].buf, .low = b[7].buf, .row_fix = b[8].buf,
+                    .col_fix = b[9].buf, .row_factors = b[10].buf};
+        if (scaled_init(&c, threads, b[2].buf, b[11].buf, 1) < 0)
             failed = 1;
         else {
-            for (Py_ssize_t j = 0; j < cols; j++) cneg32[j] = cneg[j] & 1;
+            for_each_group(scaled_fit_part, &c, c.parts, c.parts);
             int64_t row_total = 0;
-            for (Py_ssize_t i = 0; i < rows; i++) {
-                uint64_t sum, disagree;
-                if (rank > 1) row_factors_of(w + i * cols, f.b, rank, cols, (int8_t *)b[10].buf + i * rank);
-                scaled_row_sums(w + i * cols, cneg32, col_sum, cols, &sum, &disagree);
-                row_fix[i] = (int16_t)((32 * sum + (uint64_t)cols) / (2 * (uint64_t)cols));
-                rneg[i] = rank == 1 && 2 * disagree > (uint64_t)cols;
-                row_total += row_fix[i];
-            }
+            for (Py_ssize_t i = 0; i < rows; i++) row_total += c.row_fix[i];
+            for (int g = 1; g < c.parts; g++)
+                for (Py_ssize_t j = 0; j < cols; j++) c.col_sums[j] += c.col_sums[g * cols + j];
             for (Py_ssize_t j = 0; j < cols; j++) {
-                col_fix[j] = (int16_t)floor_div(32 * (int64_t)col_sum[j] - 2 * row_total + rows, 2 * (int64_t)rows);
-                cbias[j] = col_fix[j] + 8;
+                c.col_fix[j] = (int16_t)floor_div(32 * (int64_t)c.col_sums[j] - 2 * row_total + rows, 2 * (int64_t)rows);
+                c.cbias[j] = c.col_fix[j] + 8;
             }
-            for (Py_ssize_t i = 0; i < rows; i++) {
-                const uint32_t *row = w + i * cols;
-                uint8_t *s = sym + i * cols;
-                if (scaled_row_split(row, cbias, row_signs_of(&f, i, cneg32, cols), cols, row_fix[i],
-                                     rank == 1 ? rneg[i] & 1u : 0, s, high + i * cols, middle + i * cols))
-                    for (Py_ssize_t j = next_escape(s, 0, cols); j < cols; j = next_escape(s, j + 1, cols))
-                        esc[found++] = (uint16_t)((row[j] >> LOW_BITS) & ((1u << LOG_BITS) - 1));
+            for_each_group(scaled_code_part, &c, c.parts, c.parts);
+            for (int g = 0; g < c.parts; g++) {  /* the ranges' escapes, in order */
+                memmove(c.esc + found, c.esc + g * c.part_rows * cols, (size_t)c.found[g] * 2);
+                found += c.found[g];
             }
-            pack_low(w, n, low);
         }
-        free(col_sum); free(cneg32); free(cbias); sign_factors_free(&f);
+        scaled_free(&c);
         Py_END_ALLOW_THREADS
     }
     for (int k = 0; k < 12; k++) PyBuffer_Release(&b[k]);
@@ -1474,14 +1600,14 @@ static PyObject *py_scaled_split(PyObject *self, PyObject *args) {
 }
 
 /* scaled_join(symbols, escapes, high, middle, low, row_fix, col_fix, row_negative,
- * col_negative, rows, cols, words, rank, row_factors, col_factors): the inverse; ValueError
- * where the escapes do not match. */
+ * col_negative, rows, cols, words, rank, row_factors, col_factors[, threads]): the inverse;
+ * ValueError where the escapes do not match. */
 static PyObject *py_scaled_join(PyObject *self, PyObject *args) {
     Py_buffer b[12];
     Py_ssize_t rows, cols;
-    int rank;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*y*nnw*iy*y*", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5], &b[6], &b[7],
-                          &b[8], &rows, &cols, &b[9], &rank, &b[10], &b[11]))
+    int rank, threads = 1;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*y*nnw*iy*y*|i", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5], &b[6],
+                          &b[7], &b[8], &rows, &cols, &b[9], &rank, &b[10], &b[11], &threads))
         return NULL;
     const Py_ssize_t n = rows * cols;
     const int fits = rows >= 1 && cols >= 1 && rows <= SCALED_MAX && cols <= SCALED_MAX && b[0].len == n
@@ -1491,39 +1617,34 @@ static PyObject *py_scaled_join(PyObject *self, PyObject *args) {
                      && rank >= 1 && rank <= SIGN_RANK_MAX
                      && (rank == 1 || (b[10].len == rank * rows && b[11].len == rank * cols));
     const char *error = fits ? NULL : "scaled_join: buffers do not fit rows x cols";
+    int failed = 0;
     if (fits) {
         Py_BEGIN_ALLOW_THREADS
-        const uint8_t *sym = b[0].buf, *high = b[2].buf, *middle = b[3].buf, *low = b[4].buf;
-        const uint8_t *rneg = b[7].buf, *cneg = b[8].buf;
-        const uint16_t *esc = b[1].buf;
-        const Py_ssize_t escapes = b[1].len / 2;
-        const int16_t *row_fix = b[5].buf, *col_fix = b[6].buf;
-        const uint32_t log_mask = ((1u << LOG_BITS) - 1) << LOW_BITS;
-        uint32_t *w = b[9].buf;
-        Py_ssize_t used = 0;
-        uint32_t *cneg32 = malloc((size_t)cols * 4);
-        int32_t *cbias = malloc((size_t)cols * 4);
-        SignFactors f = {0};
-        if (!cneg32 || !cbias || sign_factors_init(&f, rank, b[10].buf, b[11].buf, cols) < 0)
-            error = "scaled_join: out of memory";
-        for (Py_ssize_t j = 0; !error && j < cols; j++) { cneg32[j] = cneg[j] & 1; cbias[j] = col_fix[j] + 8; }
-        for (Py_ssize_t i = 0; i < rows && !error; i++) {
-            const uint8_t *s = sym + i * cols;
-            uint32_t *out = w + i * cols;
-            if (!scaled_row_join(s, high + i * cols, middle + i * cols, cbias, row_signs_of(&f, i, cneg32, cols), cols,
-                                 row_fix[i], rank == 1 ? rneg[i] & 1u : 0, out))
-                continue;
-            for (Py_ssize_t j = next_escape(s, 0, cols); j < cols; j = next_escape(s, j + 1, cols)) {
-                if (used == escapes) { error = "scaled stream escapes holds too few values"; break; }
-                out[j] = (out[j] & ~log_mask) | ((uint32_t)esc[used++] << LOW_BITS & log_mask);
+        Scaled c = {.rows = rows, .cols = cols, .rank = rank, .sym = b[0].buf, .esc = b[1].buf, .escapes = b[1].len / 2,
+                    .high = b[2].buf, .middle = b[3].buf, .low = b[4].buf, .row_fix = b[5].buf, .col_fix = b[6].buf,
+                    .rneg = b[7].buf, .words = b[9].buf, .row_factors = b[10].buf};
+        if (scaled_init(&c, threads, b[8].buf, b[11].buf, 0) < 0)
+            failed = 1;
+        else {
+            for (Py_ssize_t j = 0; j < cols; j++) c.cbias[j] = c.col_fix[j] + 8;
+            if (c.parts > 1)  /* each range's escapes start where the ranges before it end */
+                for_each_group(scaled_count_part, &c, c.parts, c.parts);
+            else
+                c.found[0] = c.escapes;
+            for (int g = 0; g < c.parts; g++) c.first[g + 1] = c.first[g] + c.found[g];
+            if (c.first[c.parts] < c.escapes) error = "scaled stream escapes holds too many values";
+            else if (c.first[c.parts] > c.escapes) error = "scaled stream escapes holds too few values";
+            else {
+                for_each_group(scaled_join_part, &c, c.parts, c.parts);
+                for (int g = 0; g < c.parts && !error; g++)
+                    if (c.bad[g]) error = "scaled stream escapes does not match its symbols";
             }
         }
-        free(cneg32); free(cbias); sign_factors_free(&f);
-        if (!error && used != escapes) error = "scaled stream escapes holds too many values";
-        if (!error) unpack_low(low, n, w);
+        scaled_free(&c);
         Py_END_ALLOW_THREADS
     }
     for (int k = 0; k < 12; k++) PyBuffer_Release(&b[k]);
+    if (failed) return PyErr_NoMemory();
     if (error) { PyErr_SetString(PyExc_ValueError, error); return NULL; }
     Py_RETURN_NONE;
 }
@@ -1548,10 +1669,10 @@ static PyMethodDef methods[] = {
      "sign_directions(words, rows, cols, picked, rank, col_factors): the columns' int8 factors of the sign model."},
     {"scaled_split", py_scaled_split, METH_VARARGS,
      "scaled_split(words, rows, cols, col_negative, row_negative, symbols, escapes, high, middle, low, row_fix, "
-     "col_fix, rank, row_factors (out, rank > 1), col_factors) -> escapes written."},
+     "col_fix, rank, row_factors (out, rank > 1), col_factors[, threads]) -> escapes written."},
     {"scaled_join", py_scaled_join, METH_VARARGS,
      "scaled_join(symbols, escapes, high, middle, low, row_fix, col_fix, row_negative, col_negative, rows, cols, "
-     "words, rank, row_factors, col_factors): the inverse."},
+     "words, rank, row_factors, col_factors[, threads]): the inverse."},
     {"split_planes", py_split_planes, METH_VARARGS,
      "split_planes(words, planes, width, rotate, base|None[, threads]): XOR, rotate left, byte planes."},
     {"join_planes", py_join_planes, METH_VARARGS,

@@ -37,9 +37,10 @@ try:  # the C kernels (setup.py); numpy does the same work, slower, without them
 except ImportError:  # pragma: no cover - depends on the build
     kernels = None
 
-__all__ = ["SCALED_MAX", "WORD_DTYPES", "byte_planes", "column_signs", "exponent_residual", "exponent_restore",
-           "from_byte_planes", "kernels", "prefix_join", "prefix_split", "rotate_left", "row_factors", "row_signs",
-           "scaled_join", "scaled_split", "sign_factors", "tensor_words", "words_to_tensor"]
+__all__ = ["SCALED_MAX", "WORD_DTYPES", "byte_planes", "column_model", "column_signs", "exponent_residual",
+           "exponent_restore", "from_byte_planes", "kernels", "prefix_join", "prefix_split", "rotate_left",
+           "row_factors", "row_signs", "scaled_join", "scaled_split", "sign_factors", "tensor_words",
+           "words_to_tensor"]
 
 WORD_DTYPES = {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
@@ -291,7 +292,21 @@ def _sample_rows(rows: int, most: int = SIGN_SAMPLE_ROWS) -> np.ndarray:
     return (steps * (rows - 1) + (count - 1) // 2) // (count - 1) if count > 1 else steps
 
 
-def scaled_split(words, rows: int, cols: int, sign_rank: int = 1) -> dict[str, np.ndarray]:
+def column_model(words, rows: int, cols: int, sign_rank: int = 1) -> tuple[int, np.ndarray, np.ndarray]:
+    """The columns' part of :func:`scaled_split`'s sign model, from a few of the matrix's
+    rows: ``(sign_rank, col_negative, col_factors)``. A matrix without a negative sign among
+    the sampled rows' (Adam's second moment) takes rank 1, which costs a bit per row and
+    column."""
+    words = np.ascontiguousarray(words).reshape(-1)
+    if sign_rank > 1 and not (words.reshape(rows, cols)[_sample_rows(rows)] >> np.uint32(31)).any():
+        sign_rank = 1
+    if sign_rank > 1:
+        return sign_rank, np.zeros(cols, np.uint8), sign_factors(words, rows, cols, sign_rank)
+    return 1, column_signs(words, rows, cols), np.zeros(0, np.int8)
+
+
+def scaled_split(words, rows: int, cols: int, sign_rank: int = 1, threads: int = 1,
+                 columns: tuple[int, np.ndarray, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """The streams of an fp32 matrix's words (uint32, ``rows * cols``): ``symbols`` (one byte
     per float: its log magnitude's residual from the row-and-column model plus
     ``RESIDUAL_ZERO``, times two, plus whether its sign disagrees with the pattern; a
@@ -300,19 +315,13 @@ def scaled_split(words, rows: int, cols: int, sign_rank: int = 1) -> dict[str, n
     eight floats in five bytes), and the models: ``row_fix``, ``col_fix`` (int16, 1/16 fixed
     point, as :func:`exponent_residual`'s) and the sign model: for ``sign_rank`` 1, a sign
     per row and per column, ``row_negative`` and ``col_negative`` (uint8, 1 negative); above,
-    :func:`sign_factors`' ``row_factors`` and ``col_factors``. A matrix without a negative
-    sign among the sampled rows' (Adam's second moment) takes rank 1, which costs a bit per
-    row and column."""
+    :func:`sign_factors`' ``row_factors`` and ``col_factors``. The columns' part is
+    :func:`column_model`'s, unless ``columns`` gives it (one found on a whole matrix, for a
+    few of its rows). The kernel codes a large matrix on up to ``threads`` threads, a range
+    of rows each; the streams do not depend on ``threads``."""
     words = np.ascontiguousarray(words).reshape(-1)
-    if sign_rank > 1 and not (words.reshape(rows, cols)[_sample_rows(rows)] >> np.uint32(31)).any():
-        sign_rank = 1
-    if sign_rank > 1:
-        col_factors = sign_factors(words, rows, cols, sign_rank)
-        left = np.zeros((rows, sign_rank), np.int8)  # the kernel's output
-        col_negative = np.zeros(cols, np.uint8)
-    else:
-        left = col_factors = np.zeros(0, np.int8)
-        col_negative = column_signs(words, rows, cols)
+    sign_rank, col_negative, col_factors = columns or column_model(words, rows, cols, sign_rank)
+    left = np.zeros((rows, sign_rank), np.int8) if sign_rank > 1 else np.zeros(0, np.int8)  # the kernel's output
     count = rows * cols
     out = {"symbols": scratch.take(count), "high": scratch.take(count), "middle": scratch.take(count),
            "low": scratch.take(-(-count // 8) * 5), "row_fix": np.empty(rows, np.int16),
@@ -322,7 +331,7 @@ def scaled_split(words, rows: int, cols: int, sign_rank: int = 1) -> dict[str, n
         escapes = scratch.take(2 * count, np.uint16)
         found = kernels.scaled_split(words, rows, cols, col_negative, out["row_negative"], out["symbols"], escapes,
                                      out["high"], out["middle"], out["low"], out["row_fix"], out["col_fix"], sign_rank,
-                                     left, col_factors)
+                                     left, col_factors, threads)
         out["escapes"] = escapes[:found].copy()
         return out
     if sign_rank == 1:
@@ -346,9 +355,9 @@ def scaled_split(words, rows: int, cols: int, sign_rank: int = 1) -> dict[str, n
     return out
 
 
-def scaled_join(streams: dict[str, np.ndarray], rows: int, cols: int) -> np.ndarray:
-    """Inverse of :func:`scaled_split`: the uint32 words. ValueError where the streams do not
-    fit the matrix (too few escapes, wrong lengths)."""
+def scaled_join(streams: dict[str, np.ndarray], rows: int, cols: int, threads: int = 1) -> np.ndarray:
+    """Inverse of :func:`scaled_split`: the uint32 words, on up to ``threads`` threads.
+    ValueError where the streams do not fit the matrix (too few escapes, wrong lengths)."""
     count = rows * cols
     parts = {name: np.ascontiguousarray(streams[name]).reshape(-1).view(np.uint8)
              for name in ("symbols", "high", "middle", "low", "row_negative", "col_negative")}
@@ -372,7 +381,7 @@ def scaled_join(streams: dict[str, np.ndarray], rows: int, cols: int) -> np.ndar
         words = np.empty(count, np.uint32)
         kernels.scaled_join(parts["symbols"], escapes, parts["high"], parts["middle"], parts["low"], row_fix, col_fix,
                             parts["row_negative"], parts["col_negative"], rows, cols, words, sign_rank,
-                            factors["row_factors"], factors["col_factors"])
+                            factors["row_factors"], factors["col_factors"], threads)
         return words
     symbols = parts["symbols"]
     escaped = symbols < 2
