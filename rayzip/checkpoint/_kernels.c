@@ -1234,6 +1234,12 @@ static int picked_rows_fit(const Py_buffer *words, Py_ssize_t rows, Py_ssize_t c
     return fits;
 }
 
+/* The end of a kernel over picked rows: its two scratch blocks freed, its buffers released. */
+static void picked_rows_done(Py_buffer *words, Py_buffer *picked, Py_buffer *out, void *scratch, void *more) {
+    free(scratch); free(more);
+    PyBuffer_Release(words); PyBuffer_Release(picked); PyBuffer_Release(out);
+}
+
 /* column_signs(words, rows, cols, picked, rounds, col_negative): transforms.column_signs,
  * the alternating majority votes over the picked rows' signs (at most 64 rows: 8-bit
  * counts). */
@@ -1261,8 +1267,7 @@ static PyObject *py_column_signs(PyObject *self, PyObject *args) {
     const int fits = picked_rows_fit(&words, rows, cols, &picked) && out.len == cols;
     uint8_t *signs = fits ? malloc((size_t)(k * cols)) : NULL, *count = fits ? malloc((size_t)cols) : NULL;
     if (fits && (!signs || !count)) {
-        free(signs); free(count);
-        PyBuffer_Release(&words); PyBuffer_Release(&picked); PyBuffer_Release(&out);
+        picked_rows_done(&words, &picked, &out, signs, count);
         return PyErr_NoMemory();
     }
     if (fits) {
@@ -1285,8 +1290,7 @@ static PyObject *py_column_signs(PyObject *self, PyObject *args) {
         }
         Py_END_ALLOW_THREADS
     }
-    free(signs); free(count);
-    PyBuffer_Release(&words); PyBuffer_Release(&picked); PyBuffer_Release(&out);
+    picked_rows_done(&words, &picked, &out, signs, count);
     if (!fits) { PyErr_SetString(PyExc_ValueError, "column_signs: buffers do not fit rows x cols (64 picked rows at most)"); return NULL; }
     Py_RETURN_NONE;
 }
@@ -1320,8 +1324,7 @@ static PyObject *py_sign_directions(PyObject *self, PyObject *args) {
     double *sample = fits ? malloc((size_t)(k * cols) * sizeof(double)) : NULL;
     double *right = fits ? calloc((size_t)(cols * rank), sizeof(double)) : NULL;
     if (fits && (!sample || !right)) {
-        free(sample); free(right);
-        PyBuffer_Release(&words); PyBuffer_Release(&picked); PyBuffer_Release(&out);
+        picked_rows_done(&words, &picked, &out, sample, right);
         return PyErr_NoMemory();
     }
     if (fits) {
@@ -1373,8 +1376,7 @@ static PyObject *py_sign_directions(PyObject *self, PyObject *args) {
         }
         Py_END_ALLOW_THREADS
     }
-    free(sample); free(right);
-    PyBuffer_Release(&words); PyBuffer_Release(&picked); PyBuffer_Release(&out);
+    picked_rows_done(&words, &picked, &out, sample, right);
     if (!fits) { PyErr_SetString(PyExc_ValueError, "sign_directions: buffers do not fit (64 picked rows at most)"); return NULL; }
     Py_RETURN_NONE;
 }
@@ -1505,7 +1507,8 @@ static Py_ssize_t count_escapes(const uint8_t *s, Py_ssize_t n) {
     Py_ssize_t count = 0, j = 0;
     for (; j + 8 <= n; j += 8) {
         const uint64_t x = load64(s + j) & 0xFEFEFEFEFEFEFEFEull;
-        count += __builtin_popcountll(~(((x & seven) + seven) | x | seven));  /* a bit per zero byte */
+        const uint64_t zero = ~(((x & seven) + seven) | x | seven);  /* 0x80 in each zero byte */
+        count += (Py_ssize_t)((zero >> 7) * 0x0101010101010101ull >> 56);  /* not popcount: SSE2 has none */
     }
     for (; j < n; j++) count += s[j] < 2;
     return count;
