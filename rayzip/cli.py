@@ -457,6 +457,8 @@ def bench_checkpoint(
     steps: int = typer.Option(200, min=1, help="AdamW steps before the full checkpoint."),
     repeat: int = typer.Option(5, min=1, help="Timed rounds, every compressor once per round; the fastest "
                                                "of each counts."),
+    min_seconds: float = typer.Option(30.0, min=0.0, help="More rounds (up to 40) until a model's have taken "
+                                                          "this long: a round of the MLP's takes seconds."),
     compressors: Optional[str] = typer.Option(None, help="Comma-separated compressors (default: rayzip, "
                                                          "rayzip-1t, zipnn-1t, zipnn, zstd-3; -1t: one thread; "
                                                          "also zstd-19)."),
@@ -495,7 +497,7 @@ def bench_checkpoint(
     report = run_checkpoint_bench(spec, steps, repeat, chosen, models,
                                   stall_model=None if stall_model == "none" else stall_model,
                                   stall_rounds=stall_rounds, stall_every=stall_every,
-                                  log=lambda line: console.print(line, highlight=False))
+                                  log=lambda line: console.print(line, highlight=False), min_seconds=min_seconds)
     console.print(render_table(report))
     for name, values in report["comparisons"].items():
         for key, value in values.items():

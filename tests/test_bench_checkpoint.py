@@ -21,7 +21,7 @@ def test_bench_checkpoint_compares_rayzip_zstd_and_zipnn_on_the_same_data(tmp_pa
     out = tmp_path / "ckpt.json"
     user = "rayzip.bench.checkpoint:user_workload"  # a module:function model (a small CNN)
     result = runner.invoke(app, ["bench", "checkpoint", "--spec", str(spec), "--model", f"mlp,{user}",
-                                 "--steps", "3", "--repeat", "2", "--compressors", "rayzip,rayzip-1t,zstd-3,zipnn-1t",
+                                 "--steps", "3", "--repeat", "2", "--min-seconds", "0", "--compressors", "rayzip,rayzip-1t,zstd-3,zipnn-1t",
                                  "--stall-model", "mlp", "--stall-rounds", "1", "--stall-every", "1",
                                  "--json", str(out)])
     assert result.exit_code == 0, result.output
@@ -31,6 +31,7 @@ def test_bench_checkpoint_compares_rayzip_zstd_and_zipnn_on_the_same_data(tmp_pa
     assert {(r["model"], r["data"], r["compressor"]) for r in rows} == {
         (m, d, c) for m in ("mlp", user) for d in data for c in ("rayzip", "rayzip-1t", "zstd-3", "zipnn-1t")}
     for r in rows:
+        assert r["rounds"] == 2  # --repeat, and no more with --min-seconds 0
         assert r["ratio"] == pytest.approx(r["raw_bytes"] / r["stored_bytes"])
         assert r["compress_gbps"] > 0 and r["decompress_gbps"] > 0
         # The entropy bound of coding sign and exponent is given for every data set that is

@@ -21,7 +21,11 @@ its default threads), ``zstd-3`` and ``zstd-19`` (on the raw bytes).
 
 Ratios are raw bytes over stored bytes; speeds are raw GB per second. The compressors take
 turns: each round runs every one of them once, so that a slow spell on a shared machine
-falls on all of them; the fastest of ``repeat`` rounds (after a warm-up round) counts.
+falls on all of them, and each round starts one compressor further on, so that none always
+follows the same one. A round runs every data set of a model, so that each one's rounds are
+spread over the model's whole measurement. The fastest of the timed rounds (after a warm-up
+round) counts. There are ``repeat`` of them, or more (up to ``MOST_ROUNDS``) until a model's
+rounds have taken ``min_seconds``.
 
 The stall (``stall``, GPT by default): a training loop on the same model checkpoints every
 few steps, in turn with rayzip in the background (:class:`rayzip.checkpoint.background.
@@ -304,14 +308,18 @@ def _runner(name: str, view: dict, raws: list[bytes], base: Path | None, target:
     return _Baseline(lambda: _zstd(level), raws, 1 if level >= 19 else None)
 
 
+MOST_ROUNDS = 40
+
+
 def run_checkpoint_bench(spec_path: Path | None = None, steps: int = 200, repeat: int = 5,
                          compressors: tuple[str, ...] = DEFAULT_COMPRESSORS, models: tuple[str, ...] = MODELS,
                          stall_model: str | None = "gpt", stall_rounds: int = 5, stall_every: int = 5,
-                         log: Callable[[str], None] = print) -> dict:
-    """Every compressor runs once per round, in turn, on the same bytes: one warm-up round,
-    then ``repeat`` timed rounds, the fastest time of each counting. Interleaving the
-    compressors lets a slow spell on a shared machine fall on all of them, not on one. Then,
-    unless ``stall_model`` is None, :func:`measure_stall` on that model."""
+                         log: Callable[[str], None] = print, min_seconds: float = 30.0) -> dict:
+    """Every compressor runs once per round on every data set, in turn (a rotation), on the
+    same bytes: one warm-up round, then ``repeat`` timed rounds, or more until a model's have
+    taken ``min_seconds`` (at most ``MOST_ROUNDS``), the fastest time of each counting.
+    Interleaving the compressors lets a slow spell on a shared machine fall on all of them,
+    not on one. Then, unless ``stall_model`` is None, :func:`measure_stall` on that model."""
     torch.set_num_threads(1)
     results = []
     tmp = Path(tempfile.mkdtemp(prefix="rayzip-bench-ckpt-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
@@ -323,30 +331,44 @@ def run_checkpoint_bench(spec_path: Path | None = None, steps: int = 200, repeat
             log(f"training {workload.name} with AdamW for {steps + max(SPACINGS)} steps ...")
             sets = data_sets(collect_states(workload, steps))
             bases: dict[str, Path] = {}
+            prepared = []  # (data, tensors, raw bytes, bound, runners), every data set's
             for data, (view, against) in sets.items():
                 tensors = _tensors(view)
                 raws = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors]
-                raw_bytes = sum(len(r) for r in raws)
                 if against is not None and against not in bases:
                     bases[against] = tmp / f"base-{model}-{against}"
                     checkpoint.save(bases[against], sets[against][0])
                 dtype = "bfloat16" if tensors[0].dtype == torch.bfloat16 else "float32"
-                runners = {name: _runner(name, view, raws, bases.get(against), tmp / f"ckpt-{name}", dtype)
+                runners = {name: _runner(name, view, raws, bases.get(against), tmp / f"ckpt-{data}-{name}", dtype)
                            for name in compressors}
                 for runner in runners.values():  # a warm-up round, except for zstd-19's one pass
                     if runner.rounds is None:
                         runner.round()
                         runner.best.clear()
-                for timed in range(repeat):
-                    for runner in runners.values():
-                        if runner.rounds is None or timed < runner.rounds:
+                prepared.append((data, tensors, sum(len(r) for r in raws),
+                                 entropy_bound(tensors) if against is None else None, runners))
+            # A round runs every data set once, so that a data set's rounds are spread over the
+            # whole measurement: a slow spell of the machine lasting seconds then falls on one
+            # round of each, not on all the rounds of one. Within a data set, each round starts
+            # one compressor further on: in a fixed order rayzip always followed zstd-3 and
+            # ZipNN, and its two threads coded the MLP's weights 5% slower than its one thread
+            # (a throwaway script; in shuffled orders two threads were 15 to 20% faster).
+            started, rounds = time.perf_counter(), 0
+            while rounds < repeat or (rounds < MOST_ROUNDS and time.perf_counter() - started < min_seconds):
+                for *_, runners in prepared:
+                    turns = list(runners.values())
+                    start = rounds % len(turns)
+                    for runner in turns[start:] + turns[:start]:
+                        if runner.rounds is None or rounds < runner.rounds:
                             runner.round()
-                bound = entropy_bound(tensors) if against is None else None
+                rounds += 1
+            for data, tensors, raw_bytes, bound, runners in prepared:
                 for name, runner in runners.items():
                     times = runner.best
                     extra = ({"save_gbps": raw_bytes / times["save"] / 1e9, "load_gbps": raw_bytes / times["load"] / 1e9}
                              if "save" in times else {})
                     row = {"model": workload.name, "data": data, "compressor": name, "tensors": len(tensors),
+                           "rounds": rounds if runner.rounds is None else min(rounds, runner.rounds),
                            "raw_bytes": raw_bytes, "stored_bytes": runner.stored, "ratio": raw_bytes / runner.stored,
                            "compress_gbps": raw_bytes / times["compress"] / 1e9,
                            "decompress_gbps": raw_bytes / times["decompress"] / 1e9, **extra,
@@ -356,7 +378,8 @@ def run_checkpoint_bench(spec_path: Path | None = None, steps: int = 200, repeat
                         f"{row['compress_gbps']:6.3f} GB/s  decompress {row['decompress_gbps']:6.3f} GB/s")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    report = {"steps": steps, "spacings": list(SPACINGS), "repeat": repeat, "interleaved": True,
+    report = {"steps": steps, "spacings": list(SPACINGS), "repeat": repeat, "min_seconds": min_seconds,
+              "interleaved": True,
               "models": list(models), "results": results, "comparisons": _comparisons(results)}
     if stall_model is not None:
         log(f"training stall per checkpoint on {stall_model} ...")
