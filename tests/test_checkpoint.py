@@ -446,8 +446,8 @@ def test_scaled_split_kernel_matches_numpy_and_inverts(shape, sign_rank):
 @pytest.mark.parametrize("sign_rank", [1, 4])
 def test_scaled_split_on_threads_codes_the_same_streams_and_any_threads_join_them(sign_rank):
     """A matrix of over three million floats is split in ranges of rows, a thread each: the
-    column sums are added, the ranges' escapes put back in order. 8 x 393 rows per range
-    would not be a multiple of 8 rows, so 1001 rows also tries the ranges' rounding."""
+    column sums are added, the ranges' escapes put back in order. 1001 rows in halves (501)
+    or thirds (334) are not multiples of 8, so the ranges' rounding is tried too."""
     rows, cols = 1001, 3333
     rng = np.random.default_rng(sign_rank)
     value = (rng.standard_normal((rows, 1)) * rng.standard_normal((1, cols))
@@ -459,8 +459,8 @@ def test_scaled_split_on_threads_codes_the_same_streams_and_any_threads_join_the
     assert one["sign_rank"] == sign_rank and one["escapes"].size >= 500
     for threads in (2, 3):
         split = transforms.scaled_split(words, rows, cols, sign_rank, threads=threads)
-        for key, value in one.items():
-            assert np.array_equal(split[key], value), (threads, key)
+        for key, part in one.items():
+            assert np.array_equal(split[key], part), (threads, key)
     for threads in (1, 2, 3):
         assert np.array_equal(transforms.scaled_join(one, rows, cols, threads=threads), words), threads
         for escapes in (one["escapes"][:-1], np.append(one["escapes"], 7).astype(np.uint16)):

@@ -348,8 +348,9 @@ def run_checkpoint_bench(spec_path: Path | None = None, steps: int = 200, repeat
                 prepared.append((data, tensors, sum(len(r) for r in raws),
                                  entropy_bound(tensors) if against is None else None, runners))
             # A round runs every data set once, so that a data set's rounds are spread over the
-            # whole measurement: a slow spell of the machine lasting seconds then falls on one
-            # round of each, not on all the rounds of one. Within a data set, each round starts
+            # whole measurement and each encode follows other work, as a checkpoint taken during
+            # training does (back to back, a data set's later rounds found their buffers, caches
+            # and threads warm from the round before). Within a data set, each round starts
             # one compressor further on: in a fixed order rayzip always followed zstd-3 and
             # ZipNN, and its two threads coded the MLP's weights 5% slower than its one thread
             # (a throwaway script; in shuffled orders two threads were 15 to 20% faster).

@@ -714,10 +714,16 @@ static void planes_range(void *arg, int g) {
     }
 }
 
+/* The parts worth splitting n words into: one per PLANE_CHUNK, at most `threads`, at least
+ * one (for_each_group caps the threads). */
+static int chunk_parts(Py_ssize_t n, int threads) {
+    const Py_ssize_t chunks = n / PLANE_CHUNK;
+    const int parts = chunks < threads ? (int)chunks : threads;
+    return parts < 1 ? 1 : parts;
+}
+
 static void run_planes(Planes *c, int threads) {
-    Py_ssize_t chunks = c->n / PLANE_CHUNK;
-    int parts = chunks < threads ? (int)chunks : threads;  /* for_each_group caps the threads */
-    if (parts < 1) parts = 1;
+    const int parts = chunk_parts(c->n, threads);
     c->part = (c->n + parts - 1) / parts;
     for_each_group(planes_range, c, parts, parts);
 }
@@ -1430,9 +1436,8 @@ static void scaled_free(Scaled *c) {
 /* Splits the rows into parts and takes the scratch; -1 where memory is short (the caller
  * frees what was taken). */
 static int scaled_init(Scaled *c, int threads, const uint8_t *cneg, const int8_t *col_factors, int split) {
-    const Py_ssize_t rows = c->rows, cols = c->cols, chunks = rows * cols / PLANE_CHUNK;
-    int parts = chunks < threads ? (int)chunks : threads;
-    parts = parts < 1 ? 1 : parts > MAX_GROUPS ? MAX_GROUPS : parts;
+    const Py_ssize_t rows = c->rows, cols = c->cols;
+    int parts = chunk_parts(rows * cols, threads);
     c->part_rows = ((rows + parts - 1) / parts + 7) & ~(Py_ssize_t)7;
     c->parts = parts = (int)((rows + c->part_rows - 1) / c->part_rows);
     c->cneg32 = malloc((size_t)cols * 4);
@@ -1589,7 +1594,9 @@ static PyObject *py_scaled_split(PyObject *self, PyObject *args) {
             }
             for_each_group(scaled_code_part, &c, c.parts, c.parts);
             for (int g = 0; g < c.parts; g++) {  /* the ranges' escapes, in order */
-                memmove(c.esc + found, c.esc + g * c.part_rows * cols, (size_t)c.found[g] * 2);
+                Py_ssize_t lo, hi;
+                part_bounds(&c, g, &lo, &hi);
+                memmove(c.esc + found, c.esc + lo * cols, (size_t)c.found[g] * 2);
                 found += c.found[g];
             }
         }
