@@ -231,6 +231,7 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
     def prepare(name: str, submit: Callable[..., Future]) -> tuple[dict, list[Future], Future]:
         tensor = tensors[name]
         words, xp = tensor_words(tensor)
+        words_hash = submit(_hash, asnumpy(words))  # first: another thread checksums while this one codes
         dtype = _dtype_name(tensor)
         base_words = base_of(name)
         prior = xp.asarray(base_words) if base_words is not None else None
@@ -240,13 +241,20 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
         streams, params = codec.encode(words, prior, xp, shape=tuple(tensor.shape), threads=workers)
         entry = {"dtype": dtype, "shape": list(tensor.shape), "codec": codec.name, "params": params,
                  "delta": is_delta}
-        return entry, [pack_task(stream, submit) for stream in streams], completed(_hash, asnumpy(words))
+        return entry, pack_tasks(streams, submit), words_hash
 
-    def pack_task(stream, submit: Callable[..., Future]) -> Future:
-        # A stream stored raw costs a checksum: done here, it costs less than a task's
-        # hand-off, which holds the GIL (two threads queued on it over the GPT's 450 streams).
-        plan = stream_plan(stream)
-        return (completed if plan is not None and plan[0] == "raw" else submit)(_pack, stream, workers, plan)
+    def pack_tasks(streams: list, submit: Callable[..., Future]) -> list[Future]:
+        """Each stream's packing, in the streams' order. The coded ones are submitted first,
+        so that they start while this thread checksums the ones stored raw: done here, a
+        checksum costs less than a task's hand-off, which holds the GIL (two threads queued
+        on it over the GPT's 450 streams)."""
+        plans = [stream_plan(stream) for stream in streams]
+        raw = [plan is not None and plan[0] == "raw" for plan in plans]
+        tasks = {k: submit(_pack, stream, workers, plan)
+                 for k, (stream, plan) in enumerate(zip(streams, plans)) if not raw[k]}
+        tasks.update({k: completed(_pack, stream, workers, plan)
+                      for k, (stream, plan) in enumerate(zip(streams, plans)) if raw[k]})
+        return [tasks[k] for k in range(len(streams))]
 
     # A model's layers repeat: the codec chosen for the largest tensor of a family (same
     # dtype, delta or not, weights or optimizer state, matrix or not, and the last part of
@@ -304,7 +312,7 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
             start += part.size
         entry = {"dtype": dtype, "count": int(words.size), "codec": codec.name, "params": params,
                  "delta": prior is not None, "members": names}
-        return [(entry, [pack_task(stream, submit) for stream in streams], completed(_hash, words))]
+        return [(entry, pack_tasks(streams, submit), completed(_hash, words))]
 
     members: dict[str, dict] = {}
     pending: deque = deque()
@@ -644,18 +652,34 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
     # Large tensors are restored as a task per stream, then one joining them, so that two
     # threads share one large tensor; small ones in batches, a task each. Hashing, Huffman
     # decoding and the transforms release the GIL. No task waits for another: this thread
-    # submits each join once its streams are in. Results are taken in manifest order, so the
-    # first bad tensor in that order is the one an error names.
+    # submits each join once its streams are in. With threads, the largest tensors' streams
+    # are submitted first, coded before raw, as they take longest (the MLP's one large matrix
+    # had waited for its small tensors' tasks); with one, every call runs as it is submitted,
+    # packs first. Results are taken in manifest order, so the first bad tensor in that order
+    # is the one an error names.
     tensors, objects = {}, {}
 
     def keep(name: str, entry: dict, words: np.ndarray) -> None:
         dtype, shape = entry["dtype"], tuple(entry["shape"])
         tensors[name] = (words, dtype, shape) if words_only else words_to_tensor(words, dtype, shape)
 
+    def submit_streams(pool: Crew, name: str, entry: dict) -> list[Future]:
+        streams = entry.get("streams", [])
+        by_stream = {k: pool.submit(named, name, unpack, name, entry, streams[k])
+                     for k in sorted(range(len(streams)), key=lambda k: _stored_raw(streams[k]))}
+        return [by_stream[k] for k in range(len(streams))]
+
     wanted = [(name, entry) for name, entry in manifest["tensors"].items() if names is None or name in names]
     in_packs = {name: entry["pack"] for name, entry in wanted if "pack" in entry}
     wanted = [(name, entry) for name, entry in wanted if name not in in_packs]
+    batches = _in_order_batches(wanted)
+    large = [i for i, batch in enumerate(batches)
+             if len(batch) == 1 and _entry_bytes(batch[0][1]) >= SMALL_TENSOR_BYTES]
     with Crew(threads) as pool:
+        work: dict[int, Any] = {}
+        if pool.workers > 1:
+            for i in sorted(large, key=lambda i: -_entry_bytes(batches[i][0][1])):
+                work[i] = submit_streams(pool, *batches[i][0])
         pack_work = {}
         for name, where in in_packs.items():
             index = where[0] if isinstance(where, list) and where and isinstance(where[0], int) else None
@@ -664,14 +688,10 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
             if index not in pack_work:
                 what = f"pack {index} (with tensor {name!r})"
                 pack_work[index] = pool.submit(lambda n=name, i=index, w=what: named(n, restore_pack, i, what=w))
-        submitted = []
-        for batch in _in_order_batches(wanted):
-            name, entry = batch[0]
-            if len(batch) == 1 and _entry_bytes(entry) >= SMALL_TENSOR_BYTES:
-                submitted.append((batch, [pool.submit(named, name, unpack, name, entry, s)
-                                          for s in entry.get("streams", [])]))
-            else:
-                submitted.append((batch, pool.submit(restore_batch, batch)))
+        for i, batch in enumerate(batches):
+            if i not in work:
+                work[i] = submit_streams(pool, *batch[0]) if i in large else pool.submit(restore_batch, batch)
+        submitted = [(batch, work[i]) for i, batch in enumerate(batches)]
         joined: list[tuple[list, Future]] = []
         for batch, work in submitted:
             if isinstance(work, list):
@@ -701,6 +721,11 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
     if words_only:
         return tensors
     return manifest, tensors, objects
+
+
+def _stored_raw(stream: Any) -> bool:
+    """Whether a manifest's stream entry says raw (anything else, however malformed, not)."""
+    return isinstance(stream, dict) and stream.get("coding") == "raw"
 
 
 def _most_stream_bytes(entry: dict) -> int:
