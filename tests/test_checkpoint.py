@@ -729,11 +729,15 @@ def test_a_truncated_file_names_the_first_tensor_cut(tmp_path):
     (path / "tensors.bin").write_bytes((path / "tensors.bin").read_bytes()[:cut])
     with pytest.raises(CheckpointError, match=r"tensors\.bin: .*truncated.*'/optimizer/m'"):
         checkpoint.load(path)
-    # /model/w and /model/b are small tensors of one kind: coded together, and named together.
-    pack = manifest["tensors"]["/model/b"]["pack"][0]
+    # Two small biases are coded together, and named together.
+    path = tmp_path / "biases"
+    manifest = checkpoint.save(path, {"model": {"0.bias": torch.randn(4096), "1.bias": torch.randn(64)},
+                                      "optimizer": {"m": torch.randn(4096)}})
+    pack = manifest["tensors"]["/model/1.bias"]["pack"][0]
     cut = manifest["packs"][pack]["streams"][-1]["offset"] + 1
     (path / "tensors.bin").write_bytes((path / "tensors.bin").read_bytes()[:cut])
-    with pytest.raises(CheckpointError, match=r"tensors\.bin: .*truncated.*tensors '/model/w', '/model/b' \(coded together\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"tensors\.bin: .*truncated.*tensors '/model/0\.bias', '/model/1\.bias' \(coded together\)"):
         checkpoint.load(path)
 
 
@@ -916,6 +920,28 @@ def test_small_tensors_are_coded_together_each_restored_and_named_exactly(tmp_pa
     with pytest.raises(CheckpointError, match=r"tensors\.bin: tensors '/model/blocks\.0\.ln\.bias', "
                                               r"'/model/blocks\.1\.ln\.bias', .* and 37 more \(coded together\): .*checksum"):
         checkpoint.load(tmp_path / "c")
+
+
+def test_small_tensors_alone_in_their_family_are_packed_with_their_own_kind_of_state(tmp_path):
+    """The output layer's small moment matrices are each alone in their family (the other
+    matrices are large): each joins the vectors of its own moment, never the other moment
+    (the MLP's were packed together and stored 6 KB larger than apart)."""
+    gen = torch.Generator().manual_seed(5)
+    optimizer = {0: {"exp_avg": 1e-3 * torch.randn(512, 512, generator=gen),
+                     "exp_avg_sq": 1e-7 * torch.rand(512, 512, generator=gen)},
+                 1: {"exp_avg": 1e-3 * torch.randn(10, 512, generator=gen),
+                     "exp_avg_sq": 1e-7 * torch.rand(10, 512, generator=gen)},
+                 2: {"exp_avg": 1e-3 * torch.randn(512, generator=gen),
+                     "exp_avg_sq": 1e-7 * torch.rand(512, generator=gen)}}
+    state = {"optimizer": optimizer}
+    manifest = checkpoint.save(tmp_path / "c", state)
+    members = sorted(sorted(pack["members"]) for pack in manifest["packs"])
+    assert members == [["/optimizer/1/exp_avg", "/optimizer/2/exp_avg"],
+                       ["/optimizer/1/exp_avg_sq", "/optimizer/2/exp_avg_sq"]], members
+    back = checkpoint.load(tmp_path / "c")
+    for i, moments in optimizer.items():
+        for key, value in moments.items():
+            assert_bit_exact(value, back["optimizer"][i][key], f"{i}/{key}")
 
 
 def test_small_tensors_as_deltas_against_a_base_restore(tmp_path):

@@ -88,7 +88,8 @@ def test_the_manifest_cannot_point_the_data_file_elsewhere(tmp_path):
 def _fuzz_state() -> dict:
     g = torch.Generator().manual_seed(0)
     weights = torch.randn(8192, generator=g)
-    return {"model": {"w": weights, "b": torch.randn(7, generator=g), "half": torch.randn(900, generator=g).bfloat16(),
+    return {"model": {"w": weights, "0.bias": torch.randn(7, generator=g), "1.bias": torch.randn(40, generator=g),
+                      "half": torch.randn(900, generator=g).bfloat16(),
                       "ids": torch.randint(0, 50, (600,), generator=g), "zeros": torch.zeros(5000)},
             "optimizer": {"exp_avg": torch.randn(8192, generator=g) * 1e-3,
                           "exp_avg_sq": (torch.randn(8192, generator=g) * 1e-4).abs()},
