@@ -70,3 +70,23 @@ def test_the_entropy_bound_is_exact_on_a_known_distribution():
 def test_bench_checkpoint_refuses_unknown_compressors():
     result = runner.invoke(app, ["bench", "checkpoint", "--compressors", "rayzip,lz4"])
     assert result.exit_code == 2 and "lz4" in result.output
+
+
+def test_each_compressor_follows_its_neighbours_as_often_as_it_precedes_them():
+    """In a plain rotation rayzip-1t ran right after rayzip (its data in cache) in four rounds
+    of five, and rayzip never right after rayzip-1t."""
+    from collections import Counter
+
+    from rayzip.bench.checkpoint import _turns
+
+    names = ["rayzip", "rayzip-1t", "zipnn-1t", "zipnn", "zstd-3"]
+    follows = Counter()
+    for round_ in range(2 * len(names)):
+        order = _turns(names, round_)
+        assert sorted(order) == sorted(names)
+        follows.update(zip(order, order[1:]))
+    for (before, after), times in follows.items():
+        assert follows[(after, before)] == times, (before, after)
+    assert follows[("rayzip", "rayzip-1t")] > 0
+    assert {tuple(_turns(names, r)) for r in range(2 * len(names))} == {
+        tuple(names[s:] + names[:s])[::d] for s in range(len(names)) for d in (1, -1)}
