@@ -222,9 +222,26 @@ def _tensors(view: dict) -> list[torch.Tensor]:
     return [*view.get("model", {}).values(), *(v for s in view.get("optimizer", {}).values() for v in s.values())]
 
 
+EVICT_BYTES = 64 << 20  # twice the last-level cache of this project's machines (32 MB)
+_evicting: list = []
+
+
+def _evict_caches() -> None:
+    """Read and write EVICT_BYTES of other memory, so that a timed operation finds no input of
+    its own in the CPU's caches. Without it, what ran just before decided: a baseline's input
+    is a fresh copy (in cache), rayzip's the state itself, and in a throwaway script on the
+    GPT's weights one thread's rayzip took 3% less right after two threads' than after other
+    work, two threads' 9% less right after one thread's."""
+    import numpy as np
+
+    if not _evicting:
+        _evicting.append(np.zeros(EVICT_BYTES, dtype=np.uint8))
+    np.bitwise_xor(_evicting[0], 1, out=_evicting[0])
+
+
 class _Runner:
-    """One compressor on one data set. Each :meth:`round` times its operations once; the
-    fastest time of each operation over the rounds counts."""
+    """One compressor on one data set. Each :meth:`round` times its operations once, each
+    after evicting the caches; the fastest time of each operation over the rounds counts."""
 
     rounds = None  # timed rounds at most, without a warm-up (None: every round, after one)
 
@@ -232,6 +249,7 @@ class _Runner:
         self.best: dict[str, float] = {}
 
     def _time(self, op: str, fn: Callable[[], Any]) -> Any:
+        _evict_caches()
         start = time.perf_counter()
         result = fn()
         self.best[op] = min(self.best.get(op, float("inf")), time.perf_counter() - start)
@@ -315,11 +333,9 @@ MOST_ROUNDS = 40
 def _turns(runners: list, round_: int) -> list:
     """The order of one round: a rotation, one compressor further on every second round, and
     every second round in reverse. Over each two rounds every compressor follows each of its
-    neighbours as often as it precedes it. A compressor run right after another on the same
-    data set finds it in cache: in a throwaway script on the GPT's weights, one thread's encode
-    and decode took 3% less at best right after two threads' than after other work, two
-    threads' 9% less right after one thread's. In a plain rotation rayzip-1t ran right after
-    rayzip in four rounds of five, and rayzip never right after rayzip-1t."""
+    neighbours as often as it precedes it (in a plain rotation rayzip-1t ran right after
+    rayzip in four rounds of five, rayzip never right after rayzip-1t), so that what a
+    compressor leaves behind beyond the caches (:func:`_evict_caches`) falls on all alike."""
     start = round_ // 2 % len(runners)
     order = runners[start:] + runners[:start]
     return order[::-1] if round_ % 2 else order
