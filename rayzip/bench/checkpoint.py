@@ -23,8 +23,9 @@ Ratios are raw bytes over stored bytes; speeds are raw GB per second. The compre
 turns: each round runs every one of them once, so that a slow spell on a shared machine
 falls on all of them, in a rotation that moves one compressor on every second round and runs
 every second round in reverse, so that none always follows the same one, and each follows
-its neighbours as often as it precedes them. A round runs every data set of a model, so that each one's rounds are
-spread over the model's whole measurement. The fastest of the timed rounds (after a warm-up
+its neighbours as often as it precedes them. Each timed operation starts with its input out
+of the caches. A round runs every data set of a model, so that each one's rounds are spread
+over the model's whole measurement. The fastest of the timed rounds (after a warm-up
 round) counts. There are ``repeat`` of them, or more (up to ``MOST_ROUNDS``) until a model's
 rounds have taken ``min_seconds``.
 
@@ -230,8 +231,9 @@ def _evict_caches() -> None:
     """Read and write EVICT_BYTES of other memory, so that a timed operation finds no input of
     its own in the CPU's caches. Without it, what ran just before decided: a baseline's input
     is a fresh copy (in cache), rayzip's the state itself, and in a throwaway script on the
-    GPT's weights one thread's rayzip took 3% less right after two threads' than after other
-    work, two threads' 9% less right after one thread's."""
+    GPT's weights (eight rounds, each order in turn) two threads' encode and decode took 4%
+    less at the median right after one thread's than after other work (36.7 against 38.1 ms),
+    9% less at best; one thread's the same at the median right after two threads'."""
     import numpy as np
 
     if not _evicting:

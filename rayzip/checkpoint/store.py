@@ -244,17 +244,13 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
         return entry, pack_tasks(streams, submit), words_hash
 
     def pack_tasks(streams: list, submit: Callable[..., Future]) -> list[Future]:
-        """Each stream's packing, in the streams' order. The coded ones are submitted first,
-        so that they start while this thread checksums the ones stored raw: done here, a
-        checksum costs less than a task's hand-off, which holds the GIL (two threads queued
-        on it over the GPT's 450 streams)."""
+        """Each stream's packing. The coded ones are submitted first, so that they start while
+        this thread checksums the ones stored raw: done here, a checksum costs less than a
+        task's hand-off, which holds the GIL (two threads queued on it over the GPT's 450
+        streams)."""
         plans = [stream_plan(stream) for stream in streams]
         raw = [plan is not None and plan[0] == "raw" for plan in plans]
-        tasks = {k: submit(_pack, stream, workers, plan)
-                 for k, (stream, plan) in enumerate(zip(streams, plans)) if not raw[k]}
-        tasks.update({k: completed(_pack, stream, workers, plan)
-                      for k, (stream, plan) in enumerate(zip(streams, plans)) if raw[k]})
-        return [tasks[k] for k in range(len(streams))]
+        return _coded_first(raw, lambda k: (completed if raw[k] else submit)(_pack, streams[k], workers, plans[k]))
 
     # A model's layers repeat: the codec chosen for the largest tensor of a family (same
     # dtype, delta or not, weights or optimizer state, matrix or not, and the last part of
@@ -668,9 +664,8 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
 
     def submit_streams(pool: Crew, name: str, entry: dict) -> list[Future]:
         streams = entry.get("streams", [])
-        by_stream = {k: pool.submit(named, name, unpack, name, entry, streams[k])
-                     for k in sorted(range(len(streams)), key=lambda k: _stored_raw(streams[k]))}
-        return [by_stream[k] for k in range(len(streams))]
+        return _coded_first([_stored_raw(s) for s in streams],
+                            lambda k: pool.submit(named, name, unpack, name, entry, streams[k]))
 
     wanted = [(name, entry) for name, entry in manifest["tensors"].items() if names is None or name in names]
     in_packs = {name: entry["pack"] for name, entry in wanted if "pack" in entry}
@@ -679,10 +674,10 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
     large = [i for i, batch in enumerate(batches)
              if len(batch) == 1 and _entry_bytes(batch[0][1]) >= SMALL_TENSOR_BYTES]
     with Crew(threads) as pool:
-        work: dict[int, Any] = {}
+        started: dict[int, Any] = {}  # per batch, its streams' futures (a large tensor) or its task's
         if pool.workers > 1:
             for i in sorted(large, key=lambda i: -_entry_bytes(batches[i][0][1])):
-                work[i] = submit_streams(pool, *batches[i][0])
+                started[i] = submit_streams(pool, *batches[i][0])
         pack_work = {}
         for name, where in in_packs.items():
             index = where[0] if isinstance(where, list) and where and isinstance(where[0], int) else None
@@ -692,9 +687,9 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
                 what = f"pack {index} (with tensor {name!r})"
                 pack_work[index] = pool.submit(lambda n=name, i=index, w=what: named(n, restore_pack, i, what=w))
         for i, batch in enumerate(batches):
-            if i not in work:
-                work[i] = submit_streams(pool, *batch[0]) if i in large else pool.submit(restore_batch, batch)
-        submitted = [(batch, work[i]) for i, batch in enumerate(batches)]
+            if i not in started:
+                started[i] = submit_streams(pool, *batch[0]) if i in large else pool.submit(restore_batch, batch)
+        submitted = [(batch, started[i]) for i, batch in enumerate(batches)]
         joined: list[tuple[list, Future]] = []
         for batch, work in submitted:
             if isinstance(work, list):
@@ -724,6 +719,13 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
     if words_only:
         return tensors
     return manifest, tensors, objects
+
+
+def _coded_first(raw: list[bool], start: Callable[[int], Future]) -> list[Future]:
+    """``start(k)`` for every stream k, the coded ones (not ``raw[k]``) first, as their
+    coding or decoding takes longest; the futures in the streams' order."""
+    futures = {k: start(k) for k in sorted(range(len(raw)), key=lambda k: raw[k])}
+    return [futures[k] for k in range(len(raw))]
 
 
 def _stored_raw(stream: Any) -> bool:
