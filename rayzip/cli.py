@@ -399,7 +399,8 @@ def bench_cluster(
 def bench_table(report_json: Path = typer.Argument(..., help="A `bench cluster` or `bench collectives` "
                                                                "--json report."),
                 part: Optional[str] = typer.Option(None, help="A second table of the report (stall: a "
-                                                             "checkpoint report's stall table).")):
+                                                             "checkpoint report's stall table; threads: its "
+                                                             "default threads over one thread).")):
     """Print a benchmark report as the Markdown table the README shows (generated from the JSON).
 
     Example: rayzip bench table docs/bench-codecs.json
@@ -455,8 +456,8 @@ def bench_checkpoint(
     spec: Optional[Path] = typer.Option(None, help="Job spec whose MLP and data to train (default: "
                                                      "jobs/bench-synthetic.yaml)."),
     steps: int = typer.Option(200, min=1, help="AdamW steps before the full checkpoint."),
-    repeat: int = typer.Option(5, min=1, help="Timed rounds, every compressor once per round; the fastest "
-                                               "of each counts."),
+    repeat: int = typer.Option(11, min=1, help="Timed rounds, every compressor once per round; the fastest "
+                                                "of each counts (the JSON gives the median too)."),
     min_seconds: float = typer.Option(30.0, min=0.0, help="More rounds (up to 40) until a model's have taken "
                                                           "this long: a round of the MLP's takes seconds."),
     compressors: Optional[str] = typer.Option(None, help="Comma-separated compressors (default: rayzip, "

@@ -9,6 +9,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+from rayzip.bench import markdown_table
 from rayzip.cli import app
 
 runner = CliRunner()
@@ -34,6 +35,9 @@ def test_bench_checkpoint_compares_rayzip_zstd_and_zipnn_on_the_same_data(tmp_pa
         assert r["rounds"] == 2  # --repeat, and no more with --min-seconds 0
         assert r["ratio"] == pytest.approx(r["raw_bytes"] / r["stored_bytes"])
         assert r["compress_gbps"] > 0 and r["decompress_gbps"] > 0
+        # The speeds are the fastest rounds'; the medians beside them are no faster.
+        assert 0 < r["compress_median_gbps"] <= r["compress_gbps"]
+        assert 0 < r["decompress_median_gbps"] <= r["decompress_gbps"]
         # The entropy bound of coding sign and exponent is given for every data set that is
         # not a delta, and no exponent coder with a raw mantissa can beat it by much.
         assert (r["bound_order0"] is None) == r["data"].startswith("delta")
@@ -43,6 +47,16 @@ def test_bench_checkpoint_compares_rayzip_zstd_and_zipnn_on_the_same_data(tmp_pa
         assert all(len(v) == 1 for v in size.values())
         assert size["all"] == {next(iter(size["weights"])) + next(iter(size["m"])) + next(iter(size["v"]))}
         assert size["bf16-weights"] == {next(iter(size["weights"])) // 2}
+    # The threads table: a row per model and data set, two threads' speed over one thread's,
+    # in the fastest rounds and at the medians.
+    threads = markdown_table(report, "threads").splitlines()[2:]
+    assert len(threads) == 2 * len(data)
+    first = next(r for r in rows if r["model"] == "mlp" and r["data"] == "weights" and r["compressor"] == "rayzip")
+    one = next(r for r in rows if r["model"] == "mlp" and r["data"] == "weights" and r["compressor"] == "rayzip-1t")
+    assert threads[0] == (f"| mlp | weights | {first['compress_gbps'] / one['compress_gbps']:.2f}× | "
+                          f"{first['compress_median_gbps'] / one['compress_median_gbps']:.2f}× | "
+                          f"{first['decompress_gbps'] / one['decompress_gbps']:.2f}× | "
+                          f"{first['decompress_median_gbps'] / one['decompress_median_gbps']:.2f}× |")
     comparisons = report["comparisons"]["mlp"]
     assert comparisons["all_ratio_vs_zipnn"] > 0 and comparisons["threads_compress_speedup_min"] > 0
     stall = report["stall"]

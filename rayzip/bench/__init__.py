@@ -12,12 +12,16 @@ def markdown_table(report: dict, part: str | None = None) -> str | None:
     """A ``bench cluster``, ``scaling``, ``collectives``, ``codecs`` or ``checkpoint`` report as
     the Markdown table the README shows (generated from the JSON, never typed); None for
     other reports, or for a ``part`` the report does not have (``stall``: a checkpoint
-    report's stall table)."""
+    report's stall table; ``threads``: its speed on its default threads over one thread)."""
     if part is not None:
         if part == "stall" and report.get("stall"):
             from .checkpoint import stall_markdown_table
 
             return stall_markdown_table(report["stall"])
+        if part == "threads" and "results" in report and "comparisons" in report:
+            from .checkpoint import threads_markdown_table
+
+            return threads_markdown_table(report)
         return None
     if "codecs" in report and "memcpy_gbps" in report:
         from .codecs import markdown_table as codecs_table

@@ -50,7 +50,7 @@ import torch
 
 
 __all__ = ["COMPRESSORS", "DEFAULT_COMPRESSORS", "MODELS", "Workload", "build_workload", "collect_states",
-           "measure_stall", "run_checkpoint_bench", "user_workload"]
+           "measure_stall", "run_checkpoint_bench", "threads_markdown_table", "user_workload"]
 
 SPACINGS = (1, 10, 100)
 MODELS = ("mlp", "gpt")
@@ -243,18 +243,19 @@ def _evict_caches() -> None:
 
 class _Runner:
     """One compressor on one data set. Each :meth:`round` times its operations once, each
-    after evicting the caches; the fastest time of each operation over the rounds counts."""
+    after evicting the caches; the fastest time of each operation over the rounds counts,
+    and the median is reported beside it."""
 
     rounds = None  # timed rounds at most, without a warm-up (None: every round, after one)
 
     def __init__(self):
-        self.best: dict[str, float] = {}
+        self.times: dict[str, list[float]] = {}
 
     def _time(self, op: str, fn: Callable[[], Any]) -> Any:
         _evict_caches()
         start = time.perf_counter()
         result = fn()
-        self.best[op] = min(self.best.get(op, float("inf")), time.perf_counter() - start)
+        self.times.setdefault(op, []).append(time.perf_counter() - start)
         return result
 
     def round(self) -> None:
@@ -343,7 +344,7 @@ def _turns(runners: list, round_: int) -> list:
     return order[::-1] if round_ % 2 else order
 
 
-def run_checkpoint_bench(spec_path: Path | None = None, steps: int = 200, repeat: int = 5,
+def run_checkpoint_bench(spec_path: Path | None = None, steps: int = 200, repeat: int = 11,
                          compressors: tuple[str, ...] = DEFAULT_COMPRESSORS, models: tuple[str, ...] = MODELS,
                          stall_model: str | None = "gpt", stall_rounds: int = 5, stall_every: int = 5,
                          log: Callable[[str], None] = print, min_seconds: float = 30.0) -> dict:
@@ -376,7 +377,7 @@ def run_checkpoint_bench(spec_path: Path | None = None, steps: int = 200, repeat
                 for runner in runners.values():  # a warm-up round, except for zstd-19's one pass
                     if runner.rounds is None:
                         runner.round()
-                        runner.best.clear()
+                        runner.times.clear()
                 prepared.append((data, tensors, sum(len(r) for r in raws),
                                  entropy_bound(tensors) if against is None else None, runners))
             # A round runs every data set once, so that a data set's rounds are spread over the
@@ -395,7 +396,8 @@ def run_checkpoint_bench(spec_path: Path | None = None, steps: int = 200, repeat
                 rounds += 1
             for data, tensors, raw_bytes, bound, runners in prepared:
                 for name, runner in runners.items():
-                    times = runner.best
+                    times = {op: min(spent) for op, spent in runner.times.items()}
+                    medians = {op: statistics.median(spent) for op, spent in runner.times.items()}
                     extra = ({"save_gbps": raw_bytes / times["save"] / 1e9, "load_gbps": raw_bytes / times["load"] / 1e9}
                              if "save" in times else {})
                     row = {"model": workload.name, "data": data, "compressor": name, "tensors": len(tensors),
@@ -403,6 +405,8 @@ def run_checkpoint_bench(spec_path: Path | None = None, steps: int = 200, repeat
                            "raw_bytes": raw_bytes, "stored_bytes": runner.stored, "ratio": raw_bytes / runner.stored,
                            "compress_gbps": raw_bytes / times["compress"] / 1e9,
                            "decompress_gbps": raw_bytes / times["decompress"] / 1e9, **extra,
+                           "compress_median_gbps": raw_bytes / medians["compress"] / 1e9,
+                           "decompress_median_gbps": raw_bytes / medians["decompress"] / 1e9,
                            "bound_order0": bound and bound["order0"], "bound_order1": bound and bound["order1"]}
                     results.append(row)
                     log(f"  {workload.name:4s} {data:12s} {name:9s} ratio {row['ratio']:6.3f}  compress "
@@ -500,7 +504,8 @@ def _comparisons(results: list[dict]) -> dict:
     """Per model: rayzip against ZipNN (ratio on ``all`` and on ``weights``; compression and
     decompression speed on ``all`` against ZipNN on one thread, rayzip on its default threads
     and on one), the delta ratios, and the least speed-up of rayzip's threads over one thread
-    across the data sets."""
+    across the data sets; each speed comparison of the fastest rounds, and with ``_median``
+    of the medians."""
     out: dict[str, dict] = {}
     for model in dict.fromkeys(r["model"] for r in results):
         def get(data, name):
@@ -513,17 +518,17 @@ def _comparisons(results: list[dict]) -> dict:
             if rayzip and zipnn:
                 mine[f"{data}_ratio_vs_zipnn"] = rayzip["ratio"] / zipnn["ratio"]
         zipnn_1t = get("all", "zipnn-1t")
-        for name, suffix in (("rayzip", ""), ("rayzip-1t", "_1t")):
-            row = get("all", name)
-            if row and zipnn_1t:
-                mine[f"compress_speed_vs_zipnn_1t{suffix}"] = row["compress_gbps"] / zipnn_1t["compress_gbps"]
-                mine[f"decompress_speed_vs_zipnn_1t{suffix}"] = row["decompress_gbps"] / zipnn_1t["decompress_gbps"]
-        speedups = [(r["data"], r["compress_gbps"] / one["compress_gbps"], r["decompress_gbps"] / one["decompress_gbps"])
-                    for r in results if r["model"] == model and r["compressor"] == "rayzip"
-                    for one in [get(r["data"], "rayzip-1t")] if one]
-        if speedups:
-            mine["threads_compress_speedup_min"] = min(c for _, c, _ in speedups)
-            mine["threads_decompress_speedup_min"] = min(d for _, _, d in speedups)
+        for speed, tail in (("gbps", ""), ("median_gbps", "_median")):  # fastest rounds, and medians
+            for op in ("compress", "decompress"):
+                field = f"{op}_{speed}"
+                for name, suffix in (("rayzip", ""), ("rayzip-1t", "_1t")):
+                    row = get("all", name)
+                    if row and zipnn_1t and field in zipnn_1t:
+                        mine[f"{op}_speed_vs_zipnn_1t{suffix}{tail}"] = row[field] / zipnn_1t[field]
+                speedups = [r[field] / one[field] for r in results if r["model"] == model and r["compressor"] == "rayzip"
+                            for one in [get(r["data"], "rayzip-1t")] if one and field in one]
+                if speedups:
+                    mine[f"threads_{op}_speedup_min{tail}"] = min(speedups)
         for k in SPACINGS:
             row = get(f"delta-{k}", "rayzip")
             if row:
@@ -559,6 +564,23 @@ def markdown_table(report: dict) -> str:
         lines.append(f"| {r.get('model', 'mlp')} | {r['data']} | {r['compressor']} | {r['ratio']:.3f} | "
                      f"{r['compress_gbps']:.3f} | {r['decompress_gbps']:.3f} | {io_} | {bound} |")
     return "\n".join(lines)
+
+
+def threads_markdown_table(report: dict) -> str | None:
+    """rayzip on its default threads against one thread, per model and data set: the ratio of
+    their speeds in their fastest rounds (what the main table shows), and of their medians
+    where the report has them. None if the report has no ``rayzip-1t`` rows."""
+    rows = {(r["model"], r["data"], r["compressor"]): r for r in report["results"]}
+    lines = ["| model | data | compress, fastest | compress, median | decompress, fastest | decompress, median |",
+             "|---|---|---|---|---|---|"]
+    for (model, data, name), many in rows.items():
+        one = rows.get((model, data, "rayzip-1t"))
+        if name != "rayzip" or one is None:
+            continue
+        cells = [f"{many[field] / one[field]:.2f}×" if field in many and field in one else "–"
+                 for op in ("compress", "decompress") for field in (f"{op}_gbps", f"{op}_median_gbps")]
+        lines.append(f"| {model} | {data} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else None
 
 
 def stall_markdown_table(stall: dict) -> str:

@@ -483,11 +483,18 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     if (pairs) {
         /* Two order-0 codes per lookup: the entry for the little-endian pair (a, b) is a's code
-         * then b's (<= 22 bits), in a 256 KB table that costs ~65536 steps to fill. */
-        for (unsigned v = 0; v < 65536; v++) {
-            uint32_t a = entry[v & 0xFF], b = entry[v >> 8], la = a >> 16;
-            pairs[v] = (((a & 0xFFFF) | ((b & 0xFFFF) << la)) & 0x3FFFFF) | ((la + (b >> 16)) << 22);
-        }
+         * then b's (<= 22 bits), in a 256 KB table. Only pairs of the stream's own byte values
+         * are ever looked up, so only they are filled: an exponent plane has a few dozen
+         * values, and with all 65536 entries filled the GPT checkpoint's streams took 23.0
+         * ms to code instead of 19.3. */
+        unsigned present[256], count = 0;
+        for (unsigned s = 0; s < 256; s++) if (entry[s] >> 16) present[count++] = s;
+        for (unsigned i = 0; i < count; i++)
+            for (unsigned k = 0; k < count; k++) {
+                uint32_t a = entry[present[i]], b = entry[present[k]], la = a >> 16;
+                pairs[present[i] | present[k] << 8] =
+                    (((a & 0xFFFF) | ((b & 0xFFFF) << la)) & 0x3FFFFF) | ((la + (b >> 16)) << 22);
+            }
     }
     for_each_group(write_group, &coding, groups, threads);
     for (int g = 0; g < groups; g++) mismatch |= coding.mismatch[g];

@@ -19,14 +19,28 @@ from collections import deque
 from concurrent.futures import Future, wait
 from typing import Any
 
-__all__ = ["Crew", "completed", "default_threads", "threads_for"]
+__all__ = ["Crew", "Done", "completed", "default_threads", "threads_for"]
 
 
-def completed(fn, *args) -> Future:
-    """``fn(*args)`` run now, as a finished future."""
-    future: Future = Future()
-    future.set_result(fn(*args))
-    return future
+class Done:
+    """A call's result, ready: what :func:`completed` returns. A Future's lock and condition
+    cost 3.7 us a call; a GPT checkpoint run on one thread makes some 400 of them."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.value
+
+
+def completed(fn, *args) -> Done:
+    """``fn(*args)`` run now, its result ready (a raise is raised here)."""
+    return Done(fn(*args))
 
 
 def threads_for(threads: int | None) -> int:
@@ -76,16 +90,18 @@ class Crew:
             wait(pending)
             waited += len(pending)
 
-    def submit(self, fn, *args) -> Future:
+    def submit(self, fn, *args) -> Future | Done:
         if self.helpers is None:
             return completed(fn, *args)
         future = self.helpers.submit(self, fn, *args)
         self.futures.append(future)
         return future
 
-    def result(self, future: Future) -> Any:
+    def result(self, future: Future | Done) -> Any:
         """``future.result()``, this thread running queued calls until it is done."""
-        return future.result() if self.helpers is None else self.helpers.result(future, self)
+        if self.helpers is None or type(future) is Done:
+            return future.result()
+        return self.helpers.result(future, self)
 
 
 class _Helpers:
