@@ -507,6 +507,7 @@ def _comparisons(results: list[dict]) -> dict:
     across the data sets; each speed comparison of the fastest rounds, and with ``_median``
     of the medians."""
     out: dict[str, dict] = {}
+    threads = _thread_speedups(results)
     for model in dict.fromkeys(r["model"] for r in results):
         def get(data, name):
             return next((r for r in results if r["model"] == model and r["data"] == data and r["compressor"] == name),
@@ -525,8 +526,7 @@ def _comparisons(results: list[dict]) -> dict:
                     row = get("all", name)
                     if row and zipnn_1t and field in zipnn_1t:
                         mine[f"{op}_speed_vs_zipnn_1t{suffix}{tail}"] = row[field] / zipnn_1t[field]
-                speedups = [r[field] / one[field] for r in results if r["model"] == model and r["compressor"] == "rayzip"
-                            for one in [get(r["data"], "rayzip-1t")] if one and field in one]
+                speedups = [each[field] for (of, _), each in threads.items() if of == model and field in each]
                 if speedups:
                     mine[f"threads_{op}_speedup_min{tail}"] = min(speedups)
         for k in SPACINGS:
@@ -566,19 +566,26 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+SPEED_FIELDS = ("compress_gbps", "compress_median_gbps", "decompress_gbps", "decompress_median_gbps")
+
+
+def _thread_speedups(results: list[dict]) -> dict[tuple[str, str], dict[str, float]]:
+    """Per (model, data set) with both rows: rayzip's speed on its default threads over
+    ``rayzip-1t``'s, for each of SPEED_FIELDS both rows have (older reports have no medians)."""
+    rows = {(r["model"], r["data"], r["compressor"]): r for r in results}
+    return {(model, data): {field: many[field] / one[field] for field in SPEED_FIELDS if field in many and field in one}
+            for (model, data, name), many in rows.items()
+            if name == "rayzip" and (one := rows.get((model, data, "rayzip-1t"))) is not None}
+
+
 def threads_markdown_table(report: dict) -> str | None:
     """rayzip on its default threads against one thread, per model and data set: the ratio of
     their speeds in their fastest rounds (what the main table shows), and of their medians
     where the report has them. None if the report has no ``rayzip-1t`` rows."""
-    rows = {(r["model"], r["data"], r["compressor"]): r for r in report["results"]}
     lines = ["| model | data | compress, fastest | compress, median | decompress, fastest | decompress, median |",
              "|---|---|---|---|---|---|"]
-    for (model, data, name), many in rows.items():
-        one = rows.get((model, data, "rayzip-1t"))
-        if name != "rayzip" or one is None:
-            continue
-        cells = [f"{many[field] / one[field]:.2f}×" if field in many and field in one else "–"
-                 for op in ("compress", "decompress") for field in (f"{op}_gbps", f"{op}_median_gbps")]
+    for (model, data), speedups in _thread_speedups(report["results"]).items():
+        cells = [f"{speedups[field]:.2f}×" if field in speedups else "–" for field in SPEED_FIELDS]
         lines.append(f"| {model} | {data} | " + " | ".join(cells) + " |")
     return "\n".join(lines) if len(lines) > 2 else None
 
