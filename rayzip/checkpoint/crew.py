@@ -19,7 +19,7 @@ from collections import deque
 from concurrent.futures import Future, wait
 from typing import Any
 
-__all__ = ["Crew", "Done", "completed", "default_threads", "threads_for"]
+__all__ = ["Crew", "Done", "Pending", "completed", "default_threads", "threads_for"]
 
 
 class Done:
@@ -36,6 +36,9 @@ class Done:
 
     def result(self, timeout: float | None = None) -> Any:
         return self.value
+
+
+Pending = Future | Done  # what Crew.submit and completed return: a call's result, to come or ready
 
 
 def completed(fn, *args) -> Done:
@@ -90,14 +93,14 @@ class Crew:
             wait(pending)
             waited += len(pending)
 
-    def submit(self, fn, *args) -> Future | Done:
+    def submit(self, fn, *args) -> Pending:
         if self.helpers is None:
             return completed(fn, *args)
         future = self.helpers.submit(self, fn, *args)
         self.futures.append(future)
         return future
 
-    def result(self, future: Future | Done) -> Any:
+    def result(self, future: Pending) -> Any:
         """``future.result()``, this thread running queued calls until it is done."""
         if self.helpers is None or type(future) is Done:
             return future.result()

@@ -43,7 +43,7 @@ import zstandard
 
 from ..xp import asnumpy, is_torch
 from .codecs import CODECS, SAMPLE, Factored, choose, choose_delta, pack_stream, stream_plan, unpack_stream
-from .crew import Crew, completed, threads_for
+from .crew import Crew, Pending, completed, threads_for
 from .transforms import WORD_DTYPES, tensor_words, words_to_tensor
 
 __all__ = ["CheckpointError", "FORMAT", "decode", "encode", "has_manifest", "inspect", "load", "read_manifest", "save",
@@ -228,7 +228,7 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
             return base_words[0]
         return None
 
-    def prepare(name: str, submit: Callable[..., Future]) -> tuple[dict, list[Future], Future]:
+    def prepare(name: str, submit: Callable[..., Pending]) -> tuple[dict, list[Pending], Pending]:
         tensor = tensors[name]
         words, xp = tensor_words(tensor)
         words_hash = submit(_hash, asnumpy(words))  # first: another thread checksums while this one codes
@@ -243,7 +243,7 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
                  "delta": is_delta}
         return entry, pack_tasks(streams, submit), words_hash
 
-    def pack_tasks(streams: list, submit: Callable[..., Future]) -> list[Future]:
+    def pack_tasks(streams: list, submit: Callable[..., Pending]) -> list[Pending]:
         """Each stream's packing. The coded ones are submitted first, so that they start while
         this thread checksums the ones stored raw: done here, a checksum costs less than a
         task's hand-off, which holds the GIL (two threads queued on it over the GPT's 450
@@ -285,7 +285,7 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
                 decided[key].set_exception(exc)
         return decided[key].result()
 
-    def prepare_batch(names: list[str]) -> list[tuple[dict, list[Future], Future]]:
+    def prepare_batch(names: list[str]) -> list[tuple[dict, list[Pending], Pending]]:
         return [prepare(name, completed) for name in names]
 
     # Small tensors of one kind (dtype, delta or not, weights or optimizer state) are coded
@@ -293,7 +293,7 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
     # and norms then cost one codec choice, a few streams and their checksums, not that
     # much each. Each member keeps its own entry, with its place in the pack and the
     # checksum of its words.
-    def prepare_pack(index: int, names: list[str], submit: Callable[..., Future]):
+    def prepare_pack(index: int, names: list[str], submit: Callable[..., Pending]):
         parts = [tensor_words(tensors[name])[0] for name in names]
         dtype, words = _dtype_name(tensors[names[0]]), np.concatenate(parts)
         priors = [base_of(name) for name in names]
@@ -662,7 +662,7 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
         dtype, shape = entry["dtype"], tuple(entry["shape"])
         tensors[name] = (words, dtype, shape) if words_only else words_to_tensor(words, dtype, shape)
 
-    def submit_streams(pool: Crew, name: str, entry: dict) -> list[Future]:
+    def submit_streams(pool: Crew, name: str, entry: dict) -> list[Pending]:
         streams = entry.get("streams", [])
         return _coded_first([_stored_raw(s) for s in streams],
                             lambda k: pool.submit(named, name, unpack, name, entry, streams[k]))
@@ -690,7 +690,7 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
             if i not in started:
                 started[i] = submit_streams(pool, *batch[0]) if i in large else pool.submit(restore_batch, batch)
         submitted = [(batch, started[i]) for i, batch in enumerate(batches)]
-        joined: list[tuple[list, Future]] = []
+        joined: list[tuple[list, Pending]] = []
         for batch, work in submitted:
             if isinstance(work, list):
                 name, entry = batch[0]
@@ -721,7 +721,7 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
     return manifest, tensors, objects
 
 
-def _coded_first(raw: list[bool], start: Callable[[int], Future]) -> list[Future]:
+def _coded_first(raw: list[bool], start: Callable[[int], Pending]) -> list[Pending]:
     """``start(k)`` for every stream k, the coded ones (not ``raw[k]``) first, as their
     coding or decoding takes longest; the futures in the streams' order."""
     futures = {k: start(k) for k in sorted(range(len(raw)), key=lambda k: raw[k])}
