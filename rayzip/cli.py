@@ -288,6 +288,8 @@ def bench_codecs(
         None, help="Codecs to run, ';'-separated, each NAME or NAME:key=value,... "
                    "(default: every codec, sparse ones at ratio 0.01)."),
     repeat: int = typer.Option(3, min=1, help="Timed repetitions; the fastest counts."),
+    rounds: int = typer.Option(1, min=1, help="Rounds, each timing the copy and every codec; rows give "
+                                              "the medians, ratios to the copy of the same round."),
     device: str = typer.Option("cpu", help="cpu (numpy) or cuda (cupy)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
@@ -302,7 +304,7 @@ def bench_codecs(
         specs = [s for s in codecs.split(";") if s.strip()] if codecs else DEFAULT_CODECS
         size_bytes = parse_size(size)
         with console.status("benchmarking") as status:
-            report = run_codec_bench(size_bytes, specs, repeat=repeat, device=device,
+            report = run_codec_bench(size_bytes, specs, repeat=repeat, device=device, rounds=rounds,
                                      progress=lambda name: status.update(f"benchmarking {name}"))
     except (CodecError, ValueError, RuntimeError) as exc:
         console.print(f"[red]error:[/red] {exc}")
@@ -467,17 +469,22 @@ def bench_checkpoint(
                                                 "('none': skip)."),
     stall_rounds: int = typer.Option(5, min=1, help="Checkpoints per method in the stall measurement."),
     stall_every: int = typer.Option(5, min=1, help="Training steps between checkpoints there."),
+    stall_device: str = typer.Option("cpu", help="Where the stall model trains: cpu or cuda."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
     """Checkpoint ratio and speed (rayzip against zstd and ZipNN) on real training state, and the
     training stall per checkpoint (rayzip in the background, rayzip sync, torch.save).
 
     Example: rayzip bench checkpoint --json out/bench-checkpoint.json
+    The stall alone, on a GPU: rayzip bench checkpoint --model none --stall-device cuda
     """
     from .bench.checkpoint import COMPRESSORS, DEFAULT_COMPRESSORS, render_table, run_checkpoint_bench
 
     chosen = tuple(c.strip() for c in compressors.split(",") if c.strip()) if compressors else DEFAULT_COMPRESSORS
     models = tuple(m.strip() for m in model.split(",") if m.strip())
+    if stall_device not in ("cpu", "cuda"):
+        console.print(f"[red]error:[/red] --stall-device {stall_device}: use cpu or cuda", highlight=False)
+        raise typer.Exit(2)
     unknown = [c for c in chosen if c not in COMPRESSORS]
     if unknown:
         console.print(f"[red]error:[/red] unknown compressor(s) {', '.join(unknown)}; "
@@ -495,10 +502,11 @@ def bench_checkpoint(
             console.print("[red]error:[/red] the zipnn baseline needs `pip install zipnn` "
                           "(or leave it out with --compressors)", highlight=False)
             raise typer.Exit(2)
-    report = run_checkpoint_bench(spec, steps, repeat, chosen, models,
+    report = run_checkpoint_bench(spec, steps, repeat, chosen, tuple(m for m in models if m != "none"),
                                   stall_model=None if stall_model == "none" else stall_model,
                                   stall_rounds=stall_rounds, stall_every=stall_every,
-                                  log=lambda line: console.print(line, highlight=False), min_seconds=min_seconds)
+                                  log=lambda line: console.print(line, highlight=False), min_seconds=min_seconds,
+                                  stall_device=stall_device)
     console.print(render_table(report))
     for name, values in report["comparisons"].items():
         for key, value in values.items():

@@ -48,10 +48,20 @@ def test_dct_slots_place_each_sent_coefficient_at_its_wire_position(kept):
 
 
 def test_every_kernel_source_formats():
+    from rayzip.cuda import cast
+
     for mode in range(3):
         for full in (0, 1):
-            source = dct_quant._common() + dct_quant._ENCODE % {"mode": mode, "full": full, "code_t": "unsigned char"}
-            assert f"#define MODE {mode}" in source and "%%" not in source and "%(" not in source
+            for vec in (0, 1):
+                source = dct_quant._common() + dct_quant._ENCODE % {"mode": mode, "full": full, "vec": vec}
+                assert f"#define MODE {mode}" in source and "%%" not in source and "%(" not in source
+    for flags in range(16):
+        names = ("full", "wide", "aligned", "vec")
+        source = dct_quant._common() + dct_quant._DECODE % {n: (flags >> i) & 1 for i, n in enumerate(names)}
+        assert "#define WIDE" in source and "%%" not in source and "%(" not in source
+    for vec in (0, 1):
+        source = cast._SOURCE % {"vec": vec}
+        assert "%1" in source and "%%" not in source and f"#define VEC {vec}" in source
     for per in (1, 32, 64):
         source = group_topk._SOURCE % {"per": per, "column_t": "long long", "value_t": "float"}
         assert "%1" in source and "%%" not in source  # the asm operands survive the formatting

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["markdown_table", "write_json"]
+__all__ = ["markdown_table", "provenance", "write_json"]
 
 
 def markdown_table(report: dict, part: str | None = None) -> str | None:
@@ -46,7 +46,24 @@ def markdown_table(report: dict, part: str | None = None) -> str | None:
     return None
 
 
+def provenance() -> dict:
+    """The commit the benchmark ran (``git rev-parse HEAD`` where the package sits in a
+    checkout, else ``RAYZIP_COMMIT``, else "unknown") and the UTC time it was written."""
+    import datetime
+    import os
+    import subprocess
+
+    commit = os.environ.get("RAYZIP_COMMIT", "unknown")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, check=True,
+                                capture_output=True, text=True, timeout=10).stdout.strip() or commit
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
 def write_json(report: dict, path: Path) -> None:
-    """Every benchmark's ``--json``: the report, indented, in a file whose folder is made."""
+    """Every benchmark's ``--json``: the report with its commit and date, indented, in a file
+    whose folder is made."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path.write_text(json.dumps({**provenance(), **report}, indent=2) + "\n")

@@ -92,7 +92,8 @@ def build_workload(model: str, spec_path: Path | None = None, seed: int = 0) -> 
 
         def loss(m, generator):
             idx = torch.randint(0, len(x), (batch,), generator=generator)
-            return torch.nn.functional.cross_entropy(m(x[idx]), y[idx])
+            device = next(m.parameters()).device
+            return torch.nn.functional.cross_entropy(m(x[idx].to(device)), y[idx].to(device))
 
         return Workload("mlp", net, loss, _adamw())
     if model == "gpt":
@@ -108,7 +109,8 @@ def build_workload(model: str, spec_path: Path | None = None, seed: int = 0) -> 
         def loss(model_, generator):
             idx = torch.randint(0, len(windows), (8,), generator=generator)
             x, y = zip(*(windows[int(i)] for i in idx))
-            return lm_loss(model_(torch.stack(x)), torch.stack(y))
+            device = next(model_.parameters()).device
+            return lm_loss(model_(torch.stack(x).to(device)), torch.stack(y).to(device))
 
         return Workload("gpt", net, loss, _adamw(training.lr, training.betas, training.weight_decay))
     net, loss = import_callable(model)()
@@ -347,12 +349,14 @@ def _turns(runners: list, round_: int) -> list:
 def run_checkpoint_bench(spec_path: Path | None = None, steps: int = 200, repeat: int = 11,
                          compressors: tuple[str, ...] = DEFAULT_COMPRESSORS, models: tuple[str, ...] = MODELS,
                          stall_model: str | None = "gpt", stall_rounds: int = 5, stall_every: int = 5,
-                         log: Callable[[str], None] = print, min_seconds: float = 30.0) -> dict:
+                         log: Callable[[str], None] = print, min_seconds: float = 30.0,
+                         stall_device: str = "cpu") -> dict:
     """Every compressor runs once per round on every data set, in turn (a rotation), on the
     same bytes: one warm-up round, then ``repeat`` timed rounds, or more until a model's have
     taken ``min_seconds`` (at most ``MOST_ROUNDS``), the fastest time of each counting.
     Interleaving the compressors lets a slow spell on a shared machine fall on all of them,
-    not on one. Then, unless ``stall_model`` is None, :func:`measure_stall` on that model."""
+    not on one. Then, unless ``stall_model`` is None, :func:`measure_stall` on that model,
+    trained on ``stall_device``."""
     torch.set_num_threads(1)
     results = []
     tmp = Path(tempfile.mkdtemp(prefix="rayzip-bench-ckpt-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
@@ -418,7 +422,8 @@ def run_checkpoint_bench(spec_path: Path | None = None, steps: int = 200, repeat
               "models": list(models), "results": results, "comparisons": _comparisons(results)}
     if stall_model is not None:
         log(f"training stall per checkpoint on {stall_model} ...")
-        report["stall"] = measure_stall(build_workload(stall_model, spec_path), stall_rounds, stall_every, log=log)
+        report["stall"] = measure_stall(build_workload(stall_model, spec_path), stall_rounds, stall_every, log=log,
+                                        device=stall_device)
     return report
 
 
@@ -426,7 +431,7 @@ STALL_METHODS = ("rayzip-background", "rayzip-sync", "torch.save")
 
 
 def measure_stall(workload: Workload, rounds: int = 5, every: int = 5, directory: Path | None = None,
-                  log: Callable[[str], None] = print) -> dict:
+                  log: Callable[[str], None] = print, device: str = "cpu") -> dict:
     """The time a training loop waits per checkpoint of its model and AdamW state, for each of
     :data:`STALL_METHODS`: rayzip in the background, as ``rayzip run`` takes it
     (:class:`~rayzip.train.checkpoints.GroupCheckpoints` guarding the optimizer: the snapshot
@@ -436,15 +441,16 @@ def measure_stall(workload: Workload, rounds: int = 5, every: int = 5, directory
     turns, ``rounds`` checkpoints each, into files under ``directory`` (default: the temporary
     directory). The background snapshots reuse the host tensors of the one before, once it is
     written, as ``rayzip run`` does (the first round's pays for fresh memory). Also: the mean step time while a background write was in flight against the
-    steps with no checkpoint work, as ``step_slowdown``."""
+    steps with no checkpoint work, as ``step_slowdown``. On ``device`` "cuda" the model trains
+    on the GPU, and every method's time includes its copies of the state to the host."""
     from .. import checkpoint
     from ..train.checkpoints import GroupCheckpoints, Parts
 
-    model = workload.model
+    model = workload.model.to(device)
     optimizer = workload.optimizer(model.parameters())
     generator = torch.Generator().manual_seed(1)
     root = Path(tempfile.mkdtemp(prefix="rayzip-stall-", dir=directory))
-    background = GroupCheckpoints(world=1, device="cpu", background=True)
+    background = GroupCheckpoints(world=1, device=device, background=True)
     background.guard(optimizer)
     stalls: dict[str, list[float]] = {m: [] for m in STALL_METHODS}
     quiet_steps, busy_steps = [], []
@@ -454,6 +460,8 @@ def measure_stall(workload: Workload, rounds: int = 5, every: int = 5, directory
         optimizer.zero_grad()
         workload.loss(model, generator).backward()
         optimizer.step()
+        if device != "cpu":
+            torch.cuda.synchronize()  # a step's time, not its launches'
         return time.perf_counter() - start
 
     def state() -> dict:
@@ -494,10 +502,14 @@ def measure_stall(workload: Workload, rounds: int = 5, every: int = 5, directory
         row["vs_rayzip_sync"] = row["stall_s"] / sync
     quiet = statistics.median(quiet_steps) if quiet_steps else None
     busy = statistics.median(busy_steps) if busy_steps else None
-    return {"model": workload.name, "every": every, "rounds": rounds, "rows": rows,
+    return {"model": workload.name, "device": _device_name(device), "every": every, "rounds": rounds, "rows": rows,
             "step_s": quiet, "step_s_during_write": busy,
             "step_slowdown": busy / quiet if quiet and busy else None,
             "steps_during_write": len(busy_steps)}
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device != "cpu" else "cpu"
 
 
 def _comparisons(results: list[dict]) -> dict:

@@ -12,7 +12,7 @@ the kernels' against a device-to-device copy and against torch ops, in one run.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -41,6 +41,7 @@ class CodecResult:
     vs_memcpy: float  # encode throughput / memcpy throughput
     decode_vs_memcpy: float
     kernel: bool = True  # False: the torch-op path, with the CUDA kernels turned off
+    vs_memcpy_rounds: list[float] = field(default_factory=list)  # encode / copy, each round's
 
 
 def parse_size(text: str) -> int:
@@ -92,37 +93,54 @@ KERNEL_CODECS = ("fp16", "bf16", "group_topk", "qsgd", "dct_quant")  # codecs wi
 
 
 def run_codec_bench(size_bytes: int, specs: list[str], repeat: int = 3, device: str = "cpu",
-                    seed: int = 0, progress=None) -> dict:
-    """Benchmark each codec spec on ``size_bytes`` of gaussian fp32 data."""
+                    seed: int = 0, progress=None, rounds: int = 1) -> dict:
+    """Benchmark each codec spec on ``size_bytes`` of gaussian fp32 data: ``rounds`` rounds,
+    each timing the copy and then every codec (fastest of ``repeat`` calls each), so that a
+    slow spell of a shared machine falls on a codec and its copy alike. Each row gives the
+    medians over the rounds, its ratios to the copy taken round by round."""
+    import statistics
+
     xp = _array_module(device)
     keep_freed_memory()  # as in training (rayzip.torch.compress): allocations reuse memory
     numel = size_bytes // 4
     host = np.random.default_rng(seed).standard_normal(numel, dtype=np.float32)
     x = xp.asarray(host)
     scratch = xp.empty_like(x)
-    memcpy_s, _ = best_time(lambda: xp.copyto(scratch, x), repeat, xp)
-    memcpy_gbps = x.nbytes / memcpy_s / 1e9
     norm = float(xp.linalg.norm(x))
-    results = []
+    cases = []  # (name, codec, kernel)
     for spec in specs:
         name, params = parse_codec_spec(spec)
         codec = get_codec(name, **params)
-        if progress:
-            progress(name)
-        paths = (True, False) if device == "cuda" and name in KERNEL_CODECS else (True,)
-        for kernel in paths:
+        for kernel in ((True, False) if device == "cuda" and name in KERNEL_CODECS else (True,)):
+            cases.append((name, codec, kernel))
+    copies: list[float] = []
+    times: list[list[tuple[float, float]]] = [[] for _ in cases]
+    finals: list[tuple[float, int]] = [(0.0, 0)] * len(cases)  # (rel. error, payload bytes)
+    for round_ in range(rounds):
+        memcpy_s, _ = best_time(lambda: xp.copyto(scratch, x), repeat, xp)
+        copies.append(memcpy_s)
+        for i, (name, codec, kernel) in enumerate(cases):
+            if progress:
+                progress(f"{name} (round {round_ + 1} of {rounds})")
             with cuda.kernels_on(kernel):
                 encode_s, payload = best_time(lambda: codec.encode(x), repeat, xp)
                 decode_s, decoded = best_time(lambda: codec.decode(payload), repeat, xp)
-            encode_gbps, decode_gbps = x.nbytes / encode_s / 1e9, x.nbytes / decode_s / 1e9
-            results.append(CodecResult(
-                name=name, params=codec.params(), ratio=x.nbytes / max(payload.nbytes, 1),
-                payload_bytes=payload.nbytes, encode_gbps=encode_gbps, decode_gbps=decode_gbps,
-                rel_error=float(xp.linalg.norm(decoded - x)) / norm,
-                vs_memcpy=encode_gbps / memcpy_gbps, decode_vs_memcpy=decode_gbps / memcpy_gbps, kernel=kernel,
-            ))
+            times[i].append((encode_s, decode_s))
+            if round_ == rounds - 1:
+                finals[i] = (float(xp.linalg.norm(decoded - x)) / norm, payload.nbytes)
             del payload, decoded
-    report = {"size_bytes": int(x.nbytes), "device": device, "repeat": repeat,
+    memcpy_gbps = x.nbytes / statistics.median(copies) / 1e9
+    results = []
+    for (name, codec, kernel), spent, (rel_error, nbytes) in zip(cases, times, finals):
+        results.append(CodecResult(
+            name=name, params=codec.params(), ratio=x.nbytes / max(nbytes, 1), payload_bytes=nbytes,
+            encode_gbps=x.nbytes / statistics.median(e for e, _ in spent) / 1e9,
+            decode_gbps=x.nbytes / statistics.median(d for _, d in spent) / 1e9, rel_error=rel_error,
+            vs_memcpy=statistics.median(c / e for c, (e, _) in zip(copies, spent)),
+            decode_vs_memcpy=statistics.median(c / d for c, (_, d) in zip(copies, spent)), kernel=kernel,
+            vs_memcpy_rounds=[c / e for c, (e, _) in zip(copies, spent)],
+        ))
+    report = {"size_bytes": int(x.nbytes), "device": device, "repeat": repeat, "rounds": rounds,
               "memcpy_gbps": memcpy_gbps, "codecs": [asdict(r) for r in results]}
     if device == "cuda":
         report["device_name"] = xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
@@ -179,8 +197,9 @@ def _transform_rows(x, base, repeat: int, xp, memcpy_gbps: float) -> list[dict]:
 def render_table(report: dict):
     from rich.table import Table
 
-    table = Table(title=f"{report['size_bytes'] / 2**20:.0f} MiB fp32 on {report['device']}; "
-                        f"memcpy {report['memcpy_gbps']:.2f} GB/s; best of {report['repeat']}")
+    where = report.get("device_name", report["device"])
+    table = Table(title=f"{report['size_bytes'] / 2**20:.0f} MiB fp32 on {where}; memcpy {report['memcpy_gbps']:.2f} GB/s; "
+                        f"best of {report['repeat']}, median of {report.get('rounds', 1)} round(s)")
     for col in ("codec", "ratio", "enc GB/s", "dec GB/s", "enc/memcpy", "dec/memcpy", "rel err"):
         if col == "codec":
             table.add_column(col, no_wrap=True, min_width=max(len(_label(r)) for r in report["codecs"]))

@@ -171,6 +171,16 @@ class DCTQuant(Codec):
         xp = array_module(scales)
         top = 2**self.bits - 1
         codes = payload.arrays["codes"]  # read only: at 8 bits the packed bytes are the codes
+        if self._on_gpu(scales):  # the kernel unpacks up to 8 bits itself, from the wire's bytes
+            from ..cuda.dct_quant import decode
+
+            if self.bits > 8:
+                codes = unpack_bits(codes, self.bits, scales.size * self.kept, xp)
+            out = xp.empty(payload.numel, dtype=xp.float32)
+            decode(scales, codes, self._gpu_slots(xp), self.kept, self.bits, out=out)
+            if out.size > scales.size * 64:
+                out[scales.size * 64:] = payload.arrays["tail"]
+            return out
         if self.bits != 8:
             codes = unpack_bits(codes, self.bits, scales.size * self.kept, xp)
         if self.block == 8 and fused_for(scales) and hasattr(fused, "dct_dequant"):
@@ -179,14 +189,6 @@ class DCTQuant(Codec):
             fused.dct_dequant(np.ascontiguousarray(scales, dtype=np.float32), np.ascontiguousarray(codes),
                               _dct32(8), wire_order(8, self.kept), self.bits, out[:body], codes.dtype == np.uint16)
             out[body:] = payload.arrays["tail"]
-            return out
-        if self._on_gpu(scales):
-            from ..cuda.dct_quant import decode
-
-            out = xp.empty(payload.numel, dtype=xp.float32)
-            decode(scales, codes, self._gpu_slots(xp), self.kept, self.bits, out=out)
-            if out.size > scales.size * 64:
-                out[scales.size * 64:] = payload.arrays["tail"]
             return out
         coef = (codes.astype(xp.float32).reshape(scales.size, self.kept) * (2 / top) - 1) * scales[:, None]
         blocks = (coef @ self.basis(xp)).reshape(-1)

@@ -44,6 +44,9 @@ class Transport:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.device = torch.device(device)
+        # gloo's point-to-point sends read and write host memory only (its collectives stage
+        # CUDA tensors through the host themselves): CUDA payloads cross via host copies.
+        self._host_p2p = self.device.type == "cuda" and dist.get_backend(group) == "gloo"
         self.bytes_sent = 0
         self.messages: list[int] = []  # size of every send this step (tests read it)
         # Latency-bound sends, as rayzip.comm.cost counts them (a ring allreduce: 2(n-1)):
@@ -118,14 +121,16 @@ class Transport:
         buffer; returns the received bytes and the sender's ``entries``.
         """
         nxt, prev = self._global((self.rank + 1) % self.world), self._global((self.rank - 1) % self.world)
-        header = torch.tensor([payload.numel(), entries], dtype=torch.int64, device=self.device)
-        incoming = torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device)
+        wire = torch.device("cpu") if self._host_p2p else self.device
+        header = torch.tensor([payload.numel(), entries], dtype=torch.int64, device=wire)
+        incoming = torch.empty(HEADER_INTS, dtype=torch.int64, device=wire)
         self._exchange(header, nxt, incoming, prev)
         self._count(HEADER_BYTES)
-        received = torch.empty(int(incoming[0]), dtype=torch.uint8, device=self.device)
-        self._exchange(payload, nxt, received, prev)
+        count, entries = incoming.tolist()
+        received = torch.empty(count, dtype=torch.uint8, device=wire)
+        self._exchange(payload.to(wire), nxt, received, prev)
         self._count(payload.numel())
-        return received, int(incoming[1])
+        return received.to(self.device), entries
 
     def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
         ops = [dist.P2POp(dist.isend, send, dst, group=self.group),

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from contextlib import contextmanager
 from functools import lru_cache
 
-__all__ = ["enabled", "kernels_on", "raw_kernel", "share_torch_allocator", "torch_stream"]
+__all__ = ["enabled", "kernels_on", "nonfinite_flag", "raw_kernel", "share_torch_allocator", "torch_stream"]
 
 _FORCED: list[bool] = []  # a stack of overrides from kernels_on(); empty means the environment decides
 
@@ -68,6 +69,48 @@ def raw_kernel(source: str, name: str):
     return cupy.RawKernel(source, name, options=("-std=c++17",))
 
 
+class _Flag:
+    """One int32 in pinned host memory that kernels write (``*flag = 1``) when they meet a
+    non-finite value. Under unified addressing a kernel reaches pinned host memory by its
+    host address, so a call needs neither a device allocation and a memset to clear the flag
+    nor a device-to-host copy to read it: the host clears it before the launch and reads it
+    once the stream is done."""
+
+    def __init__(self):
+        import cupy
+        import numpy as np
+
+        self._memory = cupy.cuda.alloc_pinned_memory(4)
+        self._host = np.frombuffer(self._memory, dtype=np.int32, count=1)
+        self.pointer = np.uint64(self._memory.ptr)
+        self.clear = True
+
+
+_FLAGS = threading.local()  # one flag per thread: the hook's exchange thread encodes beside the caller
+
+
+@contextmanager
+def nonfinite_flag():
+    """A cleared :class:`_Flag` for kernels launched inside the block; on leaving, the
+    current stream is waited for and ``flag.clear`` says whether no kernel set it.
+
+    Usage::
+
+        with nonfinite_flag() as flag:
+            kernel(grid, block, (..., flag.pointer))
+        finite = flag.clear
+    """
+    import cupy
+
+    flag = getattr(_FLAGS, "flag", None)
+    if flag is None:
+        flag = _FLAGS.flag = _Flag()
+    flag._host[0] = 0
+    yield flag
+    cupy.cuda.get_current_stream().synchronize()
+    flag.clear = not int(flag._host[0])
+
+
 _SHARED = False
 
 
@@ -86,17 +129,19 @@ def share_torch_allocator() -> bool:
     if not torch.cuda.is_available():
         return False
 
-    def malloc(size: int, device: int) -> int:
-        return torch.cuda.caching_allocator_alloc(size, device, torch.cuda.current_stream(device))
+    # Each block cupy asks for is a torch uint8 tensor that the cupy memory owns: when cupy
+    # drops the memory, the tensor goes and torch's cache takes the block back. (A pair of
+    # Python malloc/free callbacks instead had cupy call the free function from its
+    # finalizer, which the garbage collector could run after clearing that function, leaking
+    # the block with an "Exception ignored in ... __dealloc__" warning.)
+    memory = cupy.cuda.memory
 
-    def free(ptr: int, device: int) -> None:
-        try:
-            torch.cuda.caching_allocator_delete(ptr)
-        except Exception:  # at interpreter exit torch's module is torn down first; the process frees it all
-            pass
+    def malloc(size: int):
+        device = cupy.cuda.runtime.getDevice()
+        owner = torch.empty(max(size, 1), dtype=torch.uint8, device=torch.device("cuda", device))
+        return memory.MemoryPointer(memory.UnownedMemory(owner.data_ptr(), size, owner, device), 0)
 
-    allocator = cupy.cuda.memory.PythonFunctionAllocator(malloc, free)
-    cupy.cuda.set_allocator(allocator.malloc)
+    cupy.cuda.set_allocator(malloc)
     _SHARED = True
     return True
 

@@ -1,12 +1,19 @@
-"""8x8 DCT-II block quantization fused in one kernel per direction.
+"""8x8 DCT-II block quantization fused in one kernel per direction, bit for bit the host's.
 
 torch does the encode as a GEMM against the 64x64 Kronecker basis, then abs, a row max, a
 reciprocal, scale, round, clip and a cast: each a pass over the coefficients. Here a block
-of 256 threads takes 32 DCT blocks: it reads them into shared memory (coalesced), eight
-threads per block do the separable transform (rows, then columns: 16 multiply-adds per
-value instead of 64), reduce the block's largest kept magnitude by warp shuffles, and write
-the codes in wire order. Decoding runs the same steps backwards. The arithmetic is the
-torch path's, in float32, with another summation order: a code may differ by one.
+of 256 threads takes 32 DCT blocks, eight threads a block, one row each: the row pass, then
+(through shared memory) the column pass that leaves each thread a row of coefficients, the
+block's peak by warp shuffles, the codes, and the row's eight codes packed into its
+``bits`` bytes of the wire with one store (keep = 1; a zig-zag subset is staged and packed
+per CTA). Decoding reads the packed codes as they are on the wire, unpacks them in shared
+memory, and runs the inverse passes.
+
+The arithmetic is the host C kernel's (``rayzip/codecs/_kernels.c``: ``dct8_run`` and
+``idct8_run``), operation for operation: the same summation order, every multiply and add
+rounded on its own (``__fmul_rn``/``__fadd_rn``: nvcc would otherwise contract them into
+fused multiply-adds). A GPU worker and a CPU worker therefore send and decode the same
+bits, and a run repeats on either.
 
 Usage::
 
@@ -16,80 +23,94 @@ Usage::
 
 from __future__ import annotations
 
-import numpy as np
-
 from functools import lru_cache
 
-from . import raw_kernel
+import numpy as np
+
+from . import nonfinite_flag, raw_kernel
 
 __all__ = ["decode", "encode", "slots"]
 
+
 @lru_cache(maxsize=1)
 def _common() -> str:
-    # The DCT matrix as constants: with the loops unrolled every multiply-add takes its
+    # The DCT matrix as constants: with the loops unrolled every multiply takes its
     # coefficient from the constant bank, and shared memory holds only the data.
     from ..codecs.dct_quant import dct_matrix
 
     values = ", ".join(f"{float(v).hex()}f" for v in dct_matrix(8).astype(np.float32).ravel())
     return r"""
 #define BLOCKS_PER_CTA 32
-// t = threadIdx.x: DCT block t/8 of the CTA's 32, lane t%8 of its eight.
+#define STRIDE 72   // floats per DCT block in shared memory: rows 16-byte aligned, lanes in distinct banks
+// t = threadIdx.x: DCT block t/8 of the CTA's 32, row (lane) t%8 of its eight.
 __constant__ float cs[64] = {""" + values + "};\n"
 
+
 _ENCODE = r"""
-// MODE 0: codes over 8 bits, written as uint16 for pack_bits. MODE 1: 8-bit codes, which are
-// the packed stream, written in place. MODE 2: fewer bits: the CTA stages its 32 blocks' codes
-// in shared memory and writes them bit-packed (rayzip.codecs.bitpack's little-endian stream);
-// a CTA's codes start on a byte, since 32 * kept * bits is a multiple of 8.
-// FULL: every coefficient is sent, in row-major order (keep = 1), so no slot table is read.
+// MODE 0: codes over 8 bits, written as uint16 for pack_bits. MODE 1: 8-bit codes. MODE 2:
+// fewer bits. FULL: every coefficient is sent, in row-major order (keep = 1): a thread's row
+// of eight codes is exactly `bits` bytes of the packed stream, stored at once. Otherwise the
+// CTA stages its codes in wire order and packs them (rayzip.codecs.bitpack's little-endian
+// stream; a CTA's codes start on a byte, since 32 * kept * bits is a multiple of 8).
+// VEC: the input is 16-byte aligned (float4 loads).
 #define MODE %(mode)d
 #define FULL %(full)d
-typedef %(code_t)s code_t;
+#define VEC %(vec)d
 extern "C" __global__ void dct_encode(const float* __restrict__ x, long long blocks, const int* __restrict__ slot,
-                                      int kept, int bits, float* __restrict__ scales, code_t* __restrict__ codes,
+                                      int kept, int bits, float* __restrict__ scales,
+                                      unsigned char* __restrict__ codes8, unsigned short* __restrict__ codes16,
                                       int* __restrict__ nonfinite) {
-    __shared__ float tile[BLOCKS_PER_CTA][65];      // 65: rows of a tile fall in different banks
+    __shared__ __align__(16) float tile[BLOCKS_PER_CTA * STRIDE];
     __shared__ int slots[64];
-    __shared__ unsigned char staged[MODE == 2 ? BLOCKS_PER_CTA * 64 : 1];
+    __shared__ unsigned char staged[MODE == 2 && !FULL ? BLOCKS_PER_CTA * 64 : 1];
     const int t = threadIdx.x, b = t >> 3, r = t & 7;
     const long long first = (long long)blockIdx.x * BLOCKS_PER_CTA;
     const int here = (int)min((long long)BLOCKS_PER_CTA, blocks - first);
     const bool live = b < here;
     if (!FULL) for (int i = t; i < 64; i += blockDim.x) slots[i] = slot[i];
-    if (live) {                                       // row r of block b: y[u] = sum_c C[u][c] x[r][c]
+    float* mine = tile + b * STRIDE;
+    if (live) {                     // row pass: tmp[r][l] = sum_j X[r][j] C[l][j], j ascending
         const float* src = x + (first + b) * 64 + r * 8;
         float row[8];
+        if (VEC) {
+            const float4 lo = *(const float4*)src, hi = *(const float4*)(src + 4);
+            row[0] = lo.x; row[1] = lo.y; row[2] = lo.z; row[3] = lo.w;
+            row[4] = hi.x; row[5] = hi.y; row[6] = hi.z; row[7] = hi.w;
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) row[j] = src[j];
+        }
         int bad = 0;
 #pragma unroll
-        for (int cc = 0; cc < 8; ++cc) {
-            row[cc] = src[cc];
-            bad |= !isfinite(row[cc]);
-        }
-        if (bad) atomicOr(nonfinite, 1);
+        for (int j = 0; j < 8; ++j) bad |= !isfinite(row[j]);
+        if (bad) *nonfinite = 1;               // pinned host memory (rayzip.cuda.nonfinite_flag)
+        float out[8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int l = 0; l < 8; ++l) {
             float s = 0.f;
 #pragma unroll
-            for (int cc = 0; cc < 8; ++cc) s += cs[u * 8 + cc] * row[cc];
-            tile[b][r * 8 + u] = s;
+            for (int j = 0; j < 8; ++j) s = __fadd_rn(s, __fmul_rn(row[j], cs[l * 8 + j]));
+            out[l] = s;
         }
+        *(float4*)(mine + r * 8) = make_float4(out[0], out[1], out[2], out[3]);
+        *(float4*)(mine + r * 8 + 4) = make_float4(out[4], out[5], out[6], out[7]);
     }
     __syncthreads();
-    // this thread now takes column u = r: coefficient (v, u) = sum_r' C[v][r'] y[r'][u]
-    float z[8];
+    // column pass, row k = r of the coefficients: y[r][l] = sum_i C[r][i] tmp[i][l], i ascending
+    float y[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     float peak = 0.f;
     if (live) {
-        float column[8];
 #pragma unroll
-        for (int rr = 0; rr < 8; ++rr) column[rr] = tile[b][rr * 8 + r];
+        for (int i = 0; i < 8; ++i) {
+            const float c = cs[r * 8 + i];
+            const float4 lo = *(const float4*)(mine + i * 8), hi = *(const float4*)(mine + i * 8 + 4);
+            const float tmp[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-        for (int v = 0; v < 8; ++v) {
-            float s = 0.f;
-#pragma unroll
-            for (int rr = 0; rr < 8; ++rr) s += cs[v * 8 + rr] * column[rr];
-            z[v] = s;
-            if (FULL || slots[v * 8 + r] >= 0) peak = fmaxf(peak, fabsf(s));
+            for (int l = 0; l < 8; ++l) y[l] = __fadd_rn(y[l], __fmul_rn(c, tmp[l]));
         }
+#pragma unroll
+        for (int l = 0; l < 8; ++l)
+            if (FULL || slots[r * 8 + l] >= 0) peak = fmaxf(peak, fabsf(y[l]));
     }
     for (int o = 1; o < 8; o <<= 1) peak = fmaxf(peak, __shfl_xor_sync(0xffffffffu, peak, o));
     if (live) {
@@ -97,20 +118,41 @@ extern "C" __global__ void dct_encode(const float* __restrict__ x, long long blo
         if (r == 0) scales[block] = peak;
         const float inverse = peak > 0.f ? 1.f / peak : 0.f;
         const float top = (float)((1 << bits) - 1), half = top / 2.f;
+        unsigned int code[8];
 #pragma unroll
-        for (int v = 0; v < 8; ++v) {
-            const int s = FULL ? v * 8 + r : slots[v * 8 + r];
-            if (s < 0) continue;
-            float q = rintf((z[v] * inverse + 1.f) * half);
-            q = fminf(fmaxf(q, 0.f), top);
-            if (MODE == 2) staged[b * kept + s] = (unsigned char)q;
-            else codes[block * kept + s] = (code_t)q;
+        for (int l = 0; l < 8; ++l) {   // rint((y / peak + 1) * (2^bits - 1) / 2), each step rounded
+            float q = rintf(__fmul_rn(__fadd_rn(__fmul_rn(y[l], inverse), 1.f), half));
+            code[l] = (unsigned int)fminf(fmaxf(q, 0.f), top);
+        }
+        if (FULL && MODE != 0) {        // this row's eight codes: `bits` whole bytes of the stream
+            unsigned long long word = 0;
+#pragma unroll
+            for (int l = 0; l < 8; ++l) word |= (unsigned long long)code[l] << (l * bits);
+            unsigned char* out = codes8 + (block * 8 + r) * bits;
+            if (bits == 8) *(unsigned long long*)out = word;
+            else if (bits == 4) *(unsigned int*)out = (unsigned int)word;
+            else if (bits == 2) *(unsigned short*)out = (unsigned short)word;
+            else for (int j = 0; j < bits; ++j) out[j] = (unsigned char)(word >> (8 * j));
+        } else if (FULL) {
+            uint4 pair;
+            pair.x = code[0] | (code[1] << 16); pair.y = code[2] | (code[3] << 16);
+            pair.z = code[4] | (code[5] << 16); pair.w = code[6] | (code[7] << 16);
+            *(uint4*)(codes16 + block * 64 + r * 8) = pair;
+        } else {
+#pragma unroll
+            for (int l = 0; l < 8; ++l) {
+                const int s = slots[r * 8 + l];
+                if (s < 0) continue;
+                if (MODE == 0) codes16[block * kept + s] = (unsigned short)code[l];
+                else if (MODE == 1) codes8[block * kept + s] = (unsigned char)code[l];
+                else staged[b * kept + s] = (unsigned char)code[l];
+            }
         }
     }
-    if (MODE == 2) {
+    if (MODE == 2 && !FULL) {
         __syncthreads();
         const int count = here * kept, nbytes = (count * bits + 7) / 8;
-        unsigned char* out = (unsigned char*)codes + first * kept * bits / 8;
+        unsigned char* out = codes8 + first * kept * bits / 8;
         if (8 %% bits == 0) {                          // whole codes per byte: no division
             const int per = 8 / bits;
             for (int byte = t; byte < nbytes; byte += blockDim.x) {
@@ -136,66 +178,92 @@ extern "C" __global__ void dct_encode(const float* __restrict__ x, long long blo
 """
 
 _DECODE = r"""
-template <typename Code>
-__device__ void decode(const float* __restrict__ scales, const Code* __restrict__ codes, long long blocks,
-                       const int* __restrict__ slot, int kept, int bits, float* __restrict__ out) {
-    __shared__ float tile[BLOCKS_PER_CTA][65];
+// WIDE: codes over 8 bits, as uint16 (pack_bits' split planes unpacked first). Otherwise the
+// packed stream itself: the CTA copies its bytes (a whole number, starting on a byte) into
+// shared memory and each thread takes its codes from there. ALIGNED: the stream starts on 4
+// bytes (word loads); VEC: the output does (float4 stores).
+#define FULL %(full)d
+#define WIDE %(wide)d
+#define ALIGNED %(aligned)d
+#define VEC %(vec)d
+extern "C" __global__ void dct_decode(const float* __restrict__ scales, const unsigned char* __restrict__ codes8,
+                                      const unsigned short* __restrict__ codes16, long long blocks,
+                                      const int* __restrict__ slot, int kept, int bits, float* __restrict__ out) {
+    __shared__ __align__(16) float tile[BLOCKS_PER_CTA * STRIDE];
     __shared__ int slots[64];
+    __shared__ __align__(4) unsigned char staged[WIDE ? 4 : BLOCKS_PER_CTA * 64 + 4];
     const int t = threadIdx.x, b = t >> 3, r = t & 7;
     const long long first = (long long)blockIdx.x * BLOCKS_PER_CTA;
     const int here = (int)min((long long)BLOCKS_PER_CTA, blocks - first);
-    for (int i = t; i < 64; i += blockDim.x) slots[i] = slot[i];
+    if (!FULL) for (int i = t; i < 64; i += blockDim.x) slots[i] = slot[i];
+    if (!WIDE) {
+        const long long start = first * kept * bits / 8;
+        const int nbytes = (here * kept * bits + 7) / 8;
+        if (ALIGNED) {
+            const int words = nbytes / 4;
+            const unsigned int* src = (const unsigned int*)(codes8 + start);
+            for (int i = t; i < words; i += blockDim.x) ((unsigned int*)staged)[i] = src[i];
+            for (int i = words * 4 + t; i < nbytes; i += blockDim.x) staged[i] = codes8[start + i];
+        } else {
+            for (int i = t; i < nbytes; i += blockDim.x) staged[i] = codes8[start + i];
+        }
+        if (t == 0) staged[nbytes] = 0;             // a code's second byte may lie past the end
+    }
     __syncthreads();
-    float w[8];
-    if (b < here) {                   // row v = r of Z; w[c] = sum_u Z[v][u] C[u][c]
-        const long long block = first + b;
+    float* mine = tile + b * STRIDE;
+    const bool live = b < here;
+    if (live) {                  // column l = r: y[k][r] = (code * step - 1) * scale, 0 where not sent;
+        const long long block = first + b;          // z[i][r] = sum_k C[k][i] y[k][r], k ascending
         const float scale = scales[block], step = 2.f / (float)((1 << bits) - 1);
-        float zrow[8];
+        const unsigned int mask = (1u << bits) - 1u;
+        float y[8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
-            const int s = slots[r * 8 + u];
-            zrow[u] = s < 0 ? 0.f : ((float)codes[block * kept + s] * step - 1.f) * scale;
+        for (int k = 0; k < 8; ++k) {
+            const int s = FULL ? k * 8 + r : slots[k * 8 + r];
+            if (s < 0) { y[k] = 0.f; continue; }
+            unsigned int c;
+            if (WIDE) c = codes16[block * kept + s];
+            else {
+                const int bit = (b * kept + s) * bits;
+                const unsigned int pair = staged[bit >> 3] | ((unsigned int)staged[(bit >> 3) + 1] << 8);
+                c = (pair >> (bit & 7)) & mask;
+            }
+            y[k] = __fmul_rn(__fsub_rn(__fmul_rn((float)c, step), 1.f), scale);
         }
 #pragma unroll
-        for (int cc = 0; cc < 8; ++cc) {
-            float s = 0.f;
+        for (int i = 0; i < 8; ++i) {
+            float z = 0.f;
 #pragma unroll
-            for (int u = 0; u < 8; ++u) s += zrow[u] * cs[u * 8 + cc];
-            w[cc] = s;
+            for (int k = 0; k < 8; ++k) z = __fadd_rn(z, __fmul_rn(cs[k * 8 + i], y[k]));
+            mine[i * 8 + r] = z;
         }
-#pragma unroll
-        for (int cc = 0; cc < 8; ++cc) tile[b][r * 8 + cc] = w[cc];
     }
     __syncthreads();
     float x[8];
-    if (b < here) {                   // column c = r: x[rr][c] = sum_v C[v][rr] w[v][c]
-        float column[8];
+    if (live) {                  // row i = r: x[r][j] = sum_l z[r][l] C[l][j], l ascending
+        const float4 lo = *(const float4*)(mine + r * 8), hi = *(const float4*)(mine + r * 8 + 4);
+        const float z[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-        for (int v = 0; v < 8; ++v) column[v] = tile[b][v * 8 + r];
-#pragma unroll
-        for (int rr = 0; rr < 8; ++rr) {
+        for (int j = 0; j < 8; ++j) {
             float s = 0.f;
 #pragma unroll
-            for (int v = 0; v < 8; ++v) s += cs[v * 8 + rr] * column[v];
-            x[rr] = s;
+            for (int l = 0; l < 8; ++l) s = __fadd_rn(s, __fmul_rn(z[l], cs[l * 8 + j]));
+            x[j] = s;
         }
     }
     __syncthreads();
-    if (b < here) {
-#pragma unroll
-        for (int rr = 0; rr < 8; ++rr) tile[b][rr * 8 + r] = x[rr];
+    if (live) {
+        *(float4*)(mine + r * 8) = make_float4(x[0], x[1], x[2], x[3]);
+        *(float4*)(mine + r * 8 + 4) = make_float4(x[4], x[5], x[6], x[7]);
     }
     __syncthreads();
-    for (int i = t; i < here * 64; i += blockDim.x) out[first * 64 + i] = tile[i >> 6][i & 63];
-}
-
-extern "C" __global__ void dct_decode_u8(const float* scales, const unsigned char* codes, long long blocks,
-                                         const int* slot, int kept, int bits, float* out) {
-    decode<unsigned char>(scales, codes, blocks, slot, kept, bits, out);
-}
-extern "C" __global__ void dct_decode_u16(const float* scales, const unsigned short* codes, long long blocks,
-                                          const int* slot, int kept, int bits, float* out) {
-    decode<unsigned short>(scales, codes, blocks, slot, kept, bits, out);
+    float* dst = out + first * 64;               // the CTA's blocks, written coalesced
+    if (VEC) {
+        for (int i = t; i < here * 16; i += blockDim.x)
+            ((float4*)dst)[i] = *(const float4*)(tile + (i >> 4) * STRIDE + (i & 15) * 4);
+    } else {
+        for (int i = t; i < here * 64; i += blockDim.x) dst[i] = tile[(i >> 6) * STRIDE + (i & 63)];
+    }
 }
 """
 
@@ -207,6 +275,22 @@ def slots(order: np.ndarray) -> np.ndarray:
     out = np.full(64, -1, dtype=np.int32)
     out[np.asarray(order)] = np.arange(len(order), dtype=np.int32)
     return out
+
+
+def _address(arr) -> int:
+    return int(arr.data.ptr)
+
+
+@lru_cache(maxsize=None)
+def _encoder(mode: int, full: bool, vec: bool):
+    source = _common() + _ENCODE % {"mode": mode, "full": int(full), "vec": int(vec)}
+    return raw_kernel(source, "dct_encode")
+
+
+@lru_cache(maxsize=None)
+def _decoder(full: bool, wide: bool, aligned: bool, vec: bool):
+    source = _common() + _DECODE % {"full": int(full), "wide": int(wide), "aligned": int(aligned), "vec": int(vec)}
+    return raw_kernel(source, "dct_decode")
 
 
 def encode(body, slot, kept: int, bits: int):
@@ -221,27 +305,31 @@ def encode(body, slot, kept: int, bits: int):
     scales = cupy.empty(blocks, dtype=cupy.float32)
     codes = (cupy.empty(packed_nbytes(blocks * kept, bits), dtype=cupy.uint8) if bits <= 8
              else cupy.empty(blocks * kept, dtype=cupy.uint16))
-    nonfinite = cupy.zeros(1, dtype=cupy.int32)
-    if blocks:
-        mode = 0 if bits > 8 else 1 if bits == 8 else 2
-        source = _common() + _ENCODE % {"mode": mode, "full": int(kept == 64),
-                                        "code_t": "unsigned short" if mode == 0 else "unsigned char"}
-        raw_kernel(source, "dct_encode")((-(-blocks // 32),), (_THREADS,), (
-            cupy.ascontiguousarray(body, dtype=cupy.float32), cupy.int64(blocks), slot, cupy.int32(kept),
-            cupy.int32(bits), scales, codes, nonfinite))
-    return scales, codes, not bool(nonfinite.get()[0])
+    if not blocks:
+        return scales, codes, True
+    body = cupy.ascontiguousarray(body, dtype=cupy.float32)
+    mode = 0 if bits > 8 else 1 if bits == 8 else 2
+    kernel = _encoder(mode, kept == 64, _address(body) % 16 == 0)
+    with nonfinite_flag() as flag:
+        kernel((-(-blocks // 32),), (_THREADS,), (
+            body, np.int64(blocks), slot, np.int32(kept), np.int32(bits), scales,
+            codes if bits <= 8 else np.uint64(0), codes if bits > 8 else np.uint64(0), flag.pointer))
+    return scales, codes, flag.clear
 
 
 def decode(scales, codes, slot, kept: int, bits: int, out=None):
     """float32 cupy (64 * len(scales),): the blocks the codes stand for, written into ``out``
-    (its first 64 * len(scales) entries) when given."""
+    (its first 64 * len(scales) entries) when given. Up to 8 bits ``codes`` is the packed
+    stream (uint8, any address); wider, uint16 codes."""
     import cupy
 
     blocks = scales.size
     out = cupy.empty(blocks * 64, dtype=cupy.float32) if out is None else out
     if blocks:
-        name = "dct_decode_u8" if codes.dtype == cupy.uint8 else "dct_decode_u16"
-        raw_kernel(_common() + _DECODE, name)((-(-blocks // 32),), (_THREADS,), (
-            cupy.ascontiguousarray(scales, dtype=cupy.float32), cupy.ascontiguousarray(codes), cupy.int64(blocks),
-            slot, cupy.int32(kept), cupy.int32(bits), out))
+        wide = bits > 8
+        codes = cupy.ascontiguousarray(codes)
+        kernel = _decoder(kept == 64, wide, not wide and _address(codes) % 4 == 0, _address(out) % 16 == 0)
+        kernel((-(-blocks // 32),), (_THREADS,), (
+            cupy.ascontiguousarray(scales, dtype=cupy.float32), codes if not wide else np.uint64(0),
+            codes if wide else np.uint64(0), np.int64(blocks), slot, np.int32(kept), np.int32(bits), out))
     return out

@@ -8,18 +8,21 @@ Usage::
     model = rayzip.train.prepare_model(model, compression=rayzip.train.CompressionConfig(codec="group_topk"))
 """
 
-from .api import CompressionConfig, compression_state, flush, prepare_model, report, restore, save_checkpoint
-from .records import StepRecord, Totals, Traffic
-from .telemetry import Telemetry
+from importlib import import_module
+
+# Every name is loaded when first asked for: the API and the loop import Ray Train, and the
+# package's other modules (checkpoints, the GPT, the text data) are used where Ray is not.
+_WHERE = {"CompressionConfig": "api", "compression_state": "api", "flush": "api", "prepare_model": "api",
+          "report": "api", "restore": "api", "save_checkpoint": "api", "StepRecord": "records", "Totals": "records",
+          "Traffic": "records", "Telemetry": "telemetry", "LoopContext": "loop"}
 
 
 def __getattr__(name: str):
-    # The loop imports Ray Train's torch integration and every task: loaded when asked for.
-    if name == "LoopContext":
-        from .loop import LoopContext
-
-        return LoopContext
-    raise AttributeError(name)
+    if name not in _WHERE:
+        raise AttributeError(f"module 'rayzip.train' has no attribute {name!r}")
+    value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value
 
 
 __all__ = ["CompressionConfig", "LoopContext", "StepRecord", "Telemetry", "Totals", "Traffic", "compression_state",

@@ -1,47 +1,60 @@
-"""Where each codec's GPU encode spends its time: CUDA kernel time (torch's profiler, which
-sees cupy's kernels too) against the wall time of the call. Run by tools/gpu/check.sh."""
+"""Where each codec's GPU encode and decode spend their time: the CUDA kernels' time (torch's
+profiler, which sees cupy's kernels too) against the wall time of the call, whose
+difference is the host's (Python, launches, the wait for the flag). Then the registers,
+local memory and shared memory of the DCT and cast kernels. Run by tools/gpu/check.sh."""
 
+import statistics
 import time
 
 import cupy
 import numpy as np
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from rayzip.codecs import get_codec
 
 x = cupy.asarray(np.random.default_rng(0).standard_normal(64 << 20, dtype=np.float32))
-for spec in [("fp16", {}), ("group_topk", {"ratio": 0.01}), ("qsgd", {}), ("dct_quant", {}), ("dct_quant", {"bits": 4})]:
-    codec = get_codec(spec[0], **spec[1])
+SPECS = [("fp16", {}), ("bf16", {}), ("group_topk", {"ratio": 0.01}), ("qsgd", {}), ("dct_quant", {}),
+         ("dct_quant", {"bits": 4})]
+
+
+def wall_ms(call, times=15):
     for _ in range(3):
-        payload = codec.encode(x)
+        call()
     cupy.cuda.Device().synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        payload = codec.encode(x)
-    cupy.cuda.Device().synchronize()
-    wall = (time.perf_counter() - start) / 10
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            payload = codec.encode(x)
+    spent = []
+    for _ in range(times):
+        start = time.perf_counter()
+        call()
         cupy.cuda.Device().synchronize()
-    kernels = sorted(((e.key, e.device_time_total / 10) for e in prof.key_averages() if e.device_time_total > 0),
-                     key=lambda kv: -kv[1])
-    total = sum(t for _, t in kernels)
-    print(f"{spec}: wall {wall * 1e3:.3f} ms, kernels {total / 1e3:.3f} ms")
+        spent.append(time.perf_counter() - start)
+    return statistics.median(spent) * 1e3
 
-    for name, t in kernels[:6]:
-        print(f"    {t / 1e3:8.3f} ms  {name[:90]}")
 
-from rayzip.cuda import raw_kernel
-from rayzip.cuda import dct_quant, group_topk, qsgd
+def kernel_ms(call, times=10):
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(times):
+            call()
+        cupy.cuda.Device().synchronize()
+    return sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0) / times / 1e3
+
+
+print(f"{'codec':24s} {'op':7s} {'wall ms':>8s} {'kernels ms':>10s} {'host ms':>8s}")
+for name, params in SPECS:
+    codec = get_codec(name, **params)
+    payload = codec.encode(x)
+    for op, call in (("encode", lambda: codec.encode(x)), ("decode", lambda: codec.decode(payload))):
+        wall, kernels = wall_ms(call), kernel_ms(call)
+        label = name + "".join(f" {k}={v}" for k, v in params.items())
+        print(f"{label:24s} {op:7s} {wall:8.3f} {kernels:10.3f} {wall - kernels:8.3f}")
+
+from rayzip.cuda import cast, dct_quant, raw_kernel  # noqa: E402
 
 for label, source, name in [
-        ("dct encode", dct_quant._common() + dct_quant._ENCODE % {"mode": 1, "full": 1, "code_t": "unsigned char"},
-         "dct_encode"),
-        ("group top-k", group_topk._SOURCE % {"per": 32, "column_t": "unsigned short", "value_t": "unsigned short"},
-         "group_topk"),
-        ("qsgd warp", qsgd._ENCODE % {"pairs": 8}, "qsgd_warp_u8")]:
+        ("dct encode, 8 bits", dct_quant._common() + dct_quant._ENCODE % {"mode": 1, "full": 1, "vec": 1}, "dct_encode"),
+        ("dct encode, 4 bits", dct_quant._common() + dct_quant._ENCODE % {"mode": 2, "full": 1, "vec": 1}, "dct_encode"),
+        ("dct decode, packed", dct_quant._common() + dct_quant._DECODE % {"full": 1, "wide": 0, "aligned": 1, "vec": 1},
+         "dct_decode"),
+        ("bf16 cast", cast._SOURCE % {"vec": 1}, "to_bf16")]:
     kernel = raw_kernel(source, name)
     print(f"{label}: {kernel.num_regs} registers, {kernel.local_size_bytes} B local, "
           f"{kernel.shared_size_bytes} B shared")
