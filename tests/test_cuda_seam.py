@@ -50,15 +50,15 @@ def test_dct_slots_place_each_sent_coefficient_at_its_wire_position(kept):
 def test_every_kernel_source_formats():
     from rayzip.cuda import cast
 
-    for mode in range(3):
-        for full in (0, 1):
+    for bits in (1, 3, 4, 8, 12, 16):
+        for kept in (16, 64):
             for vec in (0, 1):
-                source = dct_quant._common() + dct_quant._ENCODE % {"mode": mode, "full": full, "vec": vec}
-                assert f"#define MODE {mode}" in source and "%%" not in source and "%(" not in source
-    for flags in range(16):
-        names = ("full", "wide", "aligned", "vec")
-        source = dct_quant._common() + dct_quant._DECODE % {n: (flags >> i) & 1 for i, n in enumerate(names)}
-        assert "#define WIDE" in source and "%%" not in source and "%(" not in source
+                source = dct_quant._common() + dct_quant._ENCODE % {"bits": bits, "kept": kept, "vec": vec}
+                assert f"#define BITS {bits}" in source and "%%" not in source and "%(" not in source
+                for aligned in (0, 1):
+                    source = dct_quant._common() + dct_quant._DECODE % {"bits": bits, "kept": kept, "aligned": aligned,
+                                                                        "vec": vec}
+                    assert f"#define KEPT {kept}" in source and "%%" not in source and "%(" not in source
     for vec in (0, 1):
         source = cast._SOURCE % {"vec": vec}
         assert "%1" in source and "%%" not in source and f"#define VEC {vec}" in source

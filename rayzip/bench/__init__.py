@@ -47,19 +47,21 @@ def markdown_table(report: dict, part: str | None = None) -> str | None:
 
 
 def provenance() -> dict:
-    """The commit the benchmark ran (``git rev-parse HEAD`` where the package sits in a
-    checkout, else ``RAYZIP_COMMIT``, else "unknown") and the UTC time it was written."""
+    """The commit the benchmark ran (``RAYZIP_COMMIT`` where set, for a copy of the tree
+    outside its checkout; else ``git rev-parse HEAD`` where the package sits in a checkout;
+    else "unknown") and the UTC time it was written."""
     import datetime
     import os
     import subprocess
 
-    commit = os.environ.get("RAYZIP_COMMIT", "unknown")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, check=True,
-                                capture_output=True, text=True, timeout=10).stdout.strip() or commit
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return {"commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    commit = os.environ.get("RAYZIP_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, check=True,
+                                    capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return {"commit": commit or "unknown", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def write_json(report: dict, path: Path) -> None:

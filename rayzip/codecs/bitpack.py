@@ -50,12 +50,19 @@ def unpack_bits(packed, bits: int, count: int, xp):
     if bits == 8:
         return packed.copy()
     if bits == 16:
+        if _address(packed) % 2:  # a field behind an odd count of bytes: a cupy kernel would fault
+            packed = packed.copy()
         return packed.view("<u2").astype(xp.uint16)
     if bits > 8:
         low = packed[:count].astype(xp.uint16)
         high = _unpack_narrow(packed[count:], bits - 8, count, xp).astype(xp.uint16)
         return low | (high << 8)
     return _unpack_narrow(packed, bits, count, xp)
+
+
+def _address(arr) -> int:
+    interface = getattr(arr, "__cuda_array_interface__", None) or arr.__array_interface__
+    return int(interface["data"][0])
 
 
 def _pack_narrow(codes, bits: int, xp):

@@ -35,6 +35,7 @@ from .base import Codec, CodecError, Field, Payload, check_int
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .kernels import all_finite, fused, fused_for
 from .. import cuda
+from ..cuda.dct_quant import decode as gpu_decode, encode as gpu_encode, slots as gpu_slots
 from ..xp import array_module
 
 __all__ = ["DCTQuant", "dct_matrix", "wire_order", "zigzag_order"]
@@ -125,9 +126,14 @@ class DCTQuant(Codec):
         """Each position's wire slot (-1: not sent), on the device, once."""
         key = ("slots", xp)
         if key not in self._device_basis:
-            from ..cuda.dct_quant import slots
+            self._device_basis[key] = xp.asarray(gpu_slots(wire_order(8, self.kept)))
+        return self._device_basis[key]
 
-            self._device_basis[key] = xp.asarray(slots(wire_order(8, self.kept)))
+    def _gpu_empty(self, xp):
+        """A 0-length float32 tail on the device, once (a slice per call costs a few microseconds)."""
+        key = ("empty", xp)
+        if key not in self._device_basis:
+            self._device_basis[key] = xp.empty(0, dtype=xp.float32)
         return self._device_basis[key]
 
     def _kernel_checks_finite(self, flat) -> bool:
@@ -147,15 +153,15 @@ class DCTQuant(Codec):
                 self._check_finite(flat, xp)  # raises, with the count and the first index
             return {"scales": scales, "codes": pack_bits(codes, self.bits, np), "tail": tail}
         if self._on_gpu(flat):  # transform, scale and quantize fused, 32 blocks a CTA
-            from ..cuda.dct_quant import encode
-
-            blocks = flat.size // 64
-            scales, codes, finite = encode(flat[: blocks * 64], self._gpu_slots(xp), self.kept, self.bits)
-            tail = flat[blocks * 64:]
-            if not finite or (tail.size and not all_finite(tail)):
+            blocks, rest = divmod(flat.size, 64)
+            # launched, then the host's own work while it runs, then its flag
+            scales, codes, flag = gpu_encode(flat[: blocks * 64] if rest else flat, self._gpu_slots(xp), self.kept,
+                                             self.bits)
+            tail = flat[blocks * 64:].copy() if rest else self._gpu_empty(xp)
+            if not flag.finite() or (rest and not all_finite(tail)):
                 self._check_finite(flat, xp)
             return {"scales": scales, "codes": codes if self.bits <= 8 else pack_bits(codes, self.bits, xp),
-                    "tail": tail.copy() if tail.size else tail}
+                    "tail": tail}
         coef = self.coefficients(flat, xp)
         peak = xp.abs(coef).max(axis=1) if coef.size else xp.zeros(0, xp.float32)
         top = 2**self.bits - 1
@@ -172,12 +178,10 @@ class DCTQuant(Codec):
         top = 2**self.bits - 1
         codes = payload.arrays["codes"]  # read only: at 8 bits the packed bytes are the codes
         if self._on_gpu(scales):  # the kernel unpacks up to 8 bits itself, from the wire's bytes
-            from ..cuda.dct_quant import decode
-
             if self.bits > 8:
                 codes = unpack_bits(codes, self.bits, scales.size * self.kept, xp)
             out = xp.empty(payload.numel, dtype=xp.float32)
-            decode(scales, codes, self._gpu_slots(xp), self.kept, self.bits, out=out)
+            gpu_decode(scales, codes, self._gpu_slots(xp), self.kept, self.bits, out=out)
             if out.size > scales.size * 64:
                 out[scales.size * 64:] = payload.arrays["tail"]
             return out

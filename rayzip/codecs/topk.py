@@ -18,33 +18,26 @@ __all__ = ["TopK", "top_magnitude"]
 
 
 def top_magnitude(rows, k: int, xp):
-    """Column indices of the k largest |values| in each row, ascending within a row."""
+    """Column indices of the k largest |values| in each row, ascending within a row. Of the
+    entries tied at the k-th largest magnitude, those of the lowest indices: the rule of the
+    C and CUDA kernels, so that every device and library picks the same set (an
+    argpartition's pick among ties is its implementation's: numpy's and cupy's differ)."""
     width = rows.shape[-1]
     if k == width:
         return xp.broadcast_to(xp.arange(width), rows.shape).copy()
     # A partition finds each row's k-th largest magnitude; the entries at or above it are the
     # top k, already in index order, unless ties at the threshold make more than k. Those
-    # rows take the slower argpartition. Either way the chosen set is the same.
+    # rows keep the first of their ties, as many as there is room for.
     magnitudes = xp.abs(rows)
     kth = xp.partition(magnitudes, width - k, axis=-1)[..., width - k: width - k + 1]
     chosen = magnitudes >= kth
-    tied = chosen.sum(axis=-1) != k
+    if bool((chosen.sum(axis=-1) != k).any()):
+        at = magnitudes == kth
+        room = k - (magnitudes > kth).sum(axis=-1, keepdims=True)
+        chosen &= ~at | (xp.cumsum(at, axis=-1) <= room)
     if rows.ndim == 1:
-        return _top_by_argpartition(rows, k, xp) if bool(tied) else xp.flatnonzero(chosen)
-    any_tied = bool(tied.any())
-    if any_tied:
-        chosen[tied] = False
-    out = xp.empty((*rows.shape[:-1], k), dtype=xp.int64)
-    out[~tied] = (xp.flatnonzero(chosen) % width).reshape(-1, k)
-    if any_tied:
-        out[tied] = _top_by_argpartition(rows[tied], k, xp)
-    return out
-
-
-def _top_by_argpartition(rows, k: int, xp):
-    width = rows.shape[-1]
-    picked = xp.argpartition(xp.abs(rows), width - k, axis=-1)[..., width - k:]
-    return xp.sort(picked, axis=-1)
+        return xp.flatnonzero(chosen)
+    return (xp.flatnonzero(chosen) % width).reshape(*rows.shape[:-1], k)
 
 
 class TopK(SparseCodec):

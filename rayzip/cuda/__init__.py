@@ -80,35 +80,36 @@ class _Flag:
         import cupy
         import numpy as np
 
+        self._stream = cupy.cuda.get_current_stream
         self._memory = cupy.cuda.alloc_pinned_memory(4)
         self._host = np.frombuffer(self._memory, dtype=np.int32, count=1)
         self.pointer = np.uint64(self._memory.ptr)
-        self.clear = True
+
+    def finite(self) -> bool:
+        """Wait for the current stream; whether no kernel launched since the flag was handed
+        out set it."""
+        self._stream().synchronize()
+        return not self._host[0]
 
 
 _FLAGS = threading.local()  # one flag per thread: the hook's exchange thread encodes beside the caller
 
 
-@contextmanager
-def nonfinite_flag():
-    """A cleared :class:`_Flag` for kernels launched inside the block; on leaving, the
-    current stream is waited for and ``flag.clear`` says whether no kernel set it.
+def nonfinite_flag() -> _Flag:
+    """This thread's :class:`_Flag`, cleared, for the kernels about to be launched.
 
     Usage::
 
-        with nonfinite_flag() as flag:
-            kernel(grid, block, (..., flag.pointer))
-        finite = flag.clear
+        flag = nonfinite_flag()
+        kernel(grid, block, (..., flag.pointer))
+        ...                                  # host work while the kernel runs
+        finite = flag.finite()
     """
-    import cupy
-
     flag = getattr(_FLAGS, "flag", None)
     if flag is None:
         flag = _FLAGS.flag = _Flag()
     flag._host[0] = 0
-    yield flag
-    cupy.cuda.get_current_stream().synchronize()
-    flag.clear = not int(flag._host[0])
+    return flag
 
 
 _SHARED = False

@@ -78,8 +78,8 @@ def narrow(flat, kind: str):
     out = cupy.empty(n, dtype=cupy.float16 if kind == "fp16" else cupy.uint16)
     if not n:
         return out, True
-    src = cupy.ascontiguousarray(flat, dtype=cupy.float32).view(cupy.uint32)
-    with nonfinite_flag() as flag:
-        _kernel(kind, src.data.ptr % 16 == 0)((-(-n // 1024),), (256,), (
-            src, np.int64(n), out.view(cupy.uint16), flag.pointer))
-    return out, flag.clear
+    # The kernel reads and writes words: arrays pass as their pointers, whatever their dtype.
+    src = flat if flat.flags.c_contiguous and flat.dtype == cupy.float32 else cupy.ascontiguousarray(flat, cupy.float32)
+    flag = nonfinite_flag()
+    _kernel(kind, src.data.ptr % 16 == 0)((-(-n // 1024),), (256,), (src, np.int64(n), out, flag.pointer))
+    return out, flag.finite()

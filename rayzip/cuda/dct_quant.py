@@ -47,19 +47,24 @@ __constant__ float cs[64] = {""" + values + "};\n"
 
 
 _ENCODE = r"""
+// BITS and KEPT are the codec's, compiled in (constant shifts, masks and loop bounds).
 // MODE 0: codes over 8 bits, written as uint16 for pack_bits. MODE 1: 8-bit codes. MODE 2:
 // fewer bits. FULL: every coefficient is sent, in row-major order (keep = 1): a thread's row
-// of eight codes is exactly `bits` bytes of the packed stream, stored at once. Otherwise the
+// of eight codes is exactly BITS bytes of the packed stream, stored at once. Otherwise the
 // CTA stages its codes in wire order and packs them (rayzip.codecs.bitpack's little-endian
-// stream; a CTA's codes start on a byte, since 32 * kept * bits is a multiple of 8).
+// stream; a CTA's codes start on a byte, since 32 * KEPT * BITS is a multiple of 8).
 // VEC: the input is 16-byte aligned (float4 loads).
-#define MODE %(mode)d
-#define FULL %(full)d
+#define BITS %(bits)d
+#define KEPT %(kept)d
 #define VEC %(vec)d
+#define MODE (BITS > 8 ? 0 : BITS == 8 ? 1 : 2)
+#define FULL (KEPT == 64)
 extern "C" __global__ void dct_encode(const float* __restrict__ x, long long blocks, const int* __restrict__ slot,
-                                      int kept, int bits, float* __restrict__ scales,
-                                      unsigned char* __restrict__ codes8, unsigned short* __restrict__ codes16,
+                                      float* __restrict__ scales, void* __restrict__ codes,
                                       int* __restrict__ nonfinite) {
+    const int kept = KEPT, bits = BITS;
+    unsigned char* const codes8 = (unsigned char*)codes;
+    unsigned short* const codes16 = (unsigned short*)codes;
     __shared__ __align__(16) float tile[BLOCKS_PER_CTA * STRIDE];
     __shared__ int slots[64];
     __shared__ unsigned char staged[MODE == 2 && !FULL ? BLOCKS_PER_CTA * 64 : 1];
@@ -178,17 +183,22 @@ extern "C" __global__ void dct_encode(const float* __restrict__ x, long long blo
 """
 
 _DECODE = r"""
-// WIDE: codes over 8 bits, as uint16 (pack_bits' split planes unpacked first). Otherwise the
-// packed stream itself: the CTA copies its bytes (a whole number, starting on a byte) into
-// shared memory and each thread takes its codes from there. ALIGNED: the stream starts on 4
-// bytes (word loads); VEC: the output does (float4 stores).
-#define FULL %(full)d
-#define WIDE %(wide)d
+// BITS and KEPT are the codec's, compiled in. WIDE: codes over 8 bits, as uint16 (pack_bits'
+// split planes unpacked first). Otherwise the packed stream itself: the CTA copies its bytes
+// (a whole number, starting on a byte) into shared memory and each thread takes its codes
+// from there. ALIGNED: the stream starts on 4 bytes (word loads); VEC: the output does
+// (float4 stores).
+#define BITS %(bits)d
+#define KEPT %(kept)d
 #define ALIGNED %(aligned)d
 #define VEC %(vec)d
-extern "C" __global__ void dct_decode(const float* __restrict__ scales, const unsigned char* __restrict__ codes8,
-                                      const unsigned short* __restrict__ codes16, long long blocks,
-                                      const int* __restrict__ slot, int kept, int bits, float* __restrict__ out) {
+#define WIDE (BITS > 8)
+#define FULL (KEPT == 64)
+extern "C" __global__ void dct_decode(const float* __restrict__ scales, const void* __restrict__ codes,
+                                      long long blocks, const int* __restrict__ slot, float* __restrict__ out) {
+    const int kept = KEPT, bits = BITS;
+    const unsigned char* const codes8 = (const unsigned char*)codes;
+    const unsigned short* const codes16 = (const unsigned short*)codes;
     __shared__ __align__(16) float tile[BLOCKS_PER_CTA * STRIDE];
     __shared__ int slots[64];
     __shared__ __align__(4) unsigned char staged[WIDE ? 4 : BLOCKS_PER_CTA * 64 + 4];
@@ -277,44 +287,33 @@ def slots(order: np.ndarray) -> np.ndarray:
     return out
 
 
-def _address(arr) -> int:
-    return int(arr.data.ptr)
+@lru_cache(maxsize=None)
+def _encoder(bits: int, kept: int, vec: bool):
+    return raw_kernel(_common() + _ENCODE % {"bits": bits, "kept": kept, "vec": int(vec)}, "dct_encode")
 
 
 @lru_cache(maxsize=None)
-def _encoder(mode: int, full: bool, vec: bool):
-    source = _common() + _ENCODE % {"mode": mode, "full": int(full), "vec": int(vec)}
-    return raw_kernel(source, "dct_encode")
-
-
-@lru_cache(maxsize=None)
-def _decoder(full: bool, wide: bool, aligned: bool, vec: bool):
-    source = _common() + _DECODE % {"full": int(full), "wide": int(wide), "aligned": int(aligned), "vec": int(vec)}
+def _decoder(bits: int, kept: int, aligned: bool, vec: bool):
+    source = _common() + _DECODE % {"bits": bits, "kept": kept, "aligned": int(aligned), "vec": int(vec)}
     return raw_kernel(source, "dct_decode")
 
 
 def encode(body, slot, kept: int, bits: int):
-    """``(scales, codes, finite)`` for the whole 8x8 blocks in float32 cupy ``body``; ``slot``
-    (int32 on the device, :func:`slots`) places the ``kept`` coefficients sent. Up to 8 bits
-    the codes come bit-packed (the wire's field); wider, as uint16 for ``pack_bits``."""
+    """``(scales, codes, flag)`` for the whole 8x8 blocks in contiguous float32 cupy ``body``,
+    launched: ``flag.finite()`` waits for them and says whether every input was finite.
+    ``slot`` (int32 on the device, :func:`slots`) places the ``kept`` coefficients sent. Up to
+    8 bits the codes come bit-packed (the wire's field); wider, as uint16 for ``pack_bits``."""
     import cupy
-
-    from ..codecs.bitpack import packed_nbytes
 
     blocks = body.size // 64
     scales = cupy.empty(blocks, dtype=cupy.float32)
-    codes = (cupy.empty(packed_nbytes(blocks * kept, bits), dtype=cupy.uint8) if bits <= 8
+    codes = (cupy.empty((blocks * kept * bits + 7) // 8, dtype=cupy.uint8) if bits <= 8
              else cupy.empty(blocks * kept, dtype=cupy.uint16))
-    if not blocks:
-        return scales, codes, True
-    body = cupy.ascontiguousarray(body, dtype=cupy.float32)
-    mode = 0 if bits > 8 else 1 if bits == 8 else 2
-    kernel = _encoder(mode, kept == 64, _address(body) % 16 == 0)
-    with nonfinite_flag() as flag:
-        kernel((-(-blocks // 32),), (_THREADS,), (
-            body, np.int64(blocks), slot, np.int32(kept), np.int32(bits), scales,
-            codes if bits <= 8 else np.uint64(0), codes if bits > 8 else np.uint64(0), flag.pointer))
-    return scales, codes, flag.clear
+    flag = nonfinite_flag()
+    if blocks:
+        _encoder(bits, kept, body.data.ptr % 16 == 0)((-(-blocks // 32),), (_THREADS,), (
+            body, np.int64(blocks), slot, scales, codes, flag.pointer))
+    return scales, codes, flag
 
 
 def decode(scales, codes, slot, kept: int, bits: int, out=None):
@@ -326,10 +325,8 @@ def decode(scales, codes, slot, kept: int, bits: int, out=None):
     blocks = scales.size
     out = cupy.empty(blocks * 64, dtype=cupy.float32) if out is None else out
     if blocks:
-        wide = bits > 8
         codes = cupy.ascontiguousarray(codes)
-        kernel = _decoder(kept == 64, wide, not wide and _address(codes) % 4 == 0, _address(out) % 16 == 0)
+        kernel = _decoder(bits, kept, bits <= 8 and codes.data.ptr % 4 == 0, out.data.ptr % 16 == 0)
         kernel((-(-blocks // 32),), (_THREADS,), (
-            cupy.ascontiguousarray(scales, dtype=cupy.float32), codes if not wide else np.uint64(0),
-            codes if wide else np.uint64(0), np.int64(blocks), slot, np.int32(kept), np.int32(bits), out))
+            cupy.ascontiguousarray(scales, dtype=cupy.float32), codes, np.int64(blocks), slot, out))
     return out

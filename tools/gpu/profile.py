@@ -50,9 +50,9 @@ for name, params in SPECS:
 from rayzip.cuda import cast, dct_quant, raw_kernel  # noqa: E402
 
 for label, source, name in [
-        ("dct encode, 8 bits", dct_quant._common() + dct_quant._ENCODE % {"mode": 1, "full": 1, "vec": 1}, "dct_encode"),
-        ("dct encode, 4 bits", dct_quant._common() + dct_quant._ENCODE % {"mode": 2, "full": 1, "vec": 1}, "dct_encode"),
-        ("dct decode, packed", dct_quant._common() + dct_quant._DECODE % {"full": 1, "wide": 0, "aligned": 1, "vec": 1},
+        ("dct encode, 8 bits", dct_quant._common() + dct_quant._ENCODE % {"bits": 8, "kept": 64, "vec": 1}, "dct_encode"),
+        ("dct encode, 4 bits", dct_quant._common() + dct_quant._ENCODE % {"bits": 4, "kept": 64, "vec": 1}, "dct_encode"),
+        ("dct decode, 4 bits", dct_quant._common() + dct_quant._DECODE % {"bits": 4, "kept": 64, "aligned": 1, "vec": 1},
          "dct_decode"),
         ("bf16 cast", cast._SOURCE % {"vec": 1}, "to_bf16")]:
     kernel = raw_kernel(source, name)
