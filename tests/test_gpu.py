@@ -356,12 +356,14 @@ def test_cupy_memory_freed_by_the_garbage_collector_goes_back_to_torch():
         x[5] = float("nan")
         get_codec("dct_quant").encode(x)
 
+    caught = []
     try:
         fail()
     except NonFiniteError as exc:
-        cycle = [exc]
-        cycle.append(cycle)  # the exception, its traceback and the frame's locals now sit in a cycle
-    del exc, cycle
+        caught.append(exc)
+    cycle = [caught.pop()]
+    cycle.append(cycle)  # the exception, its traceback and the frame's locals now sit in a cycle
+    del cycle
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < 1 << 20
