@@ -306,6 +306,32 @@ def test_a_nan_on_one_cuda_rank_raises_on_both_alike(runs):
     assert gpu == cpu
 
 
+def _delayed_rank(rank, world, delay):
+    """The overlapped hook's gradients, with ``delay``: the side stream sleeps before it
+    writes the results, so that DDP would read them unwritten unless its stream waits."""
+    torch.cuda.set_device(0)
+    if delay:
+        from rayzip.torch import hook
+
+        exchange = hook.CompressionState._exchange_segments
+
+        def slow(self, flat, out, ready=None):
+            exchange(self, flat, out, ready)
+            torch.cuda._sleep(200_000_000)  # about 0.1 s of the side stream's time
+
+        hook.CompressionState._exchange_segments = slow
+    result = _hook(rank, "cuda", codec="group_topk", ratio=0.05, collective="allgather")
+    return [step["grad"] for step in result["steps"]]
+
+
+def test_ddp_reads_the_overlapped_results_only_once_the_side_stream_wrote_them():
+    plain = run_world(_delayed_rank, 2, False, timeout_s=120)
+    delayed = run_world(_delayed_rank, 2, True, timeout_s=120)
+    for rank in range(2):
+        for a, b in zip(plain[rank], delayed[rank]):
+            np.testing.assert_array_equal(b, a)
+
+
 def _summary(results) -> None:
     for name, ranks in results.items():
         for rank, (status, value) in enumerate(ranks):

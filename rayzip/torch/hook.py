@@ -627,17 +627,33 @@ class CompressionState:
     def _run_exchange(self) -> None:
         """The step's exchange, then every bucket's future: the averages, or NaN when the
         step is skipped or failed (a failure is raised by :meth:`_finish_step`)."""
+        completed = False
         try:
             with _side_stream(self):
-                self._exchange_segments(self._flat, self._out, ready=self._wait_for_segment)
-                results = [torch.cat([self._out[o: o + n] for o, n in spans]).to(buffer.dtype)
-                           for _, spans, buffer in self._waiting]
-        except Exception as exc:
-            # Raised through DDP's reducer, it would lose its type (DDP casts a future's value
-            # to a tensor): DDP gets a NaN gradient and completes, and _finish_step raises.
-            self._failure = exc
-            results = [torch.full((sum(n for _, n in spans),), float("nan"), dtype=buffer.dtype,
-                                  device=buffer.device) for _, spans, buffer in self._waiting]
+                try:
+                    self._exchange_segments(self._flat, self._out, ready=self._wait_for_segment)
+                    results = [torch.cat([self._out[o: o + n] for o, n in spans]).to(buffer.dtype)
+                               for _, spans, buffer in self._waiting]
+                except Exception as exc:
+                    results = self._failed(exc)
+                # Still on the stream that wrote the results: a CUDA future records its events
+                # on the current stream, and DDP's stream waits for those before it reads the
+                # results (recorded on another stream, DDP read results still being written).
+                completed = True
+                self._complete(results)
+        except Exception as exc:  # no side stream to be had
+            if completed:
+                raise
+            self._complete(self._failed(exc))
+
+    def _failed(self, exc: Exception) -> list[torch.Tensor]:
+        # Raised through DDP's reducer, it would lose its type (DDP casts a future's value
+        # to a tensor): DDP gets a NaN gradient and completes, and _finish_step raises.
+        self._failure = exc
+        return [torch.full((sum(n for _, n in spans),), float("nan"), dtype=buffer.dtype, device=buffer.device)
+                for _, spans, buffer in self._waiting]
+
+    def _complete(self, results: list[torch.Tensor]) -> None:
         for (future, _, _), result in zip(self._waiting, results):
             future.set_result(result)
 
