@@ -1,5 +1,5 @@
-"""Every README table that names the JSON it came from is that JSON, rendered by
-`rayzip bench table` (no typed figures)."""
+"""Every table of the README and the docs that names the JSON it came from is that JSON,
+rendered by `rayzip bench table` (no typed figures)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,23 @@ ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"<!-- table from (\S+\.json)(?:#(\w+))? -->\n((?:\|.*\|\n)+)")
 
 
-def _tables():
-    return MARKER.findall((ROOT / "README.md").read_text())
+def _tables(pages=("README.md",)):
+    return [found for page in pages for found in MARKER.findall((ROOT / page).read_text())]
+
+
+PAGES = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
 
 
 def test_the_readme_has_generated_tables():
     assert len(_tables()) >= 2
 
 
-@pytest.mark.parametrize("source, part, table", _tables())
+def test_the_gpu_page_has_its_generated_tables():
+    assert {source for source, _, _ in _tables(("docs/gpu.md",))} == {"docs/bench-codecs-cuda.json",
+                                                                       "docs/bench-stall-gpt-cuda.json"}
+
+
+@pytest.mark.parametrize("source, part, table", _tables(PAGES))
 def test_a_generated_table_matches_its_json(source, part, table):
     report = json.loads((ROOT / source).read_text())
     assert table.strip() == markdown_table(report, part or None).strip(), \
