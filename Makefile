@@ -6,9 +6,13 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 SPEC ?= jobs/digits-group-topk.yaml
 
-.PHONY: setup run test bench clean
+.PHONY: setup system-deps run test bench clean
 
 setup: $(VENV)/.installed
+
+# Prometheus and a C compiler: installed with apt-get where we may, else named.
+system-deps:
+	@bash tools/system-deps.sh
 
 $(VENV)/.installed: pyproject.toml setup.py rayzip/checkpoint/_kernels.c rayzip/codecs/_kernels.c
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +25,7 @@ $(VENV)/.installed: pyproject.toml setup.py rayzip/checkpoint/_kernels.c rayzip/
 run: setup
 	$(BIN)/rayzip run $(SPEC) --summary-json out/summary.json
 
-test: setup
+test: system-deps setup
 	$(BIN)/python -m pytest -q
 
 bench: setup

@@ -10,6 +10,11 @@ import sys
 import pytest
 
 from rayzip.bench.netns import ClusterError, _qdisc_available, leftover_namespaces, preflight
+
+try:
+    from own_processes import tagged_env, tagged_pids
+except ImportError:
+    from tests.own_processes import tagged_env, tagged_pids
 from rayzip.spec import CompressionSpec
 
 pytestmark = pytest.mark.ray
@@ -26,30 +31,18 @@ checkpoint: {every_steps: 0}
 """
 
 
-def _ray_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "raylet|gcs_server|ray::|dashboard"], capture_output=True, text=True).stdout
-    alive = set()
-    for pid in out.split():
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                if fh.read().split(")")[-1].split()[0] != "Z":  # zombies are already dead
-                    alive.add(int(pid))
-        except OSError:
-            pass
-    return alive
-
-
 @needs_root
 def test_two_methods_on_a_namespace_cluster_and_nothing_left_behind(tmp_path):
     spec = tmp_path / "tiny.yaml"
     spec.write_text(TINY)
     out = tmp_path / "bench.json"
-    before = _ray_pids()
-    result = subprocess.run([sys.executable, "-m", "rayzip", "bench", "cluster", "--bandwidth", "1gbit",
-                             "--nodes", "2", "--spec", str(spec), "--methods", "dense,group_topk", "--repeat", "1",
-                             "--json", str(out), "--plot", str(tmp_path / "bench.png")],
-                            capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    tag, env = tagged_env()  # every process the benchmark starts carries the tag
+    bench = subprocess.Popen([sys.executable, "-m", "rayzip", "bench", "cluster", "--bandwidth", "1gbit",
+                              "--nodes", "2", "--spec", str(spec), "--methods", "dense,group_topk", "--repeat", "1",
+                              "--json", str(out), "--plot", str(tmp_path / "bench.png")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    stdout, stderr = bench.communicate(timeout=1200)
+    assert bench.returncode == 0, stdout[-4000:] + stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["bandwidth"] == "1gbit" and report["nodes"] == 2
     rows = {r["name"]: r for r in report["methods"]}
@@ -60,8 +53,8 @@ def test_two_methods_on_a_namespace_cluster_and_nothing_left_behind(tmp_path):
         assert set(row) >= {"time_to_target_s", "final_accuracy", "step_s", "comm_s", "speedup_vs_dense"}
     assert rows["group_topk"]["wire_bytes_counted"] < rows["dense"]["wire_bytes_counted"] / 10
     assert (tmp_path / "bench.png").stat().st_size > 0
-    assert leftover_namespaces() == []
-    assert _ray_pids() - before == set()
+    assert leftover_namespaces(f"rz{bench.pid}-") == []  # its own namespaces: rz<its pid>-...
+    assert tagged_pids(tag) == set(), "the benchmark left processes behind"
 
 
 @needs_root

@@ -1,10 +1,11 @@
-"""Kubernetes manifests (issue 8): strictly valid against the KubeRay CRDs in
-../shared/schemas, the operator's own rules checked in code, and in step with
+"""Kubernetes manifests (issue 8): strictly valid against the KubeRay CRDs (vendored in
+tests/schemas), the operator's own rules checked in code, and in step with
 `rayzip k8s render` of the shipped example spec."""
 
 from __future__ import annotations
 
 import copy
+import json
 from functools import lru_cache
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from rayzip.k8s import operator_problems, render
 from rayzip.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-CRDS = ROOT.parent / "shared" / "schemas" / "kuberay"
+CRDS = ROOT / "tests" / "schemas" / "kuberay"
 EXAMPLE = ROOT / "jobs" / "synthetic-gpu.yaml"
 
 
@@ -36,11 +37,9 @@ def strict(node):
 
 @lru_cache(maxsize=None)
 def crd_validator(kind: str):
-    path = CRDS / f"ray.io_{kind.lower()}s.yaml"
-    assert path.exists(), f"{path} is missing: CI provides ../shared beside the clone"
-    crd = yaml.safe_load(path.read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    return jsonschema.Draft7Validator(strict(version["schema"]["openAPIV3Schema"]))
+    crd = json.loads((CRDS / f"{kind.lower()}s-v1.json").read_text())
+    assert crd["kind"] == kind
+    return jsonschema.Draft7Validator(strict(crd["openAPIV3Schema"]))
 
 
 def shipped(name: str) -> dict:

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+try:
+    from own_processes import end_tagged, tagged_env
+except ImportError:
+    from tests.own_processes import end_tagged, tagged_env
 
 pytestmark = pytest.mark.ray
 
@@ -36,20 +43,30 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
+    """A head of our own: its own ports and temporary directory, and its processes tagged, so
+    that the end stops exactly them (``ray stop`` would stop every Ray of the user's)."""
     token = secrets.token_hex(32)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
-           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}  # the cluster's Python has rayzip
+    tag, env = tagged_env()
+    env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
+                "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})  # the cluster's Python has rayzip
     env.pop("RAY_ADDRESS", None)
     dashboard = _free_port()
-    start = subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={_free_port()}",
-                            f"--dashboard-port={dashboard}", "--num-cpus=2", "--disable-usage-stats"],
+    temp = tempfile.mkdtemp(prefix="rz-submit-", dir="/tmp")  # short: Ray's socket paths must fit
+    ports = {option: _free_port() for option in ("port", "ray-client-server-port", "dashboard-agent-listen-port",
+                                                 "dashboard-agent-grpc-port", "node-manager-port",
+                                                 "object-manager-port", "metrics-export-port",
+                                                 "runtime-env-agent-port")}
+    start = subprocess.run([str(BIN / "ray"), "start", "--head", f"--dashboard-port={dashboard}", "--num-cpus=2",
+                            "--disable-usage-stats", f"--temp-dir={temp}",
+                            *(f"--{option}={port}" for option, port in ports.items())],
                            env=env, capture_output=True, text=True, timeout=180)
-    assert start.returncode == 0, start.stdout + start.stderr
     try:
+        assert start.returncode == 0, start.stdout + start.stderr
         yield f"http://127.0.0.1:{dashboard}", env
     finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        end_tagged(tag)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _rayzip(args, env, cwd=None):

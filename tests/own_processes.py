@@ -1,0 +1,65 @@
+"""Processes a test started, found by a tag in their environment: a test marks the processes
+it starts (and so everything they start) with ``RAYZIP_TEST_RUN=<tag>``, and finds or ends
+exactly those, never another Ray or anything else on the machine.
+
+Usage::
+
+    tag, env = tagged_env()
+    subprocess.run([...], env=env)        # ray start, a benchmark, ...
+    assert tagged_pids(tag) == set()      # nothing of it left behind
+    end_tagged(tag)                       # or end what is left, by process id
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+__all__ = ["end_tagged", "tagged_env", "tagged_pids"]
+
+VARIABLE = "RAYZIP_TEST_RUN"
+
+
+def tagged_env(base: dict | None = None) -> tuple[str, dict]:
+    tag = uuid.uuid4().hex
+    return tag, {**(os.environ if base is None else base), VARIABLE: tag}
+
+
+def tagged_pids(tag: str) -> set[int]:
+    """Live processes (not zombies) whose environment carries ``tag``."""
+    marker = f"{VARIABLE}={tag}".encode()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            if (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+                found.add(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found
+
+
+def end_tagged(tag: str, grace_s: float = 10.0) -> set[int]:
+    """SIGTERM every process carrying ``tag``, SIGKILL what is left after ``grace_s``; the
+    ids that had to be killed."""
+    for pid in tagged_pids(tag):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while tagged_pids(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stubborn = tagged_pids(tag)
+    for pid in stubborn:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return stubborn
