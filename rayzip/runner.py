@@ -105,7 +105,7 @@ def init_ray(verbose: bool = True) -> str | None:
         # Metrics reach Prometheus every 2 s instead of Ray's default 10 s, so that the
         # adaptive controller's rate() windows hold several points.
         context = ray.init(address="local", _system_config={"metrics_report_interval_ms": 2000}, **quiet)
-    session = getattr(context, "address_info", {}).get("session_dir")
+    session = getattr(context, "address_info", {}).get("session_dir")  # Ray's context: only a local start has it
     return os.path.join(session, "logs") if session else None
 
 

@@ -14,10 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-try:
-    from gloo_world import run_world
-except ImportError:
-    from tests.gloo_world import run_world
+from gloo_world import run_world
 from rayzip.comm.control import Agreed, ControlWord, RankDisagreement, bad_key, proposal_key
 from rayzip.torch import CompressionSpec, compress
 from rayzip.torch.hook import CompressionState, NonFiniteError

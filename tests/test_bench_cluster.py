@@ -11,10 +11,7 @@ import pytest
 
 from rayzip.bench.netns import ClusterError, _qdisc_available, leftover_namespaces, preflight
 
-try:
-    from own_processes import tagged_env, tagged_pids
-except ImportError:
-    from tests.own_processes import tagged_env, tagged_pids
+from own_processes import tagged_env, tagged_pids
 from rayzip.spec import CompressionSpec
 
 pytestmark = pytest.mark.ray

@@ -26,10 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-try:
-    from gloo_world import run_world
-except ImportError:
-    from tests.gloo_world import run_world
+from gloo_world import run_world
 
 HAVE_GPU = torch.cuda.is_available()
 try:

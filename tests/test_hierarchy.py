@@ -10,10 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-try:
-    from gloo_world import run_world
-except ImportError:
-    from tests.gloo_world import run_world
+from gloo_world import run_world
 from rayzip.codecs import NonFiniteError
 from rayzip.comm.control import control_nbytes
 from rayzip.comm.hierarchy import Topology

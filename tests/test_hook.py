@@ -6,10 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-try:
-    from gloo_world import run_world
-except ImportError:
-    from tests.gloo_world import run_world
+from gloo_world import run_world
 from rayzip.comm.control import control_nbytes
 from rayzip.torch import CompressionSpec, compress, scaled_lr
 

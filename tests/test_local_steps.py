@@ -12,10 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-try:
-    from gloo_world import run_world
-except ImportError:
-    from tests.gloo_world import run_world
+from gloo_world import run_world
 from rayzip.adaptive.every import EveryTuner, choose_every
 from rayzip.codecs import NonFiniteError, get_codec
 from rayzip.comm import ring_allreduce_bytes

@@ -9,10 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-try:
-    from gloo_world import run_world
-except ImportError:
-    from tests.gloo_world import run_world
+from gloo_world import run_world
 from rayzip.codecs.memory import relayout_state, segment_name
 from rayzip.torch import CompressionSpec, compress
 from rayzip.torch.hook import plan_segments

@@ -13,10 +13,7 @@ from pathlib import Path
 
 import pytest
 
-try:
-    from own_processes import end_tagged, tagged_env
-except ImportError:
-    from tests.own_processes import end_tagged, tagged_env
+from own_processes import end_tagged, tagged_env
 
 pytestmark = pytest.mark.ray
 

@@ -237,15 +237,17 @@ class AdaptiveController:
         start-up transfer, through the policy's ``start``; None until they are in, or for a
         policy that does not decide before a step. Rank 0 asks, and every rank applies it
         from step 0 (:meth:`rayzip.train.Telemetry.start`)."""
-        starter = getattr(self.policy, "start", None)
         with self.lock:
-            if starter is None or not self.dry_step_in:
+            if not self.policy.decides_at_start or not self.dry_step_in:
                 return None
             now = time.time()
             self._add_link_probe(now)
             self.model.fit(now)
-            ratio, explain = starter(PolicyInputs(model=self.model, importance=1.0, current=self.current.ratio,
-                                                  now=now))
+            started = self.policy.start(PolicyInputs(model=self.model, importance=1.0, current=self.current.ratio,
+                                                     now=now))
+            if started is None:
+                return None
+            ratio, explain = started
             seq = self.current.seq + (1 if ratio != self.current.ratio else 0)
             self.probing, self.probe_steps = (1.0 / ratio if explain.get("probe") else None), 0
             self.current = Decision(seq, ratio, "start", now, {**explain, "dense_bytes": self.model.dense_bytes()})
@@ -341,7 +343,7 @@ class AdaptiveController:
             with self.lock:
                 fitted = len(self.model.samples)
                 early_steps = self._early_steps()
-            if not getattr(self.policy, "decides_early", False) or fitted < early_steps:
+            if not self.policy.decides_early or fitted < early_steps:
                 return True
             early = True
         else:

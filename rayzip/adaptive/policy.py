@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
 
 from ..spec import AdaptiveSpec, import_callable
 from .model import Prediction, StepModel
@@ -64,9 +63,20 @@ class PolicyInputs:
     dense_bytes: float | None = None
 
 
-class Policy(Protocol):
+class Policy:
+    """A controller's policy: :meth:`decide` once a window, and optionally :meth:`start`
+    before the first step. A policy from ``spec.policy: module:function`` subclasses it."""
+
+    decides_early: bool = False  # decides from the fitted model alone, before a whole window
+    decides_at_start: bool = False  # its start() decides before the first step
+
     def decide(self, inputs: PolicyInputs) -> tuple[float, dict]:
-        ...
+        raise NotImplementedError
+
+    def start(self, inputs: PolicyInputs) -> tuple[float, dict] | None:
+        """The decision before the first step, from the start-up measurements; None: this
+        policy waits for the first window."""
+        return None
 
 
 def make_policy(spec: AdaptiveSpec) -> Policy:
@@ -74,17 +84,22 @@ def make_policy(spec: AdaptiveSpec) -> Policy:
         return CostModelPolicy(spec)
     if spec.policy == "pressure":
         return PressurePolicy(spec)
-    return import_callable(spec.policy)(spec)
+    policy = import_callable(spec.policy)(spec)
+    if not isinstance(policy, Policy):
+        raise TypeError(f"adaptive.policy {spec.policy} made a {type(policy).__name__}, not a "
+                        "rayzip.adaptive.policy.Policy: subclass it (decide, and start to decide before a step)")
+    return policy
 
 
 def _cap(spec: AdaptiveSpec, importance: float) -> float:
     return min(spec.max_ratio, max(spec.min_ratio, spec.max_ratio / importance ** spec.importance_weight))
 
 
-class CostModelPolicy:
+class CostModelPolicy(Policy):
     """See the module docstring."""
 
     decides_early = True  # it reads the fitted model only: a few steps are enough to start
+    decides_at_start = True
 
     def __init__(self, spec: AdaptiveSpec):
         self.spec = spec
@@ -225,7 +240,7 @@ def _share(dense: Prediction) -> float:
     return dense.network_s / dense.total_s if dense.total_s > 0 else 0.0
 
 
-class PressurePolicy:
+class PressurePolicy(Policy):
     """The first rule (see the module docstring): delay per byte against the best seen."""
 
     def __init__(self, spec: AdaptiveSpec):

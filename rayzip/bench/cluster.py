@@ -239,7 +239,7 @@ def _run_method(cluster: NetnsCluster, method: str, label: str, base: dict, powe
     summary = json.loads(out.read_text())
     row = _row(method, summary, tx_before, tx_after, time.time() - started, workers_per_node)
     if drop_to is not None:
-        row.update(_drop_phases(summary, getattr(proc, "dropped_at", None)))
+        row.update(_drop_phases(summary, getattr(proc, "dropped_at", None)))  # set only on runs that drop a node
         log(f"  {label}: step {row['step_ms_before_drop']} ms before the drop, {row['step_ms_after_drop']} ms after")
     log(f"  {label}: {row['time_to_target_s']} s to target, final {row['metric']} {row['final_metric']:.4f}, "
         f"step {row['step_s'] * 1e3:.0f} ms" + (f"; controller {timeline_text(row['decisions'])}"

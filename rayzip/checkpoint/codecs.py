@@ -197,8 +197,15 @@ def unpack_stream(blob: bytes, coding: str, nbytes: int, threads: int = 1) -> np
     return np.frombuffer(data, dtype=np.uint8)
 
 
+MARGIN = 0.02  # another codec replaces the default only when it stores the sample this much
+# smaller (prefix costs an index table and numpy work on both sides), unless it says otherwise
+
+
 class StreamCodec:
     name = ""
+    host_only = False  # its transform runs on the host only: not tried for device arrays
+    margin = MARGIN  # how much smaller than the default codec's a sample must store to be chosen
+    extra_margin = 0.0  # and how much smaller than the best so far
 
     def encode(self, words, base, xp, shape: tuple[int, ...] | None = None,
                threads: int = 1) -> tuple[list[Any], dict]:
@@ -510,8 +517,6 @@ def candidates(dtype: str, optimizer_state: bool, shape: tuple[int, ...] | None 
 PREFIX_FIRST = False
 OPTIMIZER_SIGN_RANK = 4  # the first moment's signs: rank 4 stores the GPT workload's 352 KB
 # smaller than rank 1; in a prototype, ranks 6 and 8 gained 40 and 33 KB more, for more time
-MARGIN = 0.02  # another codec replaces the default only when it stores the sample this much
-# smaller (prefix costs an index table and numpy work on both sides), unless it says otherwise
 
 
 def choose(words, base, dtype: str, xp, optimizer_state: bool = False,
@@ -538,7 +543,7 @@ def _choose(words, base, dtype: str, xp, optimizer_state: bool,
             shape: tuple[int, ...] | None) -> tuple[StreamCodec, float | None]:
     """``(codec, its estimated stored bytes per element)``; None where nothing was tried."""
     options = [codec for codec in candidates(dtype, optimizer_state, shape, base is not None)
-               if xp is np or not getattr(codec, "host_only", False)]
+               if xp is np or not codec.host_only]
     if len(options) == 1 or words.size <= SAMPLE:
         return options[0], None
     sample, sample_base, sample_shape = _choice_sample(words, base, shape, xp)
@@ -549,8 +554,7 @@ def _choose(words, base, dtype: str, xp, optimizer_state: bool,
                                               words.size))
     best, best_size = options[0], sizes[0]
     for codec, size in zip(options[1:], sizes[1:]):
-        if (size < (1 - getattr(codec, "margin", MARGIN)) * sizes[0]
-                and size < (1 - getattr(codec, "extra_margin", 0.0)) * best_size):
+        if size < (1 - codec.margin) * sizes[0] and size < (1 - codec.extra_margin) * best_size:
             best, best_size = codec, size
     return best, best_size
 

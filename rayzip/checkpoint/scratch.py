@@ -58,7 +58,7 @@ def _file_returns() -> None:
 
 def _new_buffer(capacity: int) -> mmap.mmap:
     buffer = mmap.mmap(-1, capacity)  # anonymous: zero pages, mapped on first touch
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # the platform's, not ours: Linux only
         try:
             buffer.madvise(mmap.MADV_HUGEPAGE)  # where the kernel allows: 512x fewer faults
         except OSError:

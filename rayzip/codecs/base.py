@@ -40,7 +40,10 @@ class CodecError(ValueError):
 
 
 class NonFiniteError(FloatingPointError):
-    """The input holds NaN or Inf, which no lossy codec can represent faithfully."""
+    """The input holds NaN or Inf, which no lossy codec can represent faithfully.
+    ``first_index`` is the flat index of the first such value, where known."""
+
+    first_index: int | None = None
 
 
 class WireOverflowError(NonFiniteError, CodecError):
@@ -97,7 +100,7 @@ class Payload:
     @classmethod
     def from_buffer(cls, data, fields: list[Field], xp=np, **kwargs) -> "Payload":
         """Split ``data`` (bytes-like or uint8 array) into ``fields``; the size must match."""
-        buf = data if hasattr(data, "dtype") else np.frombuffer(data, dtype=np.uint8)
+        buf = data if hasattr(data, "dtype") else np.frombuffer(data, dtype=np.uint8)  # an array, or bytes
         expected = sum(f.nbytes for f in fields)
         if buf.size != expected:
             raise CodecError(f"payload has {buf.size} bytes, its layout needs {expected}")
@@ -119,6 +122,7 @@ class Payload:
 
 def _address(arr) -> int:
     """Where ``arr``'s first element lives (host or device memory)."""
+    # not a capability probe: device arrays publish the CUDA array interface, host arrays numpy's
     interface = getattr(arr, "__cuda_array_interface__", None) or arr.__array_interface__
     return int(interface["data"][0])
 
@@ -176,6 +180,18 @@ class Codec:
     lossless: ClassVar[bool] = False
     summable: ClassVar[bool] = False  # aggregate() sums payloads without decoding them
     sparse: ClassVar[bool] = False  # payloads are (index, value) pairs: to_coo() works
+    value_dtype: str | None = None  # the wire type of the values a sparse codec sends; None for the others
+
+    @property
+    def density(self) -> float | None:
+        """The fraction of entries sent, for a codec that sends a fraction of them (top-k,
+        random-k, group top-k); None for one that sends every entry in some form."""
+        return None
+
+    def with_density(self, density: float) -> "Codec":
+        """This codec, sending ``density`` of the entries, with its state (a seeded codec's
+        call count). Only for codecs with a :attr:`density`."""
+        raise CodecError(f"{self.name} sends every entry: it has no density to change")
 
     def params(self) -> dict[str, Any]:
         """The constructor arguments, so ``type(c)(**c.params())`` rebuilds ``c``."""

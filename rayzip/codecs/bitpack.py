@@ -61,6 +61,7 @@ def unpack_bits(packed, bits: int, count: int, xp):
 
 
 def _address(arr) -> int:
+    # not a capability probe: device arrays publish the CUDA array interface, host arrays numpy's
     interface = getattr(arr, "__cuda_array_interface__", None) or arr.__array_interface__
     return int(interface["data"][0])
 

@@ -24,6 +24,10 @@ class Coo(SparseCodec):
     name = "coo"
     lossless = True
 
+    @property
+    def density(self) -> None:
+        return None  # a sum's entries, whatever their count: nothing to tune
+
     def params(self):
         return {}
 
@@ -39,7 +43,7 @@ class Coo(SparseCodec):
                    torch_out=False, xp=np) -> Payload:
         if like is not None:
             numel, shape, dtype, torch_out = like.numel, like.shape, like.dtype, like.torch_out
-        size = data.size if hasattr(data, "dtype") else len(data)
+        size = data.size if hasattr(data, "dtype") else len(data)  # an array, or bytes
         entry = np.dtype(index_dtype(numel)).itemsize + 4
         if size % entry:
             raise CodecError(f"coo payload of {size} bytes is not a whole number of {entry}-byte entries")

@@ -187,7 +187,7 @@ class DCTQuant(Codec):
             return out
         if self.bits != 8:
             codes = unpack_bits(codes, self.bits, scales.size * self.kept, xp)
-        if self.block == 8 and fused_for(scales) and hasattr(fused, "dct_dequant"):
+        if self.block == 8 and fused_for(scales):
             out = np.empty(payload.numel, dtype=np.float32)
             body = scales.size * 64
             fused.dct_dequant(np.ascontiguousarray(scales, dtype=np.float32), np.ascontiguousarray(codes),

@@ -36,7 +36,7 @@ def summed_value_dtype(value_dtype: str) -> str:
 
 def summed_value_bytes(codec) -> int:
     """Bytes of one summed value of ``codec`` on the ring (fp32 for codecs without a value type)."""
-    return 2 if summed_value_dtype(getattr(codec, "value_dtype", "fp32")) == "fp16" else 4
+    return 2 if summed_value_dtype(codec.value_dtype or "fp32") == "fp16" else 4
 
 
 def scatter(indices, values, numel: int, xp):
@@ -58,6 +58,15 @@ class SparseCodec(Codec):
     summable = False
     ratio: float = 1.0
     value_dtype: str = "fp32"
+
+    @property
+    def density(self) -> float | None:
+        return self.ratio
+
+    def with_density(self, density: float) -> "SparseCodec":
+        codec = type(self)(**{**self.params(), "ratio": density})
+        codec.load_state_dict(self.state_dict())
+        return codec
 
     def to_coo(self, payload: Payload) -> tuple[Any, Any]:
         """Global int64 indices and float32 values of ``payload``."""

@@ -128,7 +128,7 @@ class Ring(Communicator):
 
     @staticmethod
     def _value_dtype(codec) -> str:
-        return summed_value_dtype(getattr(codec, "value_dtype", "fp32"))
+        return summed_value_dtype(codec.value_dtype or "fp32")
 
 
 COLLECTIVES = {cls.name: cls for cls in (AllReduce, AllGather, Ring)}

@@ -132,14 +132,14 @@ class ParameterServerClient:
         compressed = step >= self.spec.compression.warmup_steps
         codec = self.codec if compressed else self.dense_codec
         grad = flat_gradient(model)
-        stats = StepStats(step=step, compressed=compressed, ratio=getattr(codec, "ratio", None),
+        stats = StepStats(step=step, compressed=compressed, ratio=codec.density,
                           numel=grad.numel(), dense_bytes=4 * grad.numel(), buckets=[b - a for a, b in self.bounds])
         pushes = []
         for index, (shard, (a, b)) in enumerate(zip(self.shards, self.bounds)):
             try:
                 payload = self.memory.encode(codec, f"shard{index}", grad[a:b])
             except NonFiniteError as exc:
-                first = getattr(exc, "first_index", None)
+                first = exc.first_index
                 where = f" (flat element {a + first} of the model)" if first is not None else ""
                 self.abort(f"rank {self.rank}, step {step}, gradient slice of shard {index}: {exc}{where}")
             wire = asnumpy(payload.to_array())  # on a GPU, only the compressed bytes reach the host

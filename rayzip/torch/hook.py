@@ -189,7 +189,7 @@ class CompressionState:
         self._stop = False
         self._requests = threading.Lock()  # propose/request_stop may run while the worker sends
         self._loss_scale: float | None = None  # the scale the residuals are in (AMP)
-        self.current = StepStats(ratio=getattr(self.codec, "ratio", None))
+        self.current = StepStats(ratio=self.codec.density)
         self.last_step: StepStats | None = None
         self.totals = {"steps": 0, "bytes_sent": 0, "local_bytes": 0, "dense_bytes": 0, "comm_s": 0.0,
                        "busy_s": 0.0, "network_s": 0.0, "skipped": 0}
@@ -197,12 +197,12 @@ class CompressionState:
     # --- control, applied at step boundaries so that every rank switches together -------
     @property
     def ratio(self) -> float | None:
-        return getattr(self.codec, "ratio", None)
+        return self.codec.density
 
     def set_ratio(self, ratio: float) -> None:
         """Use ``ratio`` from the next step on. Call it on every rank for the same step (a
         rank that does not is caught by the control word: every rank raises)."""
-        if not hasattr(self.codec, "ratio"):
+        if self.codec.density is None:
             raise ValueError(f"codec {self.codec.name} has no ratio to change")
         self._pending_ratio = float(ratio)
 
@@ -247,9 +247,7 @@ class CompressionState:
     def _apply_ratio(self, ratio: float) -> None:
         """Swap in the codec at ``ratio``, keeping its state (a seeded codec's call count);
         ``collective: auto`` weighs its choice again at the new density."""
-        codec = type(self.codec)(**{**self.spec.codec_params(self.rank), "ratio": ratio})
-        codec.load_state_dict(self.codec.state_dict())
-        self.codec = codec
+        self.codec = self.codec.with_density(ratio)
         self.communicator = self._communicator()
 
     def _communicator(self):
@@ -305,7 +303,7 @@ class CompressionState:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; residuals and velocities land on this state's device."""
         self.step, self.enabled = int(state["step"]), bool(state["enabled"])
-        if state.get("ratio") is not None and hasattr(self.codec, "ratio"):
+        if state.get("ratio") is not None and self.codec.density is not None:
             self._apply_ratio(state["ratio"])
         memory = relayout_state(state["memory"], self.segments, self._numel)  # saved with other segments, too
         self.memory.load_state_dict(memory, like=torch.empty(0, device=self.transport.device))
@@ -416,14 +414,14 @@ class CompressionState:
                 # through the memory also when dense: it sends what error feedback held back
                 payload = self.memory.encode(codec, name, grad, communicator.input_scale)
         except NonFiniteError as exc:  # every codec checks its input; fp16 also its wire type
-            bad = bad_key(self.rank, self.world, offset + (getattr(exc, "first_index", None) or 0),
+            bad = bad_key(self.rank, self.world, offset + (exc.first_index or 0),
                           overflow=isinstance(exc, WireOverflowError))
         except Exception as exc:  # raised here alone, it would leave the others waiting
             failure = exc
         agreed, control = self._agree(bad, failure)
         if agreed.bad is not None:
             rank, index, overflow = agreed.bad
-            what = (f"overflows the {getattr(codec, 'value_dtype', None) or codec.name} wire type" if overflow
+            what = (f"overflows the {codec.value_dtype or codec.name} wire type" if overflow
                     else "is not finite")
             return None, f"rank {rank}'s gradient {what} at {self._where(index)}"
         stats.dense_bytes += ring_allreduce_bytes(4 * grad.numel(), self.world)
@@ -454,7 +452,7 @@ class CompressionState:
         if not all_finite(average):
             via = communicator.name if communicator is not None else "node's broadcast"
             return None, (f"the averaged gradient is not finite after the {via} (the sum "
-                          f"overflowed {getattr(codec, 'value_dtype', None) or codec.name} on the wire)")
+                          f"overflowed {codec.value_dtype or codec.name} on the wire)")
         return average, None
 
     def _agree(self, bad: int = 0, failure: Exception | None = None):
@@ -466,7 +464,7 @@ class CompressionState:
             stop, self._stop = self._stop, False
             proposal, self._proposal = self._proposal, 0
         word = ControlWord(step=self.step, ratio=float(self.ratio or 0.0),
-                           mode=encode_mode(self.enabled, stats.compressed, getattr(self.codec, "value_dtype", None)),
+                           mode=encode_mode(self.enabled, stats.compressed, self.codec.value_dtype),
                            bad=bad, failed=self.world - self.rank if failure is not None else 0,
                            stop=int(stop), proposal=proposal)
         control_before = self.transport.bytes_sent
@@ -497,7 +495,7 @@ class CompressionState:
         less: off). Every rank must call it for the same step, as :meth:`propose`'s agreed
         proposals do."""
         self._pending_enabled = compression_ratio > 1.0
-        if compression_ratio > 1.0 and hasattr(self.codec, "ratio"):
+        if compression_ratio > 1.0 and self.codec.density is not None:
             self._pending_ratio = 1.0 / compression_ratio
 
     def _follow_loss_scale(self) -> None:

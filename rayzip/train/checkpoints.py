@@ -57,7 +57,9 @@ def take_parts(rank: int, world: int, trainer: Callable[[], dict], state,
     content = None
     if rank == 0:
         content = {**trainer(), "world_size": world, "torch_rng": torch.get_rng_state()}
-        holders = getattr(state, "holders", None)  # the hook's: every rank, or each node's leader
+        # The hook's holders: every rank, or each node's leader. getattr: the exchanges under a
+        # loop are not one type yet, and only some hold error feedback per rank.
+        holders = getattr(state, "holders", None)
         if holders is not None:
             content["hook_holders"] = {str(r): list(held) for r, held in holders.items()}
     hook = None if state is None else {"world_size": world, "hook": state.state_dict()}

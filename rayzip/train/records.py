@@ -51,12 +51,12 @@ def traffic_of(stats, source: str = "hook") -> Traffic:
     """A :class:`Traffic` from the hook's or the ps client's ``StepStats``, which count the
     bytes, the dense equivalent and the timings themselves."""
     return Traffic(bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, dense_bytes=stats.dense_bytes,
-                   local_bytes=getattr(stats, "local_bytes", 0), node_bytes=getattr(stats, "node_bytes", None),
+                   local_bytes=stats.local_bytes, node_bytes=stats.node_bytes,
                    comm_s=stats.comm_s, busy_s=stats.busy_s or stats.comm_s, network_s=stats.network_s,
-                   messages=getattr(stats, "hops", 0),
+                   messages=stats.hops,
                    compressed=bool(stats.compressed), ratio=stats.ratio, comm_source=source,
                    verify_max_abs_err=stats.verify_max_abs_err, verify_documented_bytes=stats.verify_documented_bytes,
-                   stop=bool(getattr(stats, "stop", False)))
+                   stop=stats.stop)
 
 
 @dataclass

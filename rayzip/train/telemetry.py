@@ -96,7 +96,9 @@ class Telemetry:
         self.adoption = (Adoption.from_controller(controller, rank, self.state)
                          if controller is not None and self.state is not None else None)
         self._started: float | None = None
-        probe = getattr(self.state, "link_probe", None)  # the timed start-up sync (rayzip.train.probe)
+        # The timed start-up sync (rayzip.train.probe). getattr: the exchanges under a loop are
+        # not one type yet (the hook's state, local steps', the ps client); only the hook's has one.
+        probe = getattr(self.state, "link_probe", None)
         if self.controller is not None and probe is not None:
             # Now, not with the first step: a handle's first call waits for the actor's
             # address, and the controller combines a step only once every rank's report is in.
