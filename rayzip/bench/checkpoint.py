@@ -56,7 +56,7 @@ SPACINGS = (1, 10, 100)
 MODELS = ("mlp", "gpt")
 COMPRESSORS = ("rayzip", "rayzip-1t", "zipnn-1t", "zipnn", "zstd-3", "zstd-19")
 DEFAULT_COMPRESSORS = ("rayzip", "rayzip-1t", "zipnn-1t", "zipnn", "zstd-3")
-JOBS = Path(__file__).resolve().parents[2] / "jobs"
+JOBS = Path(__file__).resolve().parent / "specs"  # the benchmarks' specs ship with the package
 
 
 @dataclass

@@ -30,7 +30,8 @@ from .netns import NetnsCluster, rate_bytes
 
 __all__ = ["METHODS", "method_compression", "method_spec", "run_cluster_bench", "run_scaling_bench"]
 
-DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "jobs" / "bench-synthetic.yaml"
+# The benchmarks' specs ship with the package (jobs/ links to them for the examples).
+DEFAULT_SPEC = Path(__file__).resolve().parent / "specs" / "bench-synthetic.yaml"
 
 METHODS: dict[str, dict[str, Any]] = {
     "dense": {"codec": "none"},

@@ -35,19 +35,10 @@ from .base import Codec, CodecError, Field, Payload, check_int
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .kernels import all_finite, fused, fused_for
 from .. import cuda
-from ..cuda.dct_quant import decode as gpu_decode, encode as gpu_encode, slots as gpu_slots
+from ..cuda.dct_quant import dct_matrix, decode as gpu_decode, encode as gpu_encode, slots as gpu_slots
 from ..xp import array_module
 
 __all__ = ["DCTQuant", "dct_matrix", "wire_order", "zigzag_order"]
-
-
-def dct_matrix(n: int) -> np.ndarray:
-    """Orthonormal DCT-II matrix C (float64): coefficients = C @ x."""
-    k = np.arange(n)[:, None]
-    i = np.arange(n)[None, :]
-    c = np.cos(np.pi * (2 * i + 1) * k / (2 * n)) * np.sqrt(2.0 / n)
-    c[0] /= np.sqrt(2.0)
-    return c
 
 
 def zigzag_order(n: int) -> np.ndarray:

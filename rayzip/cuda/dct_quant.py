@@ -29,15 +29,22 @@ import numpy as np
 
 from . import nonfinite_flag, raw_kernel
 
-__all__ = ["decode", "encode", "slots"]
+__all__ = ["dct_matrix", "decode", "encode", "slots"]
+
+
+def dct_matrix(n: int) -> np.ndarray:
+    """Orthonormal DCT-II matrix C (float64): coefficients = C @ x."""
+    k = np.arange(n)[:, None]
+    i = np.arange(n)[None, :]
+    c = np.cos(np.pi * (2 * i + 1) * k / (2 * n)) * np.sqrt(2.0 / n)
+    c[0] /= np.sqrt(2.0)
+    return c
 
 
 @lru_cache(maxsize=1)
 def _common() -> str:
     # The DCT matrix as constants: with the loops unrolled every multiply takes its
     # coefficient from the constant bank, and shared memory holds only the data.
-    from ..codecs.dct_quant import dct_matrix
-
     values = ", ".join(f"{float(v).hex()}f" for v in dct_matrix(8).astype(np.float32).ravel())
     return r"""
 #define BLOCKS_PER_CTA 32
