@@ -26,6 +26,7 @@ except Exception:  # pragma: no cover - depends on the machine
     _cupy = None
 
 __all__ = [
+    "address",
     "array_module",
     "as_array",
     "asnumpy",
@@ -44,6 +45,13 @@ def cupy_available() -> bool:
         return _cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # pragma: no cover - depends on the machine
         return False
+
+
+def address(arr: Any) -> int:
+    """Where ``arr``'s first element lives, in host or device memory (the CUDA array
+    interface for device arrays, numpy's for host ones)."""
+    interface = getattr(arr, "__cuda_array_interface__", None) or arr.__array_interface__
+    return int(interface["data"][0])
 
 
 def array_module(arr: Any):

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..xp import array_module, as_array, asnumpy, is_torch, to_torch
+from ..xp import address, array_module, as_array, asnumpy, is_torch, to_torch
 from .kernels import all_finite
 
 __all__ = [
@@ -109,7 +109,7 @@ class Payload:
         arrays, offset = {}, 0
         for f in fields:
             part = buf[offset : offset + f.nbytes]
-            if _address(part) % np.dtype(f.dtype).itemsize:
+            if address(part) % np.dtype(f.dtype).itemsize:
                 # A field behind an odd count of narrower entries (fp32 values after uint16
                 # offsets), or in a buffer that starts at an odd address, is misaligned for
                 # its type: numpy copes, a cupy kernel faults with a sticky misaligned-address
@@ -118,13 +118,6 @@ class Payload:
             arrays[f.name] = part.view(np.dtype(f.dtype))
             offset += f.nbytes
         return cls(arrays=arrays, **kwargs)
-
-
-def _address(arr) -> int:
-    """Where ``arr``'s first element lives (host or device memory)."""
-    # not a capability probe: device arrays publish the CUDA array interface, host arrays numpy's
-    interface = getattr(arr, "__cuda_array_interface__", None) or arr.__array_interface__
-    return int(interface["data"][0])
 
 
 def check_ratio(ratio: float) -> float:

@@ -12,6 +12,8 @@ Usage::
 
 from __future__ import annotations
 
+from ..xp import address
+
 __all__ = ["packed_nbytes", "pack_bits", "unpack_bits"]
 
 
@@ -50,7 +52,7 @@ def unpack_bits(packed, bits: int, count: int, xp):
     if bits == 8:
         return packed.copy()
     if bits == 16:
-        if _address(packed) % 2:  # a field behind an odd count of bytes: a cupy kernel would fault
+        if address(packed) % 2:  # a field behind an odd count of bytes: a cupy kernel would fault
             packed = packed.copy()
         return packed.view("<u2").astype(xp.uint16)
     if bits > 8:
@@ -58,12 +60,6 @@ def unpack_bits(packed, bits: int, count: int, xp):
         high = _unpack_narrow(packed[count:], bits - 8, count, xp).astype(xp.uint16)
         return low | (high << 8)
     return _unpack_narrow(packed, bits, count, xp)
-
-
-def _address(arr) -> int:
-    # not a capability probe: device arrays publish the CUDA array interface, host arrays numpy's
-    interface = getattr(arr, "__cuda_array_interface__", None) or arr.__array_interface__
-    return int(interface["data"][0])
 
 
 def _pack_narrow(codes, bits: int, xp):
