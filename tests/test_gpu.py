@@ -219,7 +219,8 @@ def _restart_rank(init_file, directory, split):
     a fresh model, optimizer and hook loaded from it, and the rest: the final weights."""
     import torch.distributed as dist
 
-    from rayzip.checkpoint import store
+    from restarts import reload_from_checkpoint
+
     from rayzip.torch import CompressionSpec, compress, ddp_kwargs
 
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=0, world_size=1)
@@ -243,13 +244,7 @@ def _restart_rank(init_file, directory, split):
         ddp, opt, state = build()
         steps(ddp, opt, 0, split)
         if split < 5:
-            store.save(directory, {"model": ddp.module.state_dict(), "optimizer": opt.state_dict(),
-                                   "hook": state.state_dict()})
-            ddp, opt, state = build()
-            saved = store.load(directory)
-            ddp.module.load_state_dict(saved["model"])
-            opt.load_state_dict(saved["optimizer"])
-            state.load_state_dict(saved["hook"])
+            ddp, opt, state = reload_from_checkpoint(directory, ddp, opt, state, build)
             steps(ddp, opt, split, 5)
         return torch.cat([p.detach().flatten() for p in ddp.parameters()]).cpu().numpy()
     finally:

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from gloo_world import run_world
+from restarts import reload_from_checkpoint
 
 HAVE_GPU = torch.cuda.is_available()
 try:
@@ -138,7 +139,6 @@ def _restart(rank, device):
     """AdamW with group top-k: five steps straight, and two steps, a checkpoint of model,
     optimizer and hook (residuals on the device), a fresh model, optimizer and hook loaded
     from it, three more. Both final weights."""
-    from rayzip.checkpoint import store
     from rayzip.torch import CompressionSpec
 
     spec = CompressionSpec(codec="group_topk", ratio=0.05, segment_mb=SEGMENT_MB)
@@ -163,13 +163,7 @@ def _restart(rank, device):
     with tempfile.TemporaryDirectory() as directory:
         ddp, opt, state = build()
         steps(ddp, opt, 0, 2)
-        store.save(directory, {"model": ddp.module.state_dict(), "optimizer": opt.state_dict(),
-                               "hook": state.state_dict()})
-        ddp, opt, state = build()
-        saved = store.load(directory)
-        ddp.module.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        state.load_state_dict(saved["hook"])
+        ddp, opt, state = reload_from_checkpoint(directory, ddp, opt, state, build)
         loaded = _devices(state.memory.residuals)
         steps(ddp, opt, 2, 5)
     return {"straight": straight, "restarted": weights(ddp), "loaded_on": loaded,
