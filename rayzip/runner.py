@@ -29,6 +29,7 @@ from ray.train.torch import TorchTrainer
 from .adaptive import controller_name, start_controller
 from .ps import shard_names, shard_report, start_shards, stop_shards
 from .spec import JobSpec, check_allowed_modules
+from .train.faults import Faults
 from .train.loop import train_loop
 
 __all__ = ["ProgressActor", "TrainingFailed", "run_job", "summarize"]
@@ -162,9 +163,10 @@ def _chain_dir(storage: str, run_id: str) -> str | None:
 
 def run_job(spec: JobSpec, storage_path: str | None = None,
             on_progress: Callable[[dict], None] | None = None, verbose: bool = True,
-            on_logs: Callable[[str], None] | None = None) -> dict[str, Any]:
+            on_logs: Callable[[str], None] | None = None, faults: Faults | None = None) -> dict[str, Any]:
     """Train ``spec`` to completion; returns the summary (see :func:`summarize`). Not
-    ``verbose``: the workers' output goes to Ray's log folder only, which ``on_logs`` is told."""
+    ``verbose``: the workers' output goes to Ray's log folder only, which ``on_logs`` is told.
+    ``faults``: what the run is made to suffer on purpose (:class:`rayzip.train.faults.Faults`)."""
     check_allowed_modules(spec)  # $RAYZIP_ALLOWED_MODULES, before any worker imports the spec's code
     logs = init_ray(verbose)
     if logs and on_logs is not None:
@@ -183,7 +185,8 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
         train_loop_config={"spec": spec.model_dump(), "progress": progress_name, "t0": time.time(),
                            "chain_dir": _chain_dir(storage, run_id), "run_id": run_id,
                            "controller": controller_name(run_id) if controller is not None else None,
-                           "ps_shards": shard_names(run_id, len(shards)) if shards else None},
+                           "ps_shards": shard_names(run_id, len(shards)) if shards else None,
+                           "faults": faults},
         scaling_config=_scaling(spec),
         run_config=RunConfig(
             name=run_id,

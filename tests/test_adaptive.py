@@ -21,6 +21,9 @@ from rayzip.adaptive import AdaptiveController, PressurePolicy, PrometheusSource
 from rayzip.metrics import prometheus_config
 from rayzip.runner import run_job
 from rayzip.spec import AdaptiveSpec, JobSpec, SpecError, parse_spec
+from rayzip.train.faults import Faults
+
+from links import FileLink
 
 PROMETHEUS = shutil.which("prometheus")
 
@@ -98,11 +101,10 @@ def evaluate_dashboard(url: str, job: str) -> dict[str, list]:
 def ray_with_fast_metrics(tmp_path_factory):
     link = tmp_path_factory.mktemp("link") / "rate"
     link.write_text("0")
-    os.environ["RAYZIP_EMULATE_LINK_FILE"] = str(link)  # the workers inherit it from the raylet
-    ray.init(address="local", num_cpus=2, _system_config={"metrics_report_interval_ms": 1000})
+    ray.init(address="local", num_cpus=2, _system_config={"metrics_report_interval_ms": 1000},
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})  # the workers import links
     yield link
     ray.shutdown()
-    del os.environ["RAYZIP_EMULATE_LINK_FILE"]
 
 
 @pytest.fixture
@@ -252,7 +254,7 @@ def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheu
             events["killed"] = m["step"]
             link.write_text("0")  # the rest of the run at full speed, to keep the test short
 
-    summary = run_job(spec, storage_path=str(tmp_path), on_progress=on_progress)
+    summary = run_job(spec, storage_path=str(tmp_path), on_progress=on_progress, faults=Faults(FileLink(link)))
     decisions = summary["adaptive"]["decisions"]
     print("EVENTS", {k: v for k, v in events.items() if not k.endswith("_at") and k != "panels"},
           summary["wall_s"], summary["train_s"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from gloo_world import run_world
 from rayzip.codecs import get_codec
@@ -19,8 +20,20 @@ def sparse_input(rank: int, density: float, numel: int = NUMEL):
     return indices, rng.standard_normal(count).astype(np.float32)
 
 
+class RecordingTransport(Transport):
+    """A transport that also keeps the size of every send."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages: list[int] = []
+
+    def _count(self, nbytes: int, hops: int = 1) -> None:
+        super()._count(nbytes, hops)
+        self.messages.append(nbytes)
+
+
 def _ring_rank(rank, world, density, value_dtype):
-    transport = Transport()
+    transport = RecordingTransport()
     indices, values = sparse_input(rank, density)
     total = sparse_ring_allreduce(indices, values, NUMEL, transport, value_dtype=value_dtype)
     return total, transport.bytes_sent, transport.messages
@@ -147,3 +160,27 @@ def test_unpacked_fields_are_aligned_for_their_type_with_odd_entry_counts():
     rebuilt = codec.from_bytes(wire, like=payload)
     assert all(a.flags.aligned for a in rebuilt.arrays.values())
     assert np.array_equal(codec.decode(rebuilt), codec.decode(payload))
+
+
+def _emulated_rank(rank, world):
+    from rayzip.comm import FixedLink, Link
+
+    slow = Transport(emulation=FixedLink(Link(bandwidth=1e6, latency=0.05)))
+    fast = Transport()
+    payload = torch.zeros(100_000, dtype=torch.uint8)  # 0.1 s at 1 MB/s, plus the latency
+    for transport in (slow, fast):
+        transport.shift(payload, -1)
+    return slow.network_s, fast.network_s, slow.bytes_sent == fast.bytes_sent
+
+
+def test_an_emulated_link_adds_its_time_to_every_send_and_nothing_to_the_bytes():
+    for slow_s, fast_s, same_bytes in run_world(_emulated_rank, 2):
+        # The header's send (16 bytes, 0.05 s) and the payload's (0.1 s + 0.05 s).
+        assert slow_s - fast_s >= 0.2 - 0.02 and same_bytes, (slow_s, fast_s)
+
+
+def test_an_emulated_link_refuses_a_bandwidth_that_is_not_positive():
+    from rayzip.comm import FixedLink, Link
+
+    with pytest.raises(ValueError, match="positive bandwidth"):
+        FixedLink(Link(bandwidth=0.0, latency=0.0))

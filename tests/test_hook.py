@@ -53,7 +53,7 @@ def test_ring_hook_averages_the_decoded_payloads_and_counts_bytes():
             assert stats["compressed"] and stats["step"] == step
             assert stats["verify_max_abs_err"] < 1e-6
             assert stats["numel"] == numel
-            assert stats["bytes_sent"] == sum(stats["messages"]) == stats["verify_documented_bytes"] > 0
+            assert stats["bytes_sent"] == stats["verify_documented_bytes"] > 0
             # Several DDP buckets (bucket_cap_mb=0.5), gathered and sent as one gradient.
             assert stats["buckets"] == [numel]
             assert stats["dense_bytes"] == sum(2 * (world - 1) * 4 * n // world for n in stats["buckets"])

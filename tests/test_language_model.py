@@ -8,29 +8,16 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
-from rayzip.checkpoint.background import SLOW_WRITE_ENV
 from rayzip.runner import run_job
+from rayzip.train.faults import Faults
 from rayzip.spec import JobSpec
 
 pytestmark = pytest.mark.ray
 
 SLOW_WRITE_S = 8
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    """conftest's local Ray, with every background checkpoint write slowed by SLOW_WRITE_S
-    (fault injection), so that a kill can land during one."""
-    import ray
-
-    ray.init(address="local", num_cpus=2, runtime_env={"env_vars": {
-        "PYTHONPATH": str(Path(__file__).parent), SLOW_WRITE_ENV: str(SLOW_WRITE_S)}})
-    yield
-    ray.shutdown()
 
 
 def _lm_spec(name: str) -> JobSpec:
@@ -72,7 +59,8 @@ def test_a_killed_language_model_worker_resumes_data_weights_and_residuals_exact
             killed.update(step=metrics["step"], reported=handed, pending=pending)
             os.kill(metrics["pid"], signal.SIGKILL)
 
-    summary = run_job(_lm_spec("lm-killed"), storage_path=str(tmp_path / "killed"), on_progress=kill_during_a_write)
+    summary = run_job(_lm_spec("lm-killed"), storage_path=str(tmp_path / "killed"), on_progress=kill_during_a_write,
+                      faults=Faults(checkpoint_write_delay_s=SLOW_WRITE_S))
     assert killed and summary["restarts"] >= 1, (killed, summary)
     # It resumed from the last complete checkpoint, not from the one being written.
     assert summary["metrics"]["resumed_from"] == killed["reported"] + 1, (killed, summary["metrics"])

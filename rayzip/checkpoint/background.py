@@ -33,7 +33,6 @@ Usage::
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,10 +45,6 @@ from ..xp import is_torch
 from .crew import Crew
 
 __all__ = ["BackgroundWriter", "Deferred", "SnapshotBuffers", "snapshot"]
-
-# Fault injection for tests: seconds each background write sleeps before it starts, so that
-# a test can kill a worker while a write is certainly in flight.
-SLOW_WRITE_ENV = "RAYZIP_FAULT_SLOW_CHECKPOINT_WRITE_S"
 
 
 class SnapshotBuffers:
@@ -222,7 +217,10 @@ def _copy(obj: Any, copies: dict, buffers: SnapshotBuffers) -> Any:
 class BackgroundWriter:
     """One thread, one write at a time, in submission order."""
 
-    def __init__(self) -> None:
+    def __init__(self, delay_s: float = 0.0) -> None:
+        # Fault injection: each write first sleeps delay_s, so that a test can kill a worker
+        # while a write is certainly in flight.
+        self.delay_s = delay_s
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rayzip-ckpt-writer")
         self._pending: Future | None = None
 
@@ -241,13 +239,11 @@ class BackgroundWriter:
         returns the seconds spent waiting for the previous write to finish first (0 when it
         had)."""
         waited = self.wait()[1]
-        delay = float(os.environ.get(SLOW_WRITE_ENV) or 0.0)
-
         def run() -> Any:
             if first is not None:
                 first()
-            if delay:
-                time.sleep(delay)
+            if self.delay_s:
+                time.sleep(self.delay_s)
             return write()
 
         self._pending = self._executor.submit(run)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .emulation import Emulation
 from .transport import Transport, ring_allreduce_bytes
 
 __all__ = ["HIERARCHY_MODES", "Hierarchy", "Topology", "build_hierarchy", "node_key"]
@@ -133,7 +134,7 @@ class Hierarchy:
 
 
 def build_hierarchy(mode: str, group=None, key: str | None = None,
-                    device: torch.device | str = "cpu") -> Hierarchy | None:
+                    device: torch.device | str = "cpu", emulation: Emulation | None = None) -> Hierarchy | None:
     """The hierarchy for ``group``'s ranks (``mode``: ``node`` always, ``auto`` when
     :attr:`Topology.helps`, ``none`` never); None when there is none. Every rank of
     ``group`` calls it at the same point: it gathers the node keys and creates each node's
@@ -163,6 +164,6 @@ def build_hierarchy(mode: str, group=None, key: str | None = None,
             local = Transport(created, device=device) if created is not None else None
     heads = [ranks[0] for ranks in topology.groups]
     created = dist.new_group(global_ranks(heads), backend=backend)
-    if rank in heads:
-        leaders = Transport(created, device=device)
+    if rank in heads:  # an emulated link is the one between nodes
+        leaders = Transport(created, device=device, emulation=emulation)
     return Hierarchy(topology, rank, local, leaders, mine)

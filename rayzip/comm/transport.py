@@ -4,11 +4,8 @@ Counts are what this worker transmits: exact for point-to-point sends (the size 
 plus the payload), and the standard ring cost for collectives: 2(n-1)/n * size for
 all_reduce, (n-1) * size for all_gather (gloo and NCCL both run rings at these sizes).
 
-For testing controllers without root, ``RAYZIP_EMULATE_LINK_FILE`` names a file holding a
-link rate in bytes per second: every send then also waits ``bytes / rate`` inside the
-network time, as a link of that rate would add. The file is re-read when it changes, so a
-test can slow the link mid-run; empty or 0 means no limit. (The cluster benchmark emulates
-links for real, with tc in network namespaces.)
+With an :class:`~rayzip.comm.emulation.Emulation`, every send also waits what the emulated
+link would add, inside the network time.
 
 Usage::
 
@@ -19,13 +16,15 @@ Usage::
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .emulation import Emulation
 
 __all__ = ["Transport", "ring_allreduce_bytes"]
 
@@ -39,8 +38,9 @@ def ring_allreduce_bytes(nbytes: int, world: int) -> int:
 
 
 class Transport:
-    def __init__(self, group=None, device: torch.device | str = "cpu"):
+    def __init__(self, group=None, device: torch.device | str = "cpu", emulation: "Emulation | None" = None):
         self.group = group
+        self.emulation = emulation
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.device = torch.device(device)
@@ -48,7 +48,6 @@ class Transport:
         # CUDA tensors through the host themselves): CUDA payloads cross via host copies.
         self._host_p2p = self.device.type == "cuda" and dist.get_backend(group) == "gloo"
         self.bytes_sent = 0
-        self.messages: list[int] = []  # size of every send this step (tests read it)
         # Latency-bound sends, as rayzip.comm.cost counts them (a ring allreduce: 2(n-1)):
         # the controller's cost model fits a latency per message to them.
         self.hops = 0
@@ -73,12 +72,12 @@ class Transport:
         nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world)
         future = dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
         self._count(nbytes, hops=2 * (self.world - 1))
-        rate = _emulated_rate()
+        delay = 0.0 if self.emulation is None else self.emulation.delay_s(nbytes)
 
         def done(f: torch.futures.Future) -> torch.Tensor:
             f.wait()
-            if rate:
-                time.sleep(nbytes / rate)
+            if delay:
+                time.sleep(delay)
             return tensor
 
         return future.then(done)
@@ -144,36 +143,12 @@ class Transport:
         start = time.perf_counter()
         try:
             yield
-            rate = _emulated_rate()
-            if rate:
-                time.sleep(nbytes / rate)
+            if self.emulation is not None:
+                time.sleep(self.emulation.delay_s(nbytes))
         finally:
             self.network_s += time.perf_counter() - start
 
     def _count(self, nbytes: int, hops: int = 1) -> None:
         self.bytes_sent += nbytes
-        self.messages.append(nbytes)
         self.hops += hops
 
-
-_RATE_CACHE: dict[str, tuple[float, float]] = {}
-
-
-def _emulated_rate() -> float:
-    """Bytes per second from RAYZIP_EMULATE_LINK_FILE (0: no limit)."""
-    path = os.environ.get("RAYZIP_EMULATE_LINK_FILE")
-    if not path:
-        return 0.0
-    try:
-        mtime = os.stat(path).st_mtime_ns
-    except OSError:
-        return 0.0
-    cached = _RATE_CACHE.get(path)
-    if cached is None or cached[0] != mtime:
-        try:
-            text = open(path).read().strip()
-            cached = (mtime, float(text) if text else 0.0)
-        except (OSError, ValueError):
-            cached = (mtime, 0.0)
-        _RATE_CACHE[path] = cached
-    return cached[1]

@@ -144,7 +144,6 @@ class ParameterServerClient:
                 self.abort(f"rank {self.rank}, step {step}, gradient slice of shard {index}: {exc}{where}")
             wire = asnumpy(payload.to_array())  # on a GPU, only the compressed bytes reach the host
             stats.bytes_sent += int(wire.nbytes)
-            stats.messages.append(int(wire.nbytes))
             pushes.append(shard.push.remote(self.generation, self.rank, step, lr, codec.name, codec.params(), wire))
         flat, received, network_s = self._pull(step + 1, pushes)
         set_flat_parameters(model, flat)

@@ -52,6 +52,7 @@ from ..codecs.base import find_nonfinite
 from ..codecs.kernels import all_finite
 from ..codecs.memory import relayout_state, segment_name
 from ..comm import AllReduce, Transport, make_communicator, ring_allreduce_bytes
+from ..comm.emulation import Emulation
 from ..comm.hierarchy import build_hierarchy
 from ..comm.control import ControlWord, RankDisagreement, agree, bad_key, encode_mode, proposal_key
 from ..spec import CompressionSpec
@@ -87,7 +88,6 @@ class StepStats:
     buckets: list[int] = field(default_factory=list)  # element count of each segment exchanged
     verify_max_abs_err: float | None = None
     verify_documented_bytes: int | None = None  # verify mode: bytes_sent by the wire formulas
-    messages: list[int] = field(default_factory=list)
     hops: int = 0  # latency-bound sends (rayzip.comm.transport.Transport.hops)
     skipped: bool = False  # a rank's gradient was not finite: every rank dropped this step
     nonfinite: str | None = None  # why, when skipped
@@ -125,7 +125,7 @@ class CompressionState:
     def __init__(self, spec: CompressionSpec, parameters: list[torch.Tensor], process_group=None,
                  device: torch.device | str = "cpu", momentum: float | None = None,
                  adam_betas: tuple[float, float] | None = None, names: list[str] | None = None,
-                 on_nonfinite: str = "raise", grad_scaler=None):
+                 on_nonfinite: str = "raise", grad_scaler=None, emulation: Emulation | None = None):
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}")
         parameters = list(parameters)
@@ -133,7 +133,7 @@ class CompressionState:
             raise ValueError("no trainable parameters: nothing to compress")
         self.spec = spec
         self.on_nonfinite = on_nonfinite
-        self._twin = (parameters, process_group, device, momentum, adam_betas)  # for dry_run
+        self._twin = (parameters, process_group, device, momentum, adam_betas, emulation)  # for dry_run
         self.link_probe = None  # the timed DDP broadcast of the model, where the caller timed it (rayzip.train.probe)
         self.grad_scaler = grad_scaler
         # One gradient in parameter order, cut into segments of whole parameters by size
@@ -167,10 +167,10 @@ class CompressionState:
         self._last_bucket_at = 0.0
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
-        self.transport = Transport(process_group, device=device)
+        self.transport = Transport(process_group, device=device, emulation=emulation)
         # With a hierarchy, each node's leader exchanges its node's sum with the other
         # leaders; the other workers exchange nothing across nodes but the control word.
-        self.hierarchy = build_hierarchy(spec.hierarchy, process_group, device=device)
+        self.hierarchy = build_hierarchy(spec.hierarchy, process_group, device=device, emulation=emulation)
         self._exchanging = self.transport if self.hierarchy is None else self.hierarchy.leaders
         self.codec = spec.build_codec(rank=self.rank)
         self.memory = spec.build_memory(momentum, adam_betas)
@@ -232,9 +232,9 @@ class CompressionState:
         compressed step's exchange costs on this network and this codec, before the first
         step. Every rank must call it; the last of ``repeats`` counts (the first sets up
         buffers). The adaptive controller's first sample (:class:`rayzip.train.Telemetry`)."""
-        parameters, group, device, momentum, adam_betas = self._twin
+        parameters, group, device, momentum, adam_betas, emulation = self._twin
         twin = CompressionState(self.spec, parameters, group, device, momentum=momentum, adam_betas=adam_betas,
-                                names=self._names)
+                                names=self._names, emulation=emulation)
         if self.ratio is not None:
             twin.set_ratio(self.ratio)
         twin.step = self.spec.warmup_steps  # past the warm-up, which would send it dense
@@ -266,7 +266,6 @@ class CompressionState:
             self.enabled, self._pending_enabled = self._pending_enabled, None
         compressed = self.enabled and self.step >= self.spec.warmup_steps
         self.current = StepStats(step=self.step, compressed=compressed, ratio=self.ratio if compressed else None)
-        self.transport.messages = []
 
     def _goes_bucketwise(self) -> bool:
         """Whether this step's gradient crosses whole, bucket by bucket in place: dense (or
@@ -275,7 +274,6 @@ class CompressionState:
         return dense and self.hierarchy is None and not self.spec.verify
 
     def _end_step(self) -> None:
-        self.current.messages = self.transport.messages
         self.last_step = self.current
         self.totals["steps"] += 1
         self.totals["skipped"] += int(self.current.skipped)
@@ -723,7 +721,8 @@ def ddp_kwargs(spec: CompressionSpec) -> dict:
 
 def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: CompressionSpec,
              process_group=None, momentum: float | None = None, on_nonfinite: str = "raise",
-             grad_scaler=None, adam_betas: tuple[float, float] | None = None) -> CompressionState:
+             grad_scaler=None, adam_betas: tuple[float, float] | None = None,
+             emulation: Emulation | None = None) -> CompressionState:
     """Register rayzip's compressed comm hook on ``ddp_model``; returns its state.
 
     Only parameters with ``requires_grad`` are exchanged (frozen layers cost nothing).
@@ -733,7 +732,8 @@ def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: Compres
     momentum, weight decay as AdamW's (:func:`rayzip.torch.optim.build_optimizer` with
     ``adam_elsewhere``): the hook sends each worker's Adam direction. ``on_nonfinite``:
     ``"raise"`` or ``"skip"`` (see the module docstring); ``grad_scaler``: AMP's
-    ``GradScaler``, whose scale the residuals then follow. With ``spec.overlap`` and no
+    ``GradScaler``, whose scale the residuals then follow. ``emulation``: a slower link than
+    the real one (:mod:`rayzip.comm.emulation`) for every send of the exchange. With ``spec.overlap`` and no
     ``process_group``, the hook creates its own group over every rank (``dist.new_group``):
     call it on every rank.
     """
@@ -750,7 +750,6 @@ def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: Compres
         process_group = dist.new_group(backend=dist.get_backend())
     state = CompressionState(spec, parameters=[p for _, p in named], process_group=process_group, device=device,
                              momentum=momentum, adam_betas=adam_betas, names=[name for name, _ in named],
-                             on_nonfinite=on_nonfinite,
-                             grad_scaler=grad_scaler)
+                             on_nonfinite=on_nonfinite, grad_scaler=grad_scaler, emulation=emulation)
     ddp_model.register_comm_hook(state, compressed_hook)
     return state

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from .. import cuda
 from ..codecs import NonFiniteError
 from ..codecs.kernels import all_finite
+from ..comm.emulation import Emulation
 from ..spec import CompressionSpec
 from .hook import NONFINITE_POLICIES, CompressionState, StepStats
 from .optim import build_outer_optimizer
@@ -61,12 +62,14 @@ class LocalSteps:
     """See the module docstring. ``named_parameters``: (name, parameter) pairs; those with
     ``requires_grad`` are synchronized (frozen ones never change). Without an initialized
     process group, or at world size 1, a synchronization exchanges nothing and only the
-    outer optimizer runs."""
+    outer optimizer runs. ``emulation``: a slower link than the real one for the
+    synchronizations' sends (:mod:`rayzip.comm.emulation`)."""
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.Tensor]], every: int = 10,
                  outer_lr: float = 0.7, outer_momentum: float = 0.5, nesterov: bool = True,
                  compression: CompressionSpec | None = None, process_group=None, on_nonfinite: str = "raise",
-                 max_skipped_rounds: int = 10, tuner=None, overlap: bool = False):
+                 max_skipped_rounds: int = 10, tuner=None, overlap: bool = False,
+                 emulation: Emulation | None = None):
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
         if on_nonfinite not in NONFINITE_POLICIES:
@@ -94,7 +97,8 @@ class LocalSteps:
         self.base = [a.clone() for a in self.anchor] if self.overlap else self.anchor
         self._pending: _InFlight | None = None
         self.state = (CompressionState(compression, self.params, process_group=process_group,
-                                       device=self.params[0].device, names=self.names, on_nonfinite=on_nonfinite)
+                                       device=self.params[0].device, names=self.names, on_nonfinite=on_nonfinite,
+                                       emulation=emulation)
                       if exchanging else None)
         self.world = dist.get_world_size(process_group) if exchanging else 1
         self.rank = dist.get_rank(process_group) if exchanging else 0

@@ -168,8 +168,9 @@ class GroupCheckpoints:
         for directory in ready: ray.train.report(metrics, checkpoint=...)
     """
 
-    def __init__(self, world: int, device, background: bool = True) -> None:
+    def __init__(self, world: int, device, background: bool = True, write_delay_s: float = 0.0) -> None:
         self.world, self.device, self.background = world, device, background
+        self.write_delay_s = write_delay_s  # fault injection (rayzip.train.faults)
         self.writer: BackgroundWriter | None = None  # started by the first background save
         self.pending: Path | None = None
         self.stall_s = 0.0
@@ -211,7 +212,7 @@ class GroupCheckpoints:
                 write(parts)
                 ready.append(directory)
             else:
-                self.writer = self.writer or BackgroundWriter()
+                self.writer = self.writer or BackgroundWriter(self.write_delay_s)
                 self.writer.submit(lambda: write(parts), first=None if deferred is None else deferred.finish)
                 self.pending, self._writing = directory, parts
         except BaseException:

@@ -40,6 +40,7 @@ from ..checkpoint import load as load_checkpoint
 from ..codecs.memory import reshard_state
 from ..codecs import NonFiniteError
 from ..comm import ring_allreduce_bytes
+from ..comm.emulation import Emulation
 from ..ps import ParameterServerClient, flat_to_parameters
 from ..spec import JobSpec
 from ..torch import compress, ddp_kwargs
@@ -409,9 +410,10 @@ class _LocalState:
 
 
 def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
-                   ps_shards: list[str] | None = None) -> Exchange:
+                   ps_shards: list[str] | None = None, emulation: Emulation | None = None) -> Exchange:
     """Prepare ``model`` for Ray Train (DDP unless in parameter-server mode or at world size
-    1) and wrap it in the exchange its spec asks for, with its optimizer."""
+    1) and wrap it in the exchange its spec asks for, with its optimizer. ``emulation``: a
+    slower link for rayzip's own exchanges (:mod:`rayzip.comm.emulation`)."""
     comp, training = spec.compression, spec.training
     if spec.local_steps.enabled and comp.collective == "ps":
         model = ray.train.torch.prepare_model(model, parallel_strategy=None)
@@ -432,7 +434,7 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
         synced = LocalSteps(model.named_parameters(), every=local.every, outer_lr=local.outer_lr,
                             outer_momentum=local.outer_momentum, nesterov=local.nesterov, compression=comp,
                             on_nonfinite=training.on_nonfinite, max_skipped_rounds=training.max_skipped_steps,
-                            tuner=tuner, overlap=local.overlap)
+                            tuner=tuner, overlap=local.overlap, emulation=emulation)
         return LocalStepsExchange(spec, model, rank, world, build_optimizer(training, model.parameters()), synced)
     if comp.collective == "ps":
         # The shards combine gradients: no DDP allreduce underneath.
@@ -452,7 +454,7 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
     if ddp and hooked:
         state = compress(model, comp, momentum=training.momentum if comp.momentum_correction else None,
                          adam_betas=tuple(training.betas) if comp.adam_correction else None,
-                         on_nonfinite=training.on_nonfinite)
+                         on_nonfinite=training.on_nonfinite, emulation=emulation)
         state.link_probe = probe
         optimizer = build_optimizer(training, model.parameters(), momentum_elsewhere=comp.momentum_correction,
                                     adam_elsewhere=comp.adam_correction)

@@ -38,6 +38,7 @@ from ..torch.lr import learning_rate
 from ..torch.optim import build_optimizer
 from .checkpoints import GroupCheckpoints, Parts, take_parts, write_taken
 from .exchange import Exchange, build_exchange, compute_time
+from .faults import Faults
 from .records import StepRecord, Totals
 from .tasks import Task, agreed_accuracy, build_task, shard_plan
 from .telemetry import Adoption, Telemetry
@@ -116,13 +117,15 @@ class _Run:
 
 def run_task(spec: JobSpec, config: dict, task: Task, exchange: Exchange) -> None:
     rank, world = exchange.rank, exchange.world
+    faults = config.get("faults") or Faults()
     chain = None
     if rank == 0 and config.get("chain_dir") and spec.checkpoint.full_every > 1:
         chain = DeltaChain(config["chain_dir"], spec.checkpoint.full_every, spec.checkpoint.num_to_keep)
     start, saved = exchange.restore(ray.train.get_checkpoint(), chain)
     run = _Run(totals=Totals.from_dict(saved.get("totals") if saved else None),
                metric=(saved.get("metric", saved.get("test_accuracy")) if saved else None),
-               checkpoints=GroupCheckpoints(world, task.device, spec.checkpoint.background), chain=chain,
+               checkpoints=GroupCheckpoints(world, task.device, spec.checkpoint.background,
+                                            write_delay_s=faults.checkpoint_write_delay_s), chain=chain,
                progress=ray.get_actor(config["progress"]) if config.get("progress") and rank == 0 else None,
                started=float(config.get("t0", time.time())), resumed_from=start)
     if exchange.only_step_changes_weights:
@@ -376,5 +379,7 @@ def train_loop(config: dict) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     torch.manual_seed(spec.training.seed)  # identical initial weights on every worker
     task = build_task(spec, rank, world, ray.train.torch.get_device())
-    exchange = build_exchange(spec, task.build_model(), rank, world, ps_shards=config.get("ps_shards"))
+    faults = config.get("faults") or Faults()
+    exchange = build_exchange(spec, task.build_model(), rank, world, ps_shards=config.get("ps_shards"),
+                              emulation=faults.emulation)
     run_task(spec, config, task, exchange)
