@@ -234,6 +234,11 @@ def _summary_table(summary: dict):
         ("wire compression", f"{ratio:.1f}x" if ratio else "-"),
         ("wall time", f"{summary['wall_s']:.1f} s"),
     ]
+    if summary.get("restarts"):
+        replayed = summary.get("replayed") or {}
+        same = (f"; {replayed['identical']} of {replayed['steps']} redone steps repeated their loss exactly"
+                if replayed.get("steps") else "")
+        rows.append(("restarts", f"{summary['restarts']}, {summary['steps_redone']} steps redone{same}"))
     adaptive = summary.get("adaptive")
     if adaptive:
         sources = ", ".join(f"{k} {v}" for k, v in adaptive["sources"].items())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 import threading
 import time
 import uuid
@@ -40,27 +41,45 @@ class TrainingFailed(RuntimeError):
     gradient under ``training.on_nonfinite: raise``, or ranks that disagree)."""
 
 
-@ray.remote(num_cpus=0)
-class ProgressActor:
-    """Rank 0 posts each step's metrics here; the driver polls it for the progress bar."""
+class Progress:
+    """Rank 0 posts each step's metrics here (as :data:`ProgressActor`); the driver polls it
+    for the progress bar."""
 
     def __init__(self):
         self.latest: dict | None = None
         self.failure: dict | None = None
         self.history: list[dict] = []  # one entry per evaluation: the accuracy-over-time curve
         self.restarts = {"steps_run": 0, "restarts": 0, "steps_redone": 0, "resumes": []}
+        # Rank 0's loss at each step of this attempt, and the earlier attempt's at the steps a
+        # resume redoes: an exact resume repeats them bit for bit.
+        self.losses: dict[int, float] = {}
+        self.before: dict[int, float] = {}
+        self.replayed = {"steps": 0, "identical": 0, "first_difference": None}
 
     def update(self, metrics: dict) -> None:
+        step = metrics["step"]
         # A new rank-0 process, or a step at or before the last one seen, means a new worker
         # group: it resumed from a checkpoint (or, in parameter-server mode, where the shards are).
-        if self.latest is not None and (metrics["step"] <= self.latest["step"]
-                                        or metrics.get("pid") != self.latest.get("pid")):
+        if self.latest is not None and (step <= self.latest["step"] or metrics.get("pid") != self.latest.get("pid")):
             self.restarts["restarts"] += 1
-            self.restarts["steps_redone"] += max(0, self.latest["step"] - metrics["step"] + 1)
-            self.restarts["resumes"].append({"last_step": self.latest["step"], "resumed_at": metrics["step"]})
-            self.history = [h for h in self.history if h["step"] < metrics["step"]]
+            self.restarts["steps_redone"] += max(0, self.latest["step"] - step + 1)
+            self.restarts["resumes"].append({"last_step": self.latest["step"], "resumed_at": step})
+            self.history = [h for h in self.history if h["step"] < step]
+            # Steps an earlier attempt reached and the last did not stay comparable too.
+            self.before.update({s: v for s, v in self.losses.items() if s >= step})
+            self.losses = {s: v for s, v in self.losses.items() if s < step}
         self.restarts["steps_run"] += 1
         self.latest = metrics
+        loss = metrics.get("loss")
+        if loss is not None:
+            self.losses[step] = loss
+            if step in self.before:
+                first = self.before.pop(step)
+                self.replayed["steps"] += 1
+                if struct.pack("<d", first) == struct.pack("<d", loss):
+                    self.replayed["identical"] += 1
+                elif self.replayed["first_difference"] is None:
+                    self.replayed["first_difference"] = step
         if metrics.get("evaluated"):
             self.history.append({k: metrics.get(k) for k in ("step", "train_s", "elapsed_s", "test_accuracy", "val_loss",
                                                                    "loss", "local_every")})
@@ -79,7 +98,10 @@ class ProgressActor:
         return self.history
 
     def get_restarts(self) -> dict:
-        return {**self.restarts, "resumes": list(self.restarts["resumes"])}
+        return {**self.restarts, "resumes": list(self.restarts["resumes"]), "replayed": dict(self.replayed)}
+
+
+ProgressActor = ray.remote(num_cpus=0)(Progress)
 
 
 def _scaling(spec: JobSpec) -> ScalingConfig:
@@ -238,7 +260,9 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     summary["run_id"] = run_id
     summary["adaptive"] = adaptive
     summary["ps"] = ps_report
-    summary.update(restarts)  # steps_run, restarts, steps_redone
+    # steps_run, restarts, steps_redone, resumes; replayed: of the redone steps whose loss rank 0
+    # reported in both attempts, how many repeated it bit for bit (all, when a resume is exact)
+    summary.update(restarts)
     return summary
 
 

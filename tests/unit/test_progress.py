@@ -1,0 +1,38 @@
+"""The driver's record of a run's progress: restarts, and whether a resume repeated the steps
+it redid exactly."""
+
+from __future__ import annotations
+
+from rayzip.runner import Progress
+
+
+def _run(progress: Progress, pid: int, steps: range, loss) -> None:
+    for step in steps:
+        progress.update({"step": step, "pid": pid, "loss": loss(step)})
+
+
+def test_an_exact_resume_repeats_the_redone_steps_loss_bit_for_bit():
+    progress = Progress()
+    _run(progress, 1, range(0, 30), lambda s: 1.0 / (s + 1))
+    _run(progress, 2, range(20, 40), lambda s: 1.0 / (s + 1))  # resumed at 20: 10 steps redone
+    restarts = progress.get_restarts()
+    assert restarts["restarts"] == 1 and restarts["steps_redone"] == 10
+    assert restarts["replayed"] == {"steps": 10, "identical": 10, "first_difference": None}
+
+
+def test_a_resume_that_lost_state_is_seen_at_its_first_different_step():
+    progress = Progress()
+    _run(progress, 1, range(0, 30), lambda s: 1.0 / (s + 1))
+    # The first redone step is the same (the weights came back), the next differs in the last
+    # bit (say, the error-feedback residual was lost).
+    _run(progress, 2, range(20, 40), lambda s: 1.0 / (s + 1) if s == 20 else float.fromhex((1.0 / (s + 1)).hex()) * (1 + 2**-52))
+    assert progress.get_restarts()["replayed"] == {"steps": 10, "identical": 1, "first_difference": 21}
+
+
+def test_a_second_resume_compares_with_the_last_attempt_that_reached_each_step():
+    progress = Progress()
+    _run(progress, 1, range(0, 30), lambda s: float(s))
+    _run(progress, 2, range(20, 25), lambda s: float(s))
+    _run(progress, 3, range(22, 31), lambda s: float(s))  # 22..24 redone again, 25..29 the first's
+    replayed = progress.get_restarts()["replayed"]
+    assert replayed == {"steps": 5 + 3 + 5, "identical": 13, "first_difference": None}, replayed
