@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 SPEC ?= jobs/digits-group-topk.yaml
 
-.PHONY: setup system-deps run test bench clean
+.PHONY: setup system-deps run test test-unit bench clean
 
 setup: $(VENV)/.installed
 
@@ -25,8 +25,13 @@ $(VENV)/.installed: pyproject.toml setup.py rayzip/checkpoint/_kernels.c rayzip/
 run: setup
 	$(BIN)/rayzip run $(SPEC) --summary-json out/summary.json
 
+# Every lane: tests/unit, tests/integration (gloo ranks), tests/system (Ray, Prometheus, namespaces).
 test: system-deps setup
 	$(BIN)/python -m pytest -q
+
+# Pure functions and codecs only: the lane for daily work.
+test-unit: setup
+	$(BIN)/python -m pytest -q tests/unit
 
 bench: setup
 	$(BIN)/rayzip bench codecs --json out/bench-codecs.json

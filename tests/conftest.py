@@ -1,10 +1,45 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the lanes: a test's folder is its marker.
+
+- ``tests/unit``: pure functions and codecs, in this process (``make test-unit``);
+- ``tests/integration``: real gloo process groups and processes of the test's own;
+- ``tests/system``: real Ray, Prometheus, Ray Jobs, network namespaces.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import time
 
 import pytest
+
+from paths import TESTS
+
+LANES = ("unit", "integration", "system")
+_STARTED = time.perf_counter()
+_SPENT = dict.fromkeys(LANES, 0.0)  # seconds of setup, call and teardown, by lane
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        lane = item.path.relative_to(TESTS).parts[0] if item.path.is_relative_to(TESTS) else None
+        if lane not in LANES:
+            raise pytest.UsageError(f"{item.nodeid}: a test lives in one of tests/{{{','.join(LANES)}}}/")
+        item.add_marker(getattr(pytest.mark, lane))
+
+
+def pytest_runtest_logreport(report):
+    for lane in LANES:
+        if f"tests/{lane}/" in report.nodeid:
+            _SPENT[lane] += report.duration
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+@pytest.hookimpl(trylast=True)  # the last line of the run, after the slowest tests
+def pytest_terminal_summary(terminalreporter):
+    spent = ", ".join(f"{lane} {_clock(seconds)}" for lane, seconds in _SPENT.items() if seconds)
+    terminalreporter.write_line(f"rayzip tests: {_clock(time.perf_counter() - _STARTED)} (min:s) in all; by lane: {spent}")
 
 
 @pytest.fixture(scope="module")
@@ -13,6 +48,6 @@ def local_ray():
     (poisoned_data, user_loops) by name, through PYTHONPATH."""
     import ray
 
-    ray.init(address="local", num_cpus=2, runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
+    ray.init(address="local", num_cpus=2, runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}})
     yield
     ray.shutdown()

@@ -1,4 +1,4 @@
-"""A dataset for tests/test_train_ray.py: digits with one worker's whole shard made NaN."""
+"""A dataset for tests/system/test_train_ray.py: digits with one worker's whole shard made NaN."""
 
 from __future__ import annotations
 

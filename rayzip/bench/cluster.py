@@ -42,7 +42,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "topk": {"codec": "topk", "ratio": 0.01, "collective": "ring"},
     "qsgd": {"codec": "qsgd", "collective": "allgather"},
     # The controller tunes group top-k's ratio from the workers' own reports (the Prometheus
-    # path is the same policy; tests/test_adaptive.py runs it against a real Prometheus).
+    # path is the same policy; tests/system/test_adaptive.py runs it against a real Prometheus).
     "adaptive": {"codec": "group_topk", "ratio": 0.01, "collective": "ring"},
     # Group top-k with the collective the cost model picks (allgather for 1%: rayzip.comm.cost).
     "group_topk_auto": {"codec": "group_topk", "ratio": 0.01, "collective": "auto"},

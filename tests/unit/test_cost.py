@@ -57,14 +57,3 @@ def test_auto_picks_the_cheaper_collective_by_the_model():
     tiny = get_codec("topk", ratio=0.5, value_dtype="fp32")
     slow = Link(bandwidth=1e12, latency=1.0)
     assert choose_collective("auto", tiny, [64] * 10, 2, slow) == "allgather"
-
-
-def test_measured_bytes_match_the_model_and_auto_sends_the_least():
-    from rayzip.bench.collectives import run_collectives_bench
-
-    report = run_collectives_bench([2, 4], {"codec": "group_topk", "ratio": 0.01}, steps=4, skip=1)
-    for row in report["rows"]:
-        assert row["measured_allgather_bytes"] == row["model_allgather_bytes"]  # fixed-size payloads
-        # The model places every worker's entries independently: an upper bound on the fill-in.
-        assert 0.9 < row["ring_measured_over_model"] <= 1.0
-        assert row["auto_chose"] == "allgather" and row["auto_over_cheaper"] <= 1.05

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from rayzip.cli import app
 from rayzip.spec import JobSpec, load_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 GOOD = yaml.safe_load((ROOT / "jobs" / "digits-group-topk.yaml").read_text())
 

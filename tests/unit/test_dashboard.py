@@ -1,5 +1,5 @@
 """The Grafana dashboard (issue 8): valid against Grafana's schema, with the variables and
-data-source references Grafana needs. tests/test_adaptive.py evaluates every panel's
+data-source references Grafana needs. tests/system/test_adaptive.py evaluates every panel's
 PromQL against a real Prometheus scraping a real run."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jsonschema
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "tests" / "schemas" / "grafana" / "dashboard.jsonschema.json"  # vendored: tests/schemas/README.md
 DASHBOARD = json.loads((ROOT / "dashboards" / "rayzip.json").read_text())
 

@@ -12,7 +12,7 @@ differ), and the codecs' GPU kernels round as the host's do. Where the arithmeti
 the same (AdamW updates a model, whose next matrix products then round in each library's
 own order), the test says so and compares each device with itself.
 
-Skipped without a GPU. ``python tests/test_gpu_ranks.py cpu`` runs the CPU side alone (the
+Skipped without a GPU. ``python tests/integration/test_gpu_ranks.py cpu`` runs the CPU side alone (the
 harness's own check on a machine without one).
 """
 

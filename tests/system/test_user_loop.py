@@ -7,11 +7,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import pytest
 
-pytestmark = pytest.mark.ray
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "user_loop.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "user_loop.py"
 
 
 def _example():

@@ -18,7 +18,7 @@ from rayzip.cli import app
 from rayzip.k8s import operator_problems, render
 from rayzip.spec import load_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CRDS = ROOT / "tests" / "schemas" / "kuberay"
 EXAMPLE = ROOT / "jobs" / "synthetic-gpu.yaml"
 

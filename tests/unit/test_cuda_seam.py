@@ -1,6 +1,6 @@
 """The parts of rayzip.cuda that need no GPU: when the kernels run, the DCT slot table, and
 that every kernel source the codecs can ask for is well formed (the GPU tests compile and
-run them: tests/test_gpu.py)."""
+run them: tests/integration/test_gpu.py)."""
 
 from __future__ import annotations
 

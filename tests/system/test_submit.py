@@ -15,7 +15,6 @@ import pytest
 
 from own_processes import end_tagged, tagged_env
 
-pytestmark = pytest.mark.ray
 
 BIN = Path(sys.executable).parent
 TINY = """\
@@ -23,7 +22,7 @@ name: tiny-submit
 model: {name: mlp, hidden: [32]}
 dataset: {name: %s}
 training: {steps: 20, eval_every: 10}
-scaling: {min_workers: 2, max_workers: 2}
+scaling: {min_workers: 2, max_workers: 2, max_failures: 0}  # a failure fails the job: a retry would fail alike
 compression: {codec: group_topk, ratio: 0.05}
 checkpoint: {every_steps: 0}
 """

@@ -11,7 +11,7 @@ import pytest
 
 from rayzip.bench import markdown_table
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<!-- table from (\S+\.json)(?:#(\w+))? -->\n((?:\|.*\|\n)+)")
 
 
