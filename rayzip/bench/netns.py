@@ -53,7 +53,9 @@ def _qdisc_available(kind: str) -> bool:
     probe = f"rzprobe{os.getpid()}"
     try:
         _run(["ip", "netns", "add", probe])
-        _run(["ip", "-n", probe, "link", "add", "d0", "type", "dummy"])
+        # a veth pair, as the cluster itself uses: a dummy device needs a module of its own,
+        # whose absence would read as a missing qdisc
+        _run(["ip", "-n", probe, "link", "add", "d0", "type", "veth", "peer", "name", "d1"])
         ok = subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "d0", "root", kind],
                             capture_output=True).returncode == 0
     except ClusterError:

@@ -78,7 +78,11 @@ def _hook_rank(rank, world, overlap):
     return grads
 
 
-def test_overlapped_hook_on_cuda_over_nccl_equals_the_serial_one(tmp_path):
+def test_overlapped_hook_on_cuda_with_one_nccl_rank_equals_the_serial_one(tmp_path):
+    """One rank: NCCL refuses two ranks on one GPU, so nothing crosses a wire here. What runs is
+    the overlapped hook's CUDA machinery (side stream, events, futures, the codec's kernels on
+    each segment) against the serial hook. Two ranks on one GPU, over gloo, are
+    tests/integration/test_gpu_ranks.py."""
     import os
 
     import torch.multiprocessing as mp

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from gloo_world import run_world
+from rayzip.codecs import get_codec
+from rayzip.codecs.memory import ErrorFeedback
 from rayzip.comm.control import control_nbytes
 from rayzip.torch import CompressionSpec, compress, scaled_lr
 
@@ -22,6 +24,7 @@ def _train_rank(rank, world, spec, steps, ratio_at=None, nan_at=None):
     ddp = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.5)
     plain = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.5)
     state = compress(ddp, CompressionSpec(**spec)) if spec else None
+    alone = _model()  # this rank's own gradient, exchanged with nobody (no step changes the weights)
     gen = torch.Generator().manual_seed(rank)
     out = []
     for step in range(steps):
@@ -30,13 +33,13 @@ def _train_rank(rank, world, spec, steps, ratio_at=None, nan_at=None):
         x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
         if nan_at == step:
             x[0, 0] = float("nan")
-        for model in (ddp, plain):
+        for model in (ddp, plain, alone):
             model.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
-        grads = torch.cat([p.grad.flatten() for p in ddp.parameters()]).numpy().copy()
-        plain_grads = torch.cat([p.grad.flatten() for p in plain.parameters()]).numpy().copy()
+        grads, plain_grads, local = (torch.cat([p.grad.flatten() for p in model.parameters()]).numpy().copy()
+                                     for model in (ddp, plain, alone))
         stats = state.last_step.__dict__.copy() if state else None
-        out.append((grads, plain_grads, stats))
+        out.append((grads, plain_grads, stats, local))
     return out
 
 
@@ -45,11 +48,17 @@ def test_ring_hook_averages_the_decoded_payloads_and_counts_bytes():
     world = 3
     results = run_world(_train_rank, world, spec, 4)
     numel = sum(p.numel() for p in _model().parameters())
+    # The reference, without the hook: each rank's own gradient through a fresh codec and
+    # error feedback of its own, decoded, and averaged over the ranks.
+    codec = get_codec("group_topk", ratio=0.05, value_dtype="fp32")
+    memories = [ErrorFeedback() for _ in range(world)]
     for step in range(4):
         grads = [r[step][0] for r in results]
         for g in grads[1:]:
             assert np.array_equal(g, grads[0])  # replicas stay identical
-        for _, _, stats in (r[step] for r in results):
+        decoded = [codec.decode(memories[r].encode(codec, "grad", results[r][step][3])) for r in range(world)]
+        np.testing.assert_allclose(grads[0], np.mean(decoded, axis=0), rtol=1e-5, atol=1e-8)
+        for _, _, stats, _ in (r[step] for r in results):
             assert stats["compressed"] and stats["step"] == step
             assert stats["verify_max_abs_err"] < 1e-6
             assert stats["numel"] == numel
@@ -70,7 +79,7 @@ def test_fp16_ring_keeps_replicas_identical():
 
 def test_none_codec_hook_matches_plain_ddp_and_sends_dense_bytes():
     results = run_world(_train_rank, 2, {"codec": "none"}, 2)
-    for grads, plain, stats in results[0]:
+    for grads, plain, stats, _ in results[0]:
         np.testing.assert_allclose(grads, plain, rtol=1e-6, atol=1e-7)
         # The fp32 allreduce plus the control word's all-reduce (7 int64 fields, min and max).
         assert stats["control_bytes"] == control_nbytes(2) == 2 * 1 * (7 * 2 * 8) // 2
@@ -81,7 +90,7 @@ def test_warmup_steps_go_dense_then_compress_and_ratio_switches_at_a_step():
     spec = {"codec": "topk", "ratio": 0.05, "warmup_steps": 2}
     results = run_world(_train_rank, 2, spec, 5, 3)
     for rank_steps in results:
-        stats = [s for _, _, s in rank_steps]
+        stats = [s for _, _, s, _ in rank_steps]
         assert [s["compressed"] for s in stats] == [False, False, True, True, True]
         assert stats[0]["bytes_sent"] == stats[0]["dense_bytes"] + control_nbytes(2)
         assert stats[2]["bytes_sent"] < stats[2]["dense_bytes"] / 4
@@ -122,12 +131,16 @@ def _sgd_rank(rank, world, momentum_correction, steps, momentum=0.9):
 def test_momentum_correction_through_a_lossless_codec_is_sgd_momentum():
     # Nothing waits in the residual, so per-worker momentum then averaging equals averaging
     # then the optimizer's momentum: only the order of float additions differs.
-    corrected = run_world(_sgd_rank, 2, True, 6)
-    plain = run_world(_sgd_rank, 2, False, 6)
-    np.testing.assert_array_equal(corrected[0], corrected[1])
-    np.testing.assert_allclose(corrected[0], plain[0], rtol=1e-5, atol=1e-6)
-    without_momentum = run_world(_sgd_rank, 2, False, 6, 0.0)
-    assert not np.allclose(corrected[0], without_momentum[0], atol=1e-4)  # momentum really acted
+    (corrected, plain, without_momentum), (corrected_1, _, _) = run_world(_sgd_variants, 2, 6)
+    np.testing.assert_array_equal(corrected, corrected_1)
+    np.testing.assert_allclose(corrected, plain, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(corrected, without_momentum, atol=1e-4)  # momentum really acted
+
+
+def _sgd_variants(rank, world, steps):
+    """Momentum corrected in the hook, momentum in the optimizer, and none: one world."""
+    return (_sgd_rank(rank, world, True, steps), _sgd_rank(rank, world, False, steps),
+            _sgd_rank(rank, world, False, steps, 0.0))
 
 
 def test_momentum_correction_needs_the_momentum_factor():

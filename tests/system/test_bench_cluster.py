@@ -50,10 +50,26 @@ def test_two_methods_on_a_namespace_cluster_and_nothing_left_behind(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert leftover_namespaces(f"rz{bench.pid}-") == []  # its own namespaces: rz<its pid>-...
     assert tagged_pids(tag) == set(), "the benchmark left processes behind"
+def _netem_here() -> bool:
+    """The test's own probe: a netem qdisc on a veth pair in a namespace of its own."""
+    name = f"rzt{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "add", "a0", "type", "veth", "peer", "name", "a1"], check=True)
+        return subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "a0", "root", "netem",
+                               "delay", "1ms"], capture_output=True).returncode == 0
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=True)
+
+
 @needs_root
-def test_latency_needs_netem_or_is_refused():
-    if _qdisc_available("netem"):
+def test_latency_is_emulated_where_the_kernel_has_netem_and_refused_where_not():
+    if _netem_here():
+        assert _qdisc_available("netem")
         preflight("1ms")
     else:
+        assert not _qdisc_available("netem")
         with pytest.raises(ClusterError, match="no netem qdisc"):
             preflight("1ms")
+    preflight()  # without --latency, netem is not needed
+    assert leftover_namespaces("rzprobe") == []  # the probes removed their namespaces

@@ -492,7 +492,7 @@ def test_a_higher_sign_rank_is_chosen_only_where_it_pays_on_the_whole_matrix():
     own = per_float(four, four.encode(sample, None, np, shape=sample_shape)[0])  # directions from the 8 rows
     whole = per_float(four, four.encode_sample(sample, None, np, sample_shape, words, (rows, cols)))
     rank_one = per_float(one, one.encode_sample(sample, None, np, sample_shape, words, (rows, cols)))
-    assert own < 0.997 * rank_one and whole > rank_one, (own, rank_one, whole)
+    assert own < rank_one < whole, (own, rank_one, whole)  # a better fit on the sample only
 
 
 def test_a_first_moment_whose_signs_are_low_rank_is_coded_with_a_sign_model_of_rank_four(tmp_path):
