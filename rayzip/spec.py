@@ -19,11 +19,9 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-from .codecs import (CODECS, AdamCorrection, CodecError, ErrorFeedback, MomentumCorrection, NoMemory, codec_parameters,
-                     get_codec)
-from .codecs.memory import check_error_feedback
-from .comm.collectives import choose_collective
+from .codecs import CODECS, codec_parameters
 from .comm.cost import Link
+from .torch.config import CompressionConfig
 
 __all__ = [
     "CheckpointSpec", "CompressionSpec", "DatasetSpec", "JobSpec", "LocalStepsSpec", "MetricsSpec", "ModelSpec",
@@ -286,44 +284,40 @@ class CompressionSpec(_Strict):
             if getattr(self, name) is not None and name not in takes:
                 raise ValueError(f"{name} does not apply to codec {self.codec} "
                                  f"(it takes {', '.join(takes) or 'no parameters'})")
-        try:
-            codec = self.build_codec()
-            if self.error_feedback:
-                check_error_feedback(codec)
-            if self.collective != "ps":  # a shard decodes every push: any codec fits
-                choose_collective(self.collective, codec)
-        except CodecError as exc:
-            raise ValueError(str(exc)) from None
+        self._config()  # the library's own checks: error feedback, the collective
         return self
 
+    def _config(self) -> CompressionConfig:
+        # A shard decodes every push, so with collective ps any codec fits: checked as allgather.
+        collective = "allgather" if self.collective == "ps" else self.collective
+        return CompressionConfig(
+            codec=self.codec, density=self.ratio, **{k: getattr(self, k) for k in _CODEC_FIELDS if k != "ratio"},
+            error_feedback=self.error_feedback, momentum_correction=self.momentum_correction,
+            adam_correction=self.adam_correction, collective=collective, link=self.link(),
+            hierarchy=self.hierarchy, overlap=self.overlap, segment_mb=self.segment_mb,
+            warmup_steps=self.warmup_steps, verify=self.verify)
+
+    def to_config(self) -> CompressionConfig:
+        """The library's config (:class:`rayzip.torch.CompressionConfig`) for rayzip's hook and
+        local steps."""
+        if self.collective == "ps" or self.torch_hook is not None:
+            raise ValueError(f"rayzip's hook does not run with collective {self.collective} "
+                             f"or torch_hook {self.torch_hook}")
+        return self._config()
+
     def codec_params(self, rank: int = 0) -> dict[str, Any]:
-        takes = codec_parameters(self.codec)
-        params = {k: getattr(self, k) for k in _CODEC_FIELDS if k in takes and getattr(self, k) is not None}
-        if self.codec == "qsgd":  # independent rounding noise on each worker averages out
-            params["seed"] = params.get("seed", 0) + rank
-        return params
+        return self._config().codec_params(rank)
 
     def link(self) -> Link:
         """The link ``collective: auto`` weighs its choice on."""
         return Link(bandwidth=self.link_mbit * 1e6 / 8, latency=self.link_latency_ms / 1e3)
 
     def build_codec(self, rank: int = 0):
-        return get_codec(self.codec, **self.codec_params(rank))
+        return self._config().build_codec(rank)
 
     def build_memory(self, momentum: float | None = None, adam_betas: tuple[float, float] | None = None):
-        """The Memory role this spec asks for: momentum correction (give the SGD ``momentum``),
-        Adam correction (give Adam's ``adam_betas``), error feedback, or none."""
-        if self.adam_correction:
-            if adam_betas is None:
-                raise ValueError("adam_correction needs Adam's betas, with the optimizer built as SGD "
-                                 "without momentum (rayzip.torch.optim.build_optimizer does it)")
-            return AdamCorrection(tuple(adam_betas))
-        if self.momentum_correction:
-            if not momentum:
-                raise ValueError("momentum_correction needs the SGD momentum factor, "
-                                 "with the optimizer built with momentum=0")
-            return MomentumCorrection(momentum)
-        return ErrorFeedback() if self.error_feedback else NoMemory()
+        """The Memory role this spec asks for (:meth:`CompressionConfig.build_memory`)."""
+        return self._config().build_memory(momentum, adam_betas)
 
 
 class CheckpointSpec(_Strict):

@@ -42,7 +42,7 @@ def _rank(rank: int, world: int, compression: dict, steps: int) -> dict[str, Any
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for collective in COLLECTIVES:
-        spec = CompressionSpec(**{**compression, "collective": collective})
+        spec = CompressionSpec(**{**compression, "collective": collective}).to_config()
         ddp = torch.nn.parallel.DistributedDataParallel(_model(), **ddp_kwargs(spec))
         state = compress(ddp, spec, momentum=0.9 if spec.momentum_correction else None)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)

@@ -38,18 +38,10 @@ HIERARCHY_MODES = ("none", "node", "auto")
 
 
 def node_key() -> str:
-    """What identifies this process's node: ``$RAYZIP_NODE_ID``, the Ray node id, or the host."""
-    explicit = os.environ.get("RAYZIP_NODE_ID")
-    if explicit:
-        return explicit
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.get_runtime_context().get_node_id()
-    except Exception:  # ray absent or not in a Ray process: the host is the node
-        pass
-    return socket.gethostname()
+    """What identifies this process's node when the caller gives no key: ``$RAYZIP_NODE_ID``,
+    or the host name. (Under Ray, rayzip.train gives the Ray node id: namespaced nodes share
+    a host name.)"""
+    return os.environ.get("RAYZIP_NODE_ID") or socket.gethostname()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ every rank raises :class:`NonFiniteError` naming the rank, parameter and element
 Usage::
 
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    state = rayzip.torch.compress(ddp, CompressionSpec(codec="group_topk", ratio=0.01))
+    state = rayzip.torch.compress(ddp, CompressionConfig(codec="group_topk", density=0.01))
     ...                                   # train as usual
     state.set_ratio(0.05)                 # from the next step on; every rank must call it
     state.propose(20.0)                   # or: one rank proposes, every rank adopts it next step
@@ -55,7 +55,7 @@ from ..comm import AllReduce, Transport, make_communicator, ring_allreduce_bytes
 from ..comm.emulation import Emulation
 from ..comm.hierarchy import build_hierarchy
 from ..comm.control import ControlWord, RankDisagreement, agree, bad_key, encode_mode, proposal_key
-from ..spec import CompressionSpec
+from .config import CompressionConfig
 from .dense import DenseSteps
 from ..xp import as_array, keep_freed_memory, to_torch
 
@@ -122,10 +122,11 @@ class CompressionState:
     ``requires_grad``: DDP's buckets hold no others), ``names`` their names for messages.
     """
 
-    def __init__(self, spec: CompressionSpec, parameters: list[torch.Tensor], process_group=None,
+    def __init__(self, spec: CompressionConfig, parameters: list[torch.Tensor], process_group=None,
                  device: torch.device | str = "cpu", momentum: float | None = None,
                  adam_betas: tuple[float, float] | None = None, names: list[str] | None = None,
-                 on_nonfinite: str = "raise", grad_scaler=None, emulation: Emulation | None = None):
+                 on_nonfinite: str = "raise", grad_scaler=None, emulation: Emulation | None = None,
+                 node_key: str | None = None):
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}")
         parameters = list(parameters)
@@ -133,7 +134,7 @@ class CompressionState:
             raise ValueError("no trainable parameters: nothing to compress")
         self.spec = spec
         self.on_nonfinite = on_nonfinite
-        self._twin = (parameters, process_group, device, momentum, adam_betas, emulation)  # for dry_run
+        self._twin = (parameters, process_group, device, momentum, adam_betas, emulation, node_key)  # for dry_run
         self.link_probe = None  # the timed DDP broadcast of the model, where the caller timed it (rayzip.train.probe)
         self.grad_scaler = grad_scaler
         # One gradient in parameter order, cut into segments of whole parameters by size
@@ -170,7 +171,8 @@ class CompressionState:
         self.transport = Transport(process_group, device=device, emulation=emulation)
         # With a hierarchy, each node's leader exchanges its node's sum with the other
         # leaders; the other workers exchange nothing across nodes but the control word.
-        self.hierarchy = build_hierarchy(spec.hierarchy, process_group, device=device, emulation=emulation)
+        self.hierarchy = build_hierarchy(spec.hierarchy, process_group, key=node_key, device=device,
+                                         emulation=emulation)
         self._exchanging = self.transport if self.hierarchy is None else self.hierarchy.leaders
         self.codec = spec.build_codec(rank=self.rank)
         self.memory = spec.build_memory(momentum, adam_betas)
@@ -232,9 +234,9 @@ class CompressionState:
         compressed step's exchange costs on this network and this codec, before the first
         step. Every rank must call it; the last of ``repeats`` counts (the first sets up
         buffers). The adaptive controller's first sample (:class:`rayzip.train.Telemetry`)."""
-        parameters, group, device, momentum, adam_betas, emulation = self._twin
+        parameters, group, device, momentum, adam_betas, emulation, node_key = self._twin
         twin = CompressionState(self.spec, parameters, group, device, momentum=momentum, adam_betas=adam_betas,
-                                names=self._names, emulation=emulation)
+                                names=self._names, emulation=emulation, node_key=node_key)
         if self.ratio is not None:
             twin.set_ratio(self.ratio)
         twin.step = self.spec.warmup_steps  # past the warm-up, which would send it dense
@@ -256,7 +258,7 @@ class CompressionState:
         if self._exchanging is None:
             return None
         return make_communicator(self.spec.collective, self.codec, self._exchanging,
-                                 sizes=[hi - lo for lo, hi in self.segments], link=self.spec.link())
+                                 sizes=[hi - lo for lo, hi in self.segments], link=self.spec.link)
 
     def _begin_step(self) -> None:
         if self._pending_ratio is not None:
@@ -706,7 +708,7 @@ def _verify(state: CompressionState, communicator, codec, payload, average) -> N
     state.current.verify_max_abs_err = max(prior, err)
 
 
-def ddp_kwargs(spec: CompressionSpec) -> dict:
+def ddp_kwargs(spec: CompressionConfig) -> dict:
     """DDP's arguments for rayzip's hook: with overlap, buckets no larger than a segment, so
     that each segment reaches the hook as soon as backward has produced it (DDP's default
     25 MB buckets would hold most of a small model's gradient until the end of backward).
@@ -719,10 +721,10 @@ def ddp_kwargs(spec: CompressionSpec) -> dict:
     return {"bucket_cap_mb": spec.segment_mb} if spec.overlap else {}
 
 
-def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: CompressionSpec,
+def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: CompressionConfig,
              process_group=None, momentum: float | None = None, on_nonfinite: str = "raise",
              grad_scaler=None, adam_betas: tuple[float, float] | None = None,
-             emulation: Emulation | None = None) -> CompressionState:
+             emulation: Emulation | None = None, node_key: str | None = None) -> CompressionState:
     """Register rayzip's compressed comm hook on ``ddp_model``; returns its state.
 
     Only parameters with ``requires_grad`` are exchanged (frozen layers cost nothing).
@@ -733,7 +735,9 @@ def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: Compres
     ``adam_elsewhere``): the hook sends each worker's Adam direction. ``on_nonfinite``:
     ``"raise"`` or ``"skip"`` (see the module docstring); ``grad_scaler``: AMP's
     ``GradScaler``, whose scale the residuals then follow. ``emulation``: a slower link than
-    the real one (:mod:`rayzip.comm.emulation`) for every send of the exchange. With ``spec.overlap`` and no
+    the real one (:mod:`rayzip.comm.emulation`) for every send of the exchange. ``node_key``:
+    what names this process's node for ``spec.hierarchy`` (default: ``$RAYZIP_NODE_ID`` or the
+    host name). With ``spec.overlap`` and no
     ``process_group``, the hook creates its own group over every rank (``dist.new_group``):
     call it on every rank.
     """
@@ -750,6 +754,7 @@ def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: Compres
         process_group = dist.new_group(backend=dist.get_backend())
     state = CompressionState(spec, parameters=[p for _, p in named], process_group=process_group, device=device,
                              momentum=momentum, adam_betas=adam_betas, names=[name for name, _ in named],
-                             on_nonfinite=on_nonfinite, grad_scaler=grad_scaler, emulation=emulation)
+                             on_nonfinite=on_nonfinite, grad_scaler=grad_scaler, emulation=emulation,
+                             node_key=node_key)
     ddp_model.register_comm_hook(state, compressed_hook)
     return state

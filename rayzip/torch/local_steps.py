@@ -28,7 +28,7 @@ momentum inside, the mean of the workers' buffers follows DDP's buffer (both are
 
 Usage::
 
-    local = LocalSteps(model.named_parameters(), every=10, compression=CompressionSpec(codec="group_topk", ratio=0.01))
+    local = LocalSteps(model.named_parameters(), every=10, compression=CompressionConfig(codec="group_topk", density=0.01))
     for batch in loader:
         optimizer.zero_grad()
         loss_fn(model, batch).backward()
@@ -51,7 +51,7 @@ from .. import cuda
 from ..codecs import NonFiniteError
 from ..codecs.kernels import all_finite
 from ..comm.emulation import Emulation
-from ..spec import CompressionSpec
+from .config import CompressionConfig
 from .hook import NONFINITE_POLICIES, CompressionState, StepStats
 from .optim import build_outer_optimizer
 
@@ -63,13 +63,14 @@ class LocalSteps:
     ``requires_grad`` are synchronized (frozen ones never change). Without an initialized
     process group, or at world size 1, a synchronization exchanges nothing and only the
     outer optimizer runs. ``emulation``: a slower link than the real one for the
-    synchronizations' sends (:mod:`rayzip.comm.emulation`)."""
+    synchronizations' sends (:mod:`rayzip.comm.emulation`); ``node_key`` as for
+    :func:`rayzip.torch.compress`."""
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.Tensor]], every: int = 10,
                  outer_lr: float = 0.7, outer_momentum: float = 0.5, nesterov: bool = True,
-                 compression: CompressionSpec | None = None, process_group=None, on_nonfinite: str = "raise",
+                 compression: CompressionConfig | None = None, process_group=None, on_nonfinite: str = "raise",
                  max_skipped_rounds: int = 10, tuner=None, overlap: bool = False,
-                 emulation: Emulation | None = None):
+                 emulation: Emulation | None = None, node_key: str | None = None):
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
         if on_nonfinite not in NONFINITE_POLICIES:
@@ -84,7 +85,7 @@ class LocalSteps:
         # model's dtype, so that small outer updates are not rounded away.
         self.anchor = [p.detach().to(torch.float32).clone() for p in self.params]
         self.outer = build_outer_optimizer(self.anchor, outer_lr, outer_momentum, nesterov)
-        compression = compression or CompressionSpec()
+        compression = compression or CompressionConfig()
         exchanging = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
         self.overlap = bool(overlap)
         if exchanging and self.overlap and process_group is None:
@@ -98,7 +99,7 @@ class LocalSteps:
         self._pending: _InFlight | None = None
         self.state = (CompressionState(compression, self.params, process_group=process_group,
                                        device=self.params[0].device, names=self.names, on_nonfinite=on_nonfinite,
-                                       emulation=emulation)
+                                       emulation=emulation, node_key=node_key)
                       if exchanging else None)
         self.world = dist.get_world_size(process_group) if exchanging else 1
         self.rank = dist.get_rank(process_group) if exchanging else 0

@@ -1,5 +1,8 @@
 """The optimizer a job spec's ``training`` section names, for workers and parameter shards alike.
 
+Any object with the settings of :class:`OptimizerSettings` will do (the job spec's
+``TrainingSpec`` is one): this module does not import the spec.
+
 Usage::
 
     optimizer = build_optimizer(spec.training, model.parameters())
@@ -8,11 +11,21 @@ Usage::
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from ..spec import TrainingSpec
+__all__ = ["OptimizerSettings", "build_optimizer", "build_outer_optimizer", "fused_where_possible", "load_optimizer"]
 
-__all__ = ["build_optimizer", "build_outer_optimizer", "fused_where_possible", "load_optimizer"]
+
+class OptimizerSettings(Protocol):
+    """What :func:`build_optimizer` reads."""
+
+    optimizer: str  # sgd, adam or adamw
+    lr: float
+    momentum: float
+    betas: tuple[float, float]
+    weight_decay: float
 
 
 def build_outer_optimizer(params, lr: float, momentum: float, nesterov: bool) -> torch.optim.SGD:
@@ -21,7 +34,7 @@ def build_outer_optimizer(params, lr: float, momentum: float, nesterov: bool) ->
     return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=bool(nesterov and momentum > 0))
 
 
-def build_optimizer(training: TrainingSpec, params, momentum_elsewhere: bool = False,
+def build_optimizer(training: OptimizerSettings, params, momentum_elsewhere: bool = False,
                     adam_elsewhere: bool = False) -> torch.optim.Optimizer:
     """SGD (with the spec's momentum, or none when ``momentum_elsewhere``: momentum correction
     keeps it on the workers), Adam or AdamW, at the spec's base learning rate. With

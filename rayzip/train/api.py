@@ -7,7 +7,7 @@ Inside a ``train_func`` for ``ray.train.torch.TorchTrainer``::
 
     def train_func(config):
         model = rayzip.train.prepare_model(build_model(),
-                                           compression=CompressionConfig(codec="group_topk", ratio=0.01))
+                                           compression=CompressionConfig(codec="group_topk", density=0.01))
         optimizer = torch.optim.AdamW(model.parameters())
         start = rayzip.train.restore(model, optimizer)          # {} on a fresh start, else what you saved
         for step in range(start.get("step", -1) + 1, steps):
@@ -39,22 +39,20 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..spec import CompressionSpec
+from ..torch.config import CompressionConfig
 from ..torch.hook import CompressionState, compress, ddp_kwargs
 from .checkpoints import (GroupCheckpoints, load_optimizer, load_trainer, restore_hook, take_parts, unwrap,
                           write_parts, write_taken)
+from .exchange import node_id
 from .probe import prepare_timed
 
 __all__ = ["CompressionConfig", "compression_state", "flush", "prepare_model", "report", "restore",
            "save_checkpoint"]
 
-# The compression section of a job spec is the library's config object: a small pydantic
-# model (codec and its parameters, error feedback, momentum correction, collective, warm-up).
-CompressionConfig = CompressionSpec
-
 _ATTRIBUTE = "_rayzip_compression_state"
 
 
-def prepare_model(model: torch.nn.Module, compression: CompressionConfig | None = None, *,
+def prepare_model(model: torch.nn.Module, compression: CompressionConfig | CompressionSpec | None = None, *,
                   momentum: float | None = None, adam_betas: tuple[float, float] | None = None,
                   on_nonfinite: str = "raise", grad_scaler=None,
                   **prepare_kwargs: Any) -> torch.nn.Module:
@@ -66,11 +64,14 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | None 
     where it is). ``adam_betas``: Adam's betas, when ``compression.adam_correction`` (then build
     the optimizer as ``torch.optim.SGD(params, lr, momentum=0, weight_decay=wd)`` where
     :func:`compression_state` is not None, as AdamW where it is). ``on_nonfinite`` and
-    ``grad_scaler`` as for :func:`rayzip.torch.compress`.
+    ``grad_scaler`` as for :func:`rayzip.torch.compress`. ``compression``: the library's config,
+    or a job spec's compression section (converted with its ``to_config``).
     """
-    if compression is not None and compression.collective == "ps":
-        raise ValueError("collective ps runs parameter-server shards, which `rayzip run` starts; "
-                         "in your own loop, choose auto, ring, allreduce or allgather")
+    if isinstance(compression, CompressionSpec):
+        if compression.collective == "ps":
+            raise ValueError("collective ps runs parameter-server shards, which `rayzip run` starts; "
+                             "in your own loop, choose auto, ring, allreduce or allgather")
+        compression = compression.to_config()
     if compression is not None and "parallel_strategy_kwargs" not in prepare_kwargs:
         prepare_kwargs["parallel_strategy_kwargs"] = ddp_kwargs(compression)
     prepared, probe = prepare_timed(model, **prepare_kwargs)
@@ -78,7 +79,7 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | None 
     if isinstance(prepared, DistributedDataParallel) and compression is not None:
         state = compress(prepared, compression, momentum=momentum if compression.momentum_correction else None,
                          adam_betas=adam_betas if compression.adam_correction else None,
-                         on_nonfinite=on_nonfinite, grad_scaler=grad_scaler)
+                         on_nonfinite=on_nonfinite, grad_scaler=grad_scaler, node_key=node_id())
         state.link_probe = probe
     object.__setattr__(prepared, _ATTRIBUTE, state)  # a plain attribute, not a submodule
     return prepared

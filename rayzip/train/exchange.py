@@ -409,6 +409,12 @@ class _LocalState:
               f"{self.rank % old_world}'s inner optimizer; error feedback re-sharded")
 
 
+def node_id() -> str:
+    """This worker's Ray node: what groups workers by node for the hierarchy (namespaced nodes
+    of one machine share its host name)."""
+    return ray.get_runtime_context().get_node_id()
+
+
 def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
                    ps_shards: list[str] | None = None, emulation: Emulation | None = None) -> Exchange:
     """Prepare ``model`` for Ray Train (DDP unless in parameter-server mode or at world size
@@ -432,9 +438,10 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
             tuner = EveryTuner(local.min_every, max(local.min_every, min(local.max_every, *due)), local.slack,
                                overlap=local.overlap)
         synced = LocalSteps(model.named_parameters(), every=local.every, outer_lr=local.outer_lr,
-                            outer_momentum=local.outer_momentum, nesterov=local.nesterov, compression=comp,
+                            outer_momentum=local.outer_momentum, nesterov=local.nesterov,
+                            compression=comp.to_config(),
                             on_nonfinite=training.on_nonfinite, max_skipped_rounds=training.max_skipped_steps,
-                            tuner=tuner, overlap=local.overlap, emulation=emulation)
+                            tuner=tuner, overlap=local.overlap, emulation=emulation, node_key=node_id())
         return LocalStepsExchange(spec, model, rank, world, build_optimizer(training, model.parameters()), synced)
     if comp.collective == "ps":
         # The shards combine gradients: no DDP allreduce underneath.
@@ -445,16 +452,16 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
     hooked = comp.torch_hook is None and (comp.codec != "none" or comp.verify or comp.momentum_correction
                                           or comp.hierarchy == "node")
     model, probe = prepare_timed(model, parallel_strategy="ddp",
-                                 parallel_strategy_kwargs=ddp_kwargs(comp) if hooked else None)
+                                 parallel_strategy_kwargs=ddp_kwargs(comp.to_config()) if hooked else None)
     ddp = isinstance(model, DistributedDataParallel)
     if ddp and comp.torch_hook is not None:
         counter = register_torch_hook(model, comp.torch_hook, comp.powersgd_rank, comp.powersgd_start_iter)
         return TorchHookExchange(spec, model, rank, world, build_optimizer(training, model.parameters()),
                                  counter=counter)
     if ddp and hooked:
-        state = compress(model, comp, momentum=training.momentum if comp.momentum_correction else None,
+        state = compress(model, comp.to_config(), momentum=training.momentum if comp.momentum_correction else None,
                          adam_betas=tuple(training.betas) if comp.adam_correction else None,
-                         on_nonfinite=training.on_nonfinite, emulation=emulation)
+                         on_nonfinite=training.on_nonfinite, emulation=emulation, node_key=node_id())
         state.link_probe = probe
         optimizer = build_optimizer(training, model.parameters(), momentum_elsewhere=comp.momentum_correction,
                                     adam_elsewhere=comp.adam_correction)

@@ -5,7 +5,7 @@ and ratio adoption agreed in the hook's control word.
 
     import rayzip.train
 
-    model = rayzip.train.prepare_model(model, compression=CompressionConfig(codec="group_topk", ratio=0.01))
+    model = rayzip.train.prepare_model(model, compression=CompressionConfig(codec="group_topk", density=0.01))
     telemetry = rayzip.train.Telemetry(model, run="my-run", controller=controller_name("my-run"))
     for step, batch in enumerate(loader):
         telemetry.begin_step()

@@ -16,7 +16,7 @@ import torch
 
 from gloo_world import run_world
 from rayzip.comm.control import Agreed, ControlWord, RankDisagreement, bad_key, proposal_key
-from rayzip.torch import CompressionSpec, compress
+from rayzip.torch import CompressionConfig, compress
 from rayzip.torch.hook import CompressionState, NonFiniteError
 from rayzip.train.loop import Adoption
 
@@ -38,7 +38,7 @@ def _nan_rank(rank, world, spec, policy, bad_rank, bad_step, steps):
     feedback holds), or the error this rank raised."""
     momentum = 0.9 if spec.get("momentum_correction") else None
     ddp = torch.nn.parallel.DistributedDataParallel(_model())
-    state = compress(ddp, CompressionSpec(**spec), momentum=momentum, on_nonfinite=policy)
+    state = compress(ddp, CompressionConfig(**spec), momentum=momentum, on_nonfinite=policy)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.0)
     gen = torch.Generator().manual_seed(rank)
     out = []
@@ -61,7 +61,7 @@ def _nan_rank(rank, world, spec, policy, bad_rank, bad_step, steps):
 
 def test_nan_on_one_rank_every_rank_raises_together_within_the_step():
     started = time.perf_counter()
-    results = run_world(_nan_rank, 3, {"codec": "group_topk", "ratio": 0.05}, "raise", 1, 2, 5,
+    results = run_world(_nan_rank, 3, {"codec": "group_topk", "density": 0.05}, "raise", 1, 2, 5,
                         timeout_s=TIMEOUT_S)
     wall_s = time.perf_counter() - started
     print(f"3 gloo ranks, NaN on rank 1 at step 2, policy raise: wall {wall_s:.1f} s")
@@ -72,8 +72,8 @@ def test_nan_on_one_rank_every_rank_raises_together_within_the_step():
     assert wall_s < 3 * TIMEOUT_S
 
 
-@pytest.mark.parametrize("spec", [{"codec": "group_topk", "ratio": 0.05},
-                                  {"codec": "topk", "ratio": 0.05, "momentum_correction": True}])
+@pytest.mark.parametrize("spec", [{"codec": "group_topk", "density": 0.05},
+                                  {"codec": "topk", "density": 0.05, "momentum_correction": True}])
 def test_nan_on_one_rank_every_rank_skips_the_same_step_and_keeps_its_residual(spec):
     results = run_world(_nan_rank, 3, spec, "skip", 1, 2, 5, timeout_s=TIMEOUT_S)
     for r in results:
@@ -91,7 +91,7 @@ def test_nan_on_one_rank_every_rank_skips_the_same_step_and_keeps_its_residual(s
 def _exchange_rank(rank, world, spec, values_by_rank, policy):
     """One CompressionState.average of a crafted flat gradient per step."""
     param = torch.zeros(len(values_by_rank[0][0]))
-    state = CompressionState(CompressionSpec(**spec), parameters=[param], on_nonfinite=policy)
+    state = CompressionState(CompressionConfig(**spec), parameters=[param], on_nonfinite=policy)
     out = []
     for step_values in values_by_rank:
         grad = torch.tensor(step_values[rank], dtype=torch.float32)
@@ -130,7 +130,7 @@ def test_fp16_ring_sum_that_overflows_on_the_wire_is_seen_by_every_rank():
     # travels on to every rank's result, and every rank raises at the same step.
     n = 4096
     values = [[[40000.0 if i % 64 == 0 else 0.001 for i in range(n)] for _ in range(3)]]
-    spec = {"codec": "group_topk", "ratio": 1 / 64, "group_size": 1024, "collective": "ring"}
+    spec = {"codec": "group_topk", "density": 1 / 64, "group_size": 1024, "collective": "ring"}
     results = run_world(_exchange_rank, 3, spec, values, "raise", timeout_s=TIMEOUT_S)
     for r in results:
         assert r[0][0] == "error"
@@ -139,7 +139,7 @@ def test_fp16_ring_sum_that_overflows_on_the_wire_is_seen_by_every_rank():
 
 def _disagree_rank(rank, world, what):
     param = torch.zeros(1000)
-    state = CompressionState(CompressionSpec(codec="topk", ratio=0.05), parameters=[param])
+    state = CompressionState(CompressionConfig(codec="topk", density=0.05), parameters=[param])
     if what == "ratio" and rank == 1:
         state.set_ratio(0.2)  # one rank alone: a different payload size every step from now on
     if what == "step" and rank == 2:
@@ -161,7 +161,7 @@ def test_ranks_that_disagree_all_raise_instead_of_hanging(what, message):
 
 def _stop_rank(rank, world):
     param = torch.zeros(100)
-    state = CompressionState(CompressionSpec(codec="topk", ratio=0.1), parameters=[param])
+    state = CompressionState(CompressionConfig(codec="topk", density=0.1), parameters=[param])
     stops = []
     for step in range(4):
         if rank == 2 and step == 1:
@@ -177,7 +177,7 @@ def test_a_stop_asked_by_one_rank_reaches_every_rank_at_the_same_step():
 
 def _adoption_rank(rank, world, seed):
     param = torch.zeros(2000)
-    state = CompressionState(CompressionSpec(codec="topk", ratio=0.01), parameters=[param])
+    state = CompressionState(CompressionConfig(codec="topk", density=0.01), parameters=[param])
     # Rank 0's controller answers slowly and at random: each decision arrives a few ms to
     # tens of ms later, while the ranks keep stepping.
     decisions: list[dict] = []
@@ -234,7 +234,7 @@ def _frozen_rank(rank, world):
     model = _model()
     model[0].weight.requires_grad_(False)  # fine-tuning: the first layer's weight is frozen
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    state = compress(ddp, CompressionSpec(codec="topk", ratio=0.01, value_dtype="fp32", verify=True))
+    state = compress(ddp, CompressionConfig(codec="topk", density=0.01, value_dtype="fp32", verify=True))
     gen = torch.Generator().manual_seed(rank)
     out = []
     for _ in range(3):
@@ -271,7 +271,7 @@ def _amp_rank(rank, world, steps):
     # A high initial scale overflows fp16 at first: GradScaler must skip those steps on every
     # rank and lower its scale, and the residuals must follow the scale.
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=50)
-    state = compress(ddp, CompressionSpec(codec="group_topk", ratio=0.01, momentum_correction=True),
+    state = compress(ddp, CompressionConfig(codec="group_topk", density=0.01, momentum_correction=True),
                      momentum=0.9, on_nonfinite="skip", grad_scaler=scaler)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.0)
     gen = torch.Generator().manual_seed(rank)

@@ -15,7 +15,7 @@ import torch
 from gloo_world import run_world
 from rayzip.comm import ring_allreduce_bytes
 from rayzip.comm.control import control_nbytes
-from rayzip.torch import CompressionSpec, compress
+from rayzip.torch import CompressionConfig, compress
 
 # compressed, compressed, compressed, off x4, compressed x2: two switches each way
 SCHEDULE = [True, True, True, False, False, False, False, True, True]
@@ -33,7 +33,7 @@ def _flat(model) -> np.ndarray:
 
 def _build(verify: bool, policy: str):
     ddp = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.5)
-    spec = CompressionSpec(codec="topk", ratio=0.05, momentum_correction=True, verify=verify)
+    spec = CompressionConfig(codec="topk", density=0.05, momentum_correction=True, verify=verify)
     state = compress(ddp, spec, momentum=0.9, on_nonfinite=policy)
     return ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.0)
 
@@ -152,7 +152,7 @@ def test_a_nan_while_off_raises_on_every_rank_at_that_step():
 def _adam_rank(rank, world, corrected, steps=5):
     ddp = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.5)
     if corrected:  # compression off from the first step: every step dense, bucket by bucket
-        state = compress(ddp, CompressionSpec(codec="topk", ratio=0.05, adam_correction=True),
+        state = compress(ddp, CompressionConfig(codec="topk", density=0.05, adam_correction=True),
                          adam_betas=(0.9, 0.95))
         state.set_enabled(False)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.0)

@@ -57,13 +57,13 @@ def test_gpu_encode_matches_the_cpu(name, params):
 def _hook_rank(rank, world, overlap):
     import torch.distributed as dist
 
-    from rayzip.torch import CompressionSpec, compress, ddp_kwargs
+    from rayzip.torch import CompressionConfig, compress, ddp_kwargs
 
     torch.cuda.set_device(0)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
                                 torch.nn.ReLU(), torch.nn.Linear(1024, 10)).cuda()
-    spec = CompressionSpec(codec="group_topk", ratio=0.05, value_dtype="fp32", segment_mb=1.0, overlap=overlap,
+    spec = CompressionConfig(codec="group_topk", density=0.05, value_dtype="fp32", segment_mb=1.0, overlap=overlap,
                            momentum_correction=True)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0], **ddp_kwargs(spec))
     state = compress(ddp, spec, momentum=0.9)
@@ -225,10 +225,10 @@ def _restart_rank(init_file, directory, split):
 
     from restarts import reload_from_checkpoint
 
-    from rayzip.torch import CompressionSpec, compress, ddp_kwargs
+    from rayzip.torch import CompressionConfig, compress, ddp_kwargs
 
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=0, world_size=1)
-    spec = CompressionSpec(codec="group_topk", ratio=0.05, segment_mb=1.0)
+    spec = CompressionConfig(codec="group_topk", density=0.05, segment_mb=1.0)
 
     def build():
         torch.manual_seed(0)

@@ -75,9 +75,9 @@ def _flat_grad(ddp):
 def _hook(rank, device, nan_at=None, on_nonfinite="raise", momentum=None, **spec):
     """STEPS steps of the hook on fixed weights (the error feedback still moves): each step's
     averaged gradient, whether every rank skipped it, and the segments exchanged."""
-    from rayzip.torch import CompressionSpec
+    from rayzip.torch import CompressionConfig
 
-    spec = CompressionSpec(segment_mb=SEGMENT_MB, **spec)
+    spec = CompressionConfig(segment_mb=SEGMENT_MB, **spec)
     ddp, state = _ddp(device, spec, on_nonfinite, momentum)
     out = []
     for step in range(STEPS):
@@ -92,7 +92,7 @@ def _hook(rank, device, nan_at=None, on_nonfinite="raise", momentum=None, **spec
 def _nan_raises(rank, device):
     """A NaN on rank 1 at step 1 under on_nonfinite="raise": what each rank raised."""
     try:
-        _hook(rank, device, nan_at=1, codec="group_topk", ratio=0.05)
+        _hook(rank, device, nan_at=1, codec="group_topk", density=0.05)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "nothing raised"
@@ -114,12 +114,12 @@ class _Elementwise(torch.nn.Module):
 def _local_steps(rank, device, overlap=True):
     """Local steps, H = 2, group top-k on the pseudo-gradients, an outer SGD of learning rate
     1 (exact): the synchronized parameters after each round."""
-    from rayzip.torch import CompressionSpec
+    from rayzip.torch import CompressionConfig
     from rayzip.torch.local_steps import LocalSteps
 
     model = _Elementwise(device)
     local = LocalSteps(model.named_parameters(), every=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False,
-                       compression=CompressionSpec(codec="group_topk", ratio=0.05), overlap=overlap)
+                       compression=CompressionConfig(codec="group_topk", density=0.05), overlap=overlap)
     inner = torch.optim.SGD(model.parameters(), lr=2.0**-6)
     rounds = []
     for step in range(8):
@@ -139,9 +139,9 @@ def _restart(rank, device):
     """AdamW with group top-k: five steps straight, and two steps, a checkpoint of model,
     optimizer and hook (residuals on the device), a fresh model, optimizer and hook loaded
     from it, three more. Both final weights."""
-    from rayzip.torch import CompressionSpec
+    from rayzip.torch import CompressionConfig
 
-    spec = CompressionSpec(codec="group_topk", ratio=0.05, segment_mb=SEGMENT_MB)
+    spec = CompressionConfig(codec="group_topk", density=0.05, segment_mb=SEGMENT_MB)
 
     def build():
         ddp, state = _ddp(device, spec)
@@ -179,17 +179,17 @@ def _devices(arrays: dict) -> list[str]:
 
 
 SCENARIOS = {
-    "hook_overlap": lambda rank, device: _hook(rank, device, codec="group_topk", ratio=0.05, collective="allgather"),
-    "hook_serial": lambda rank, device: _hook(rank, device, codec="group_topk", ratio=0.05, collective="allgather",
+    "hook_overlap": lambda rank, device: _hook(rank, device, codec="group_topk", density=0.05, collective="allgather"),
+    "hook_serial": lambda rank, device: _hook(rank, device, codec="group_topk", density=0.05, collective="allgather",
                                               overlap=False),
-    "sparse_ring": lambda rank, device: _hook(rank, device, codec="group_topk", ratio=0.05, collective="ring"),
+    "sparse_ring": lambda rank, device: _hook(rank, device, codec="group_topk", density=0.05, collective="ring"),
     "dct_4bit": lambda rank, device: _hook(rank, device, codec="dct_quant", bits=4),
-    "momentum": lambda rank, device: _hook(rank, device, codec="group_topk", ratio=0.05, momentum_correction=True,
+    "momentum": lambda rank, device: _hook(rank, device, codec="group_topk", density=0.05, momentum_correction=True,
                                            momentum=0.9),
     "local_steps": _local_steps,
     "restart": _restart,
     "nan_skip": lambda rank, device: _hook(rank, device, nan_at=1, on_nonfinite="skip", codec="group_topk",
-                                           ratio=0.05),
+                                           density=0.05),
     "nan_raise": _nan_raises,
 }
 
@@ -311,7 +311,7 @@ def _delayed_rank(rank, world, delay):
             torch.cuda._sleep(200_000_000)  # about 0.1 s of the side stream's time
 
         hook.CompressionState._exchange_segments = slow
-    result = _hook(rank, "cuda", codec="group_topk", ratio=0.05, collective="allgather")
+    result = _hook(rank, "cuda", codec="group_topk", density=0.05, collective="allgather")
     return [step["grad"] for step in result["steps"]]
 
 

@@ -15,7 +15,7 @@ from rayzip.codecs import NonFiniteError
 from rayzip.comm.control import control_nbytes
 from rayzip.comm.hierarchy import Topology
 from rayzip.comm.transport import ring_allreduce_bytes
-from rayzip.spec import CompressionSpec
+from rayzip.torch import CompressionConfig
 from rayzip.torch.hook import CompressionState
 
 NUMEL = 40_000
@@ -32,7 +32,7 @@ def _state(spec: dict, rank_nodes: list[str] | None, rank: int) -> CompressionSt
     if rank_nodes is not None:
         os.environ["RAYZIP_NODE_ID"] = rank_nodes[rank]
     parameters = [torch.zeros(n) for n in SIZES]
-    return CompressionState(CompressionSpec(segment_mb=SEGMENT_MB, **spec), parameters)
+    return CompressionState(CompressionConfig(segment_mb=SEGMENT_MB, **spec), parameters)
 
 
 def _run(rank, world, spec, nodes, grads_of, steps):
@@ -74,7 +74,7 @@ def test_compressed_hierarchy_is_the_flat_exchange_of_node_shares_bitwise():
     """Four workers on two nodes send what two workers holding their nodes' shares send, and
     average to the same bits, step after step (error feedback included)."""
     nodes = ["a", "a", "b", "b"]
-    spec = {"codec": "group_topk", "ratio": 0.05, "collective": "allgather", "verify": True}
+    spec = {"codec": "group_topk", "density": 0.05, "collective": "allgather", "verify": True}
     hier = run_world(_run, 4, {**spec, "hierarchy": "node"}, nodes, _grad, 3, timeout_s=120)
     flat = run_world(_run, 2, {**spec, "hierarchy": "none"}, None, functools.partial(_node_share, nodes), 3, timeout_s=120)
     assert [h for _, h in hier] == [(2, True, 2), (2, False, 2), (2, True, 2), (2, False, 2)]
@@ -108,7 +108,7 @@ def _bad_grads(rank, step):
 
 def _run_bad(rank, world, policy):
     os.environ["RAYZIP_NODE_ID"] = "ab"[rank // 2]
-    state = CompressionState(CompressionSpec(segment_mb=SEGMENT_MB, codec="group_topk", ratio=0.05,
+    state = CompressionState(CompressionConfig(segment_mb=SEGMENT_MB, codec="group_topk", density=0.05,
                                              hierarchy="node"), [torch.zeros(n) for n in SIZES],
                              on_nonfinite=policy)
     state.average(_bad_grads(rank, 0))
@@ -137,7 +137,7 @@ def test_topology_decides_when_a_hierarchy_helps():
 
 
 def _auto(rank, world, nodes):
-    return _state({"codec": "group_topk", "ratio": 0.05, "hierarchy": "auto"}, nodes, rank).hierarchy is not None
+    return _state({"codec": "group_topk", "density": 0.05, "hierarchy": "auto"}, nodes, rank).hierarchy is not None
 
 
 def test_auto_turns_the_hierarchy_on_only_for_several_workers_on_several_nodes():
@@ -151,7 +151,7 @@ def _ddp_rank(rank, world):
     model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     from rayzip.torch import compress, ddp_kwargs
 
-    spec = CompressionSpec(codec="group_topk", ratio=0.05, segment_mb=0.005, hierarchy="auto")
+    spec = CompressionConfig(codec="group_topk", density=0.05, segment_mb=0.005, hierarchy="auto")
     ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs(spec))
     state = compress(ddp, spec)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)

@@ -10,7 +10,7 @@ from gloo_world import run_world
 from rayzip.codecs import get_codec
 from rayzip.codecs.memory import ErrorFeedback
 from rayzip.comm.control import control_nbytes
-from rayzip.torch import CompressionSpec, compress, scaled_lr
+from rayzip.torch import CompressionConfig, compress, scaled_lr
 
 
 def _model():
@@ -23,7 +23,7 @@ def _model():
 def _train_rank(rank, world, spec, steps, ratio_at=None, nan_at=None):
     ddp = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.5)
     plain = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.5)
-    state = compress(ddp, CompressionSpec(**spec)) if spec else None
+    state = compress(ddp, CompressionConfig(**spec)) if spec else None
     alone = _model()  # this rank's own gradient, exchanged with nobody (no step changes the weights)
     gen = torch.Generator().manual_seed(rank)
     out = []
@@ -44,7 +44,7 @@ def _train_rank(rank, world, spec, steps, ratio_at=None, nan_at=None):
 
 
 def test_ring_hook_averages_the_decoded_payloads_and_counts_bytes():
-    spec = {"codec": "group_topk", "ratio": 0.05, "value_dtype": "fp32", "verify": True}
+    spec = {"codec": "group_topk", "density": 0.05, "value_dtype": "fp32", "verify": True}
     world = 3
     results = run_world(_train_rank, world, spec, 4)
     numel = sum(p.numel() for p in _model().parameters())
@@ -71,7 +71,7 @@ def test_ring_hook_averages_the_decoded_payloads_and_counts_bytes():
 
 
 def test_fp16_ring_keeps_replicas_identical():
-    results = run_world(_train_rank, 2, {"codec": "group_topk", "ratio": 0.02, "verify": True}, 3)
+    results = run_world(_train_rank, 2, {"codec": "group_topk", "density": 0.02, "verify": True}, 3)
     for step in range(3):
         assert np.array_equal(results[0][step][0], results[1][step][0])
         assert results[0][step][2]["verify_max_abs_err"] < 1e-3
@@ -87,7 +87,7 @@ def test_none_codec_hook_matches_plain_ddp_and_sends_dense_bytes():
 
 
 def test_warmup_steps_go_dense_then_compress_and_ratio_switches_at_a_step():
-    spec = {"codec": "topk", "ratio": 0.05, "warmup_steps": 2}
+    spec = {"codec": "topk", "density": 0.05, "warmup_steps": 2}
     results = run_world(_train_rank, 2, spec, 5, 3)
     for rank_steps in results:
         stats = [s for _, _, s, _ in rank_steps]
@@ -101,7 +101,7 @@ def test_warmup_steps_go_dense_then_compress_and_ratio_switches_at_a_step():
 def test_nan_gradient_is_reported_with_rank_step_and_bucket():
     with pytest.raises(AssertionError, match=r"NonFiniteError: step 1: rank 0's gradient is not finite at "
                                              r"0.weight \(parameter 0 of the model\), element \d+"):
-        run_world(_train_rank, 2, {"codec": "group_topk", "ratio": 0.05}, 2, None, 1)
+        run_world(_train_rank, 2, {"codec": "group_topk", "density": 0.05}, 2, None, 1)
 
 
 def test_scaled_lr():
@@ -117,7 +117,7 @@ def test_scaled_lr():
 def _sgd_rank(rank, world, momentum_correction, steps, momentum=0.9):
     ddp = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.5)
     if momentum_correction:
-        compress(ddp, CompressionSpec(codec="none", momentum_correction=True), momentum=momentum)
+        compress(ddp, CompressionConfig(codec="none", momentum_correction=True), momentum=momentum)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.0 if momentum_correction else momentum)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(steps):
@@ -150,4 +150,4 @@ def test_momentum_correction_needs_the_momentum_factor():
 
 def _needs_momentum(rank, world):
     ddp = torch.nn.parallel.DistributedDataParallel(_model())
-    compress(ddp, CompressionSpec(codec="group_topk", ratio=0.05, momentum_correction=True))
+    compress(ddp, CompressionConfig(codec="group_topk", density=0.05, momentum_correction=True))

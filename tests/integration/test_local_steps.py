@@ -15,7 +15,8 @@ from rayzip.adaptive.every import EveryTuner
 from rayzip.codecs import NonFiniteError, get_codec
 from rayzip.comm import ring_allreduce_bytes
 from rayzip.comm.control import control_nbytes
-from rayzip.spec import CompressionSpec, parse_spec
+from rayzip.spec import parse_spec
+from rayzip.torch import CompressionConfig
 from rayzip.torch.local_steps import LocalSteps
 
 
@@ -53,7 +54,7 @@ def _local_rank(rank, world, steps, every, codec="none", outer=(1.0, 0.0), nan_a
     ``restart_at`` everything is rebuilt from state dicts before that step (a restart)."""
     def build():
         model = _model()
-        comp = CompressionSpec(codec=codec, **({"ratio": 0.05, "collective": "allgather"} if codec == "group_topk"
+        comp = CompressionConfig(codec=codec, **({"density": 0.05, "collective": "allgather"} if codec == "group_topk"
                                                else {}))
         local = LocalSteps(model.named_parameters(), every=every, outer_lr=outer[0], outer_momentum=outer[1],
                            compression=comp, on_nonfinite=policy)
@@ -147,7 +148,7 @@ def _overlap_rank(rank, world, steps, every, nan_at=None, policy="raise"):
     each step and the bytes of the rounds that landed at it, or ("raised", step, message)."""
     model = _model()
     local = LocalSteps(model.named_parameters(), every=every, outer_lr=1.0, outer_momentum=0.0,
-                       compression=CompressionSpec(), on_nonfinite=policy, overlap=True)
+                       compression=CompressionConfig(), on_nonfinite=policy, overlap=True)
     optimizer, gen = _sgd(model.parameters()), torch.Generator().manual_seed(rank)
     params, sent = [], []
     for step in range(steps):
@@ -240,7 +241,7 @@ def _tuned_rank(rank, world, steps, sync_delay_s, straggler_s):
     Returns (synced, H, bytes sent) per step, and the changes."""
     model = _model()
     local = LocalSteps(model.named_parameters(), every=2, outer_lr=0.7, outer_momentum=0.5,
-                       compression=CompressionSpec(), tuner=EveryTuner(1, 16, 0.1))
+                       compression=CompressionConfig(), tuner=EveryTuner(1, 16, 0.1))
     average = local.state.average
 
     def slow_link(grad):

@@ -11,7 +11,7 @@ import torch
 
 from gloo_world import run_world
 from rayzip.codecs.memory import relayout_state, segment_name
-from rayzip.torch import CompressionSpec, compress
+from rayzip.torch import CompressionConfig, compress
 from rayzip.torch.hook import plan_segments
 
 # ~2.3 MB of gradient in segments of whole parameters from 0.25 MiB: 4 segments, cut otherwise
@@ -32,7 +32,7 @@ def _batches(rank, steps):
 
 def _setup(spec: dict, momentum: float):
     ddp = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.5)
-    state = compress(ddp, CompressionSpec(**spec), momentum=momentum if spec.get("momentum_correction") else None)
+    state = compress(ddp, CompressionConfig(**spec), momentum=momentum if spec.get("momentum_correction") else None)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.0)
     return ddp, state, optimizer
 
@@ -55,7 +55,7 @@ def _grads_rank(rank, world, spec, steps):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_overlapped_exchange_gives_the_same_gradients_bitwise(world):
-    base = {"codec": "group_topk", "ratio": 0.05, "value_dtype": "fp32", "segment_mb": SEGMENT_MB,
+    base = {"codec": "group_topk", "density": 0.05, "value_dtype": "fp32", "segment_mb": SEGMENT_MB,
             "momentum_correction": True}
     overlapped = run_world(_grads_rank, world, {**base, "overlap": True}, 4)
     inline = run_world(_grads_rank, world, {**base, "overlap": False}, 4)
@@ -98,7 +98,7 @@ def _restart_rank(rank, world, spec, steps, cut):
 
 
 def test_a_restarted_overlapped_run_repeats_the_uninterrupted_one():
-    spec = {"codec": "group_topk", "ratio": 0.05, "value_dtype": "fp32", "segment_mb": SEGMENT_MB,
+    spec = {"codec": "group_topk", "density": 0.05, "value_dtype": "fp32", "segment_mb": SEGMENT_MB,
             "momentum_correction": True, "overlap": True}
     for uninterrupted, resumed, _ in run_world(_restart_rank, 2, spec, 6, 3):
         assert len(resumed) == 3
@@ -139,7 +139,7 @@ def test_state_saved_under_other_segments_is_recut_element_for_element():
 
 
 def test_a_job_restarted_with_other_segments_keeps_its_error_feedback():
-    spec = {"codec": "group_topk", "ratio": 0.05, "value_dtype": "fp32", "segment_mb": SEGMENT_MB,
+    spec = {"codec": "group_topk", "density": 0.05, "value_dtype": "fp32", "segment_mb": SEGMENT_MB,
             "momentum_correction": True, "overlap": True, "resume_segment_mb": 100.0}
     for uninterrupted, resumed, (kept, segments, saved_keys) in run_world(_restart_rank, 2, spec, 6, 3):
         assert segments == 1 and saved_keys == ["model", "velocity:model"]

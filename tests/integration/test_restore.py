@@ -12,7 +12,8 @@ import torch
 
 from gloo_world import run_world
 from rayzip.codecs.memory import reshard_state
-from rayzip.spec import CompressionSpec, TrainingSpec
+from rayzip.spec import TrainingSpec
+from rayzip.torch import CompressionConfig
 from rayzip.torch.hook import CompressionState
 from rayzip.xp import array_module, as_array
 
@@ -46,7 +47,7 @@ def test_reshard_keeps_the_mean_of_pending_error_feedback(old, new):
 
 def _state(rank, world, warmup=5):
     param = torch.zeros(NUMEL)
-    spec = CompressionSpec(codec="topk", ratio=0.02, momentum_correction=True, warmup_steps=warmup)
+    spec = CompressionConfig(codec="topk", density=0.02, momentum_correction=True, warmup_steps=warmup)
     return CompressionState(spec, parameters=[param], momentum=0.9)
 
 
@@ -104,7 +105,7 @@ def test_restored_error_feedback_lands_on_the_gradients_device_on_cuda():
     grad = torch.randn(NUMEL, device="cuda")
     memory.load_state_dict({"model": np.ones(NUMEL, np.float32)}, like=grad)
     assert array_module(memory.residuals["model"]) is as_array(grad)[1]
-    memory.encode(CompressionSpec(codec="topk", ratio=0.1).build_codec(), "model", grad)
+    memory.encode(CompressionConfig(codec="topk", density=0.1).build_codec(), "model", grad)
     assert array_module(memory.residuals["model"]) is as_array(grad)[1]
 
 
@@ -120,7 +121,7 @@ def test_restored_error_feedback_follows_the_gradient_to_its_array_module():
             saved.pop("velocity:model")
         memory.load_state_dict(saved, like=grad)
         assert array_module(memory.residuals["model"]) is as_array(grad)[1]
-        memory.encode(CompressionSpec(codec="topk", ratio=0.1).build_codec(), "model", grad)
+        memory.encode(CompressionConfig(codec="topk", density=0.1).build_codec(), "model", grad)
         held = [memory.residuals["model"], *getattr(memory, "velocities", {}).values()]
         assert all(array_module(h) is as_array(grad)[1] for h in held)
 

@@ -1,0 +1,60 @@
+"""The library's compression config: checked when built, and what a job spec builds."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayzip.codecs.memory import AdamCorrection, ErrorFeedback, MomentumCorrection, NoMemory
+from rayzip.comm import Link
+from rayzip.spec import parse_spec
+from rayzip.torch import CompressionConfig
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"codec": "zip"}, "unknown codec 'zip'"),
+    ({"codec": "coo"}, "unknown codec 'coo'"),
+    ({"codec": "fp16", "density": 0.1}, "density does not apply to codec fp16"),
+    ({"codec": "topk", "bits": 4}, r"bits does not apply to codec topk \(it takes density, value_dtype\)"),
+    ({"codec": "dct_quant", "keep": 0.5}, "never sends the dropped frequencies"),
+    ({"codec": "dct_quant", "collective": "ring"}, "ring collective needs a sparse codec"),
+    ({"codec": "qsgd", "collective": "allreduce"}, "cannot be summed"),
+    ({"collective": "tree"}, "collective must be one of"),
+    ({"hierarchy": "rack"}, "hierarchy must be one of"),
+    ({"momentum_correction": True, "adam_correction": True}, "not both"),
+    ({"momentum_correction": True, "error_feedback": False}, "works on rayzip's error feedback"),
+    ({"segment_mb": 0}, "segment_mb must be > 0"),
+])
+def test_a_config_that_cannot_run_is_refused_when_built(fields, message):
+    with pytest.raises(ValueError, match=message):
+        CompressionConfig(**fields)
+
+
+def test_the_codec_and_memory_it_builds():
+    config = CompressionConfig(codec="group_topk", density=0.02, value_dtype="int8", packed_indices=True)
+    codec = config.build_codec()
+    assert (codec.name, codec.density, codec.value_dtype) == ("group_topk", 0.02, "int8")
+    assert config.codec_params() == {"ratio": 0.02, "value_dtype": "int8", "packed_indices": True}
+    assert CompressionConfig(codec="qsgd", seed=5).codec_params(rank=3)["seed"] == 8  # independent noise
+    assert isinstance(config.build_memory(), ErrorFeedback)
+    assert isinstance(config.replace(error_feedback=False).build_memory(), NoMemory)
+    assert isinstance(config.replace(momentum_correction=True).build_memory(momentum=0.9), MomentumCorrection)
+    assert isinstance(config.replace(adam_correction=True).build_memory(adam_betas=(0.9, 0.99)), AdamCorrection)
+    with pytest.raises(ValueError, match="needs the SGD momentum factor"):
+        config.replace(momentum_correction=True).build_memory()
+    with pytest.raises(ValueError, match="bits does not apply"):
+        config.replace(bits=3)  # replace checks again
+    with pytest.raises(AttributeError):
+        config.density = 0.5  # frozen
+
+
+def test_a_job_specs_compression_section_builds_the_same_config():
+    spec = parse_spec({"name": "x", "compression": {"codec": "group_topk", "ratio": 0.01, "collective": "ring",
+                                                    "momentum_correction": True, "link_mbit": 100,
+                                                    "link_latency_ms": 2, "segment_mb": 1, "warmup_steps": 3}})
+    assert spec.compression.to_config() == CompressionConfig(
+        codec="group_topk", density=0.01, collective="ring", momentum_correction=True,
+        link=Link(bandwidth=100e6 / 8, latency=2e-3), segment_mb=1.0, warmup_steps=3)
+    ps = parse_spec({"name": "x", "compression": {"codec": "dct_quant", "collective": "ps"}})
+    with pytest.raises(ValueError, match="does not run with collective ps"):
+        ps.compression.to_config()
+    assert ps.compression.build_codec().name == "dct_quant"  # the shards' and workers' codec
