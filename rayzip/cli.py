@@ -291,7 +291,7 @@ def bench_codecs(
     size: str = typer.Option("64M", help="Bytes of fp32 gradient per codec (K/M/G suffixes)."),
     codecs: Optional[str] = typer.Option(
         None, help="Codecs to run, ';'-separated, each NAME or NAME:key=value,... "
-                   "(default: every codec, sparse ones at ratio 0.01)."),
+                   "(default: every codec, sparse ones at density 0.01)."),
     repeat: int = typer.Option(3, min=1, help="Timed repetitions; the fastest counts."),
     rounds: int = typer.Option(1, min=1, help="Rounds, each timing the copy and every codec; rows give "
                                               "the medians, ratios to the copy of the same round."),
@@ -326,7 +326,7 @@ def bench_codecs(
 def bench_collectives(
     workers: str = typer.Option("2,4,8", help="Worker counts, comma-separated (gloo processes on this machine)."),
     codec: str = typer.Option("group_topk", help="A sparse codec: group_topk, topk or randomk."),
-    ratio: float = typer.Option(0.01, help="Kept fraction."),
+    density: float = typer.Option(0.01, help="Kept fraction of a sparse codec."),
     steps: int = typer.Option(8, min=3, help="Training steps per collective (the first 2 are left out)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
@@ -343,7 +343,7 @@ def bench_collectives(
     if not parts or not all(w.isdigit() and int(w) >= 2 for w in parts):
         console.print(f"[red]error:[/red] --workers takes worker counts of 2 or more, got {workers}")
         raise typer.Exit(2)
-    compression = {"codec": codec, "ratio": ratio}
+    compression = {"codec": codec, "density": density}
     try:
         CompressionSpec(**compression, collective="ring")
     except ValidationError as exc:

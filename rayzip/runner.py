@@ -200,7 +200,7 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     controller = None
     if spec.adaptive.enabled:
         controller = start_controller(run_id, spec.name, spec.adaptive,
-                                      initial_ratio=1.0 / (spec.compression.ratio or 0.01))
+                                      initial_ratio=1.0 / (spec.compression.density or 0.01))
     shards = start_shards(run_id, spec) if spec.compression.collective == "ps" else None
     trainer = TorchTrainer(
         train_loop,

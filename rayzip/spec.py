@@ -35,8 +35,12 @@ BUILTIN_LOOPS = ("classification", "language_model")
 TEXT_DATASETS = ("python-stdlib",)
 _GPT_FIELDS = ("layers", "width", "heads", "context", "dropout")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-_CODEC_FIELDS = ("ratio", "group_size", "value_dtype", "packed_indices", "block", "bits", "keep", "levels",
+_CODEC_FIELDS = ("density", "group_size", "value_dtype", "packed_indices", "block", "bits", "keep", "levels",
                  "bucket_size", "seed")
+
+
+# Fields a spec may still carry from before a rename: refused, naming the new field.
+RENAMED = {("compression", "ratio"): "compression.density (the kept fraction: 0.01 sends 1% of the entries)"}
 
 
 class SpecError(ValueError):
@@ -208,7 +212,8 @@ class CompressionSpec(_Strict):
     """How gradients cross the network. Codec parameters left unset take the codec's defaults."""
 
     codec: str = Field("none", description=f"One of {', '.join(n for n in CODECS if n != 'coo')}.")
-    ratio: Optional[float] = Field(None, gt=0, le=1, description="Kept fraction (topk, randomk, group_topk).")
+    density: Optional[float] = Field(None, gt=0, le=1, description="Kept fraction (topk, randomk, group_topk): "
+                                                                    "0.01 sends 1% of the entries.")
     group_size: Optional[int] = Field(None, ge=1, description="group_topk group length G.")
     value_dtype: Optional[Literal["fp16", "fp32", "int8"]] = Field(
         None, description="Sparse codecs' value type; int8 (group_topk): multiples of a scale per group.")
@@ -291,7 +296,7 @@ class CompressionSpec(_Strict):
         # A shard decodes every push, so with collective ps any codec fits: checked as allgather.
         collective = "allgather" if self.collective == "ps" else self.collective
         return CompressionConfig(
-            codec=self.codec, density=self.ratio, **{k: getattr(self, k) for k in _CODEC_FIELDS if k != "ratio"},
+            codec=self.codec, **{k: getattr(self, k) for k in _CODEC_FIELDS},
             error_feedback=self.error_feedback, momentum_correction=self.momentum_correction,
             adam_correction=self.adam_correction, collective=collective, link=self.link(),
             hierarchy=self.hierarchy, overlap=self.overlap, segment_mb=self.segment_mb,
@@ -577,7 +582,8 @@ def _problems(exc: ValidationError) -> list[str]:
         path = ".".join(str(p) for p in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown field"
+            renamed = RENAMED.get(tuple(err["loc"]))
+            msg = f"renamed: use {renamed}" if renamed else "unknown field"
         out.append(f"{path}: {msg}")
     return out
 

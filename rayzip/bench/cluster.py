@@ -37,19 +37,19 @@ METHODS: dict[str, dict[str, Any]] = {
     "dense": {"codec": "none"},
     "fp16": {"codec": "none", "torch_hook": "fp16"},
     "powersgd": {"codec": "none", "torch_hook": "powersgd", "powersgd_rank": 2},
-    "group_topk": {"codec": "group_topk", "ratio": 0.01, "collective": "ring"},
+    "group_topk": {"codec": "group_topk", "density": 0.01, "collective": "ring"},
     "dct_quant": {"codec": "dct_quant", "bits": 8, "collective": "allgather"},
-    "topk": {"codec": "topk", "ratio": 0.01, "collective": "ring"},
+    "topk": {"codec": "topk", "density": 0.01, "collective": "ring"},
     "qsgd": {"codec": "qsgd", "collective": "allgather"},
-    # The controller tunes group top-k's ratio from the workers' own reports (the Prometheus
+    # The controller tunes group top-k's density from the workers' own reports (the Prometheus
     # path is the same policy; tests/system/test_adaptive.py runs it against a real Prometheus).
-    "adaptive": {"codec": "group_topk", "ratio": 0.01, "collective": "ring"},
+    "adaptive": {"codec": "group_topk", "density": 0.01, "collective": "ring"},
     # Group top-k with the collective the cost model picks (allgather for 1%: rayzip.comm.cost).
-    "group_topk_auto": {"codec": "group_topk", "ratio": 0.01, "collective": "auto"},
+    "group_topk_auto": {"codec": "group_topk", "density": 0.01, "collective": "auto"},
     # Parameter-server mode: one shard per worker node, beside the worker (the nodes' one CPU
     # goes to the worker). ps pushes group top-k and pulls through the same codec; ps-dense
     # pushes and pulls fp32.
-    "ps": {"codec": "group_topk", "ratio": 0.01, "collective": "ps"},
+    "ps": {"codec": "group_topk", "density": 0.01, "collective": "ps"},
     "ps-dense": {"codec": "none", "collective": "ps"},
     # Local steps (DiLoCo-style): ``local@H`` synchronizes every H steps with a dense fp32
     # outer update, ``local_gtopk@H`` sends the pseudo-gradient through group top-k at 1%,
@@ -57,8 +57,8 @@ METHODS: dict[str, dict[str, Any]] = {
     # (twice the entries in fewer bytes: 80x a synchronization against 93x);
     # ``@auto`` tunes H (local_steps.adaptive, from H = 10 within 1 .. LOCAL_AUTO_MAX).
     "local": {"codec": "none"},
-    "local_gtopk": {"codec": "group_topk", "ratio": 0.01, "collective": "allgather"},
-    "local_compact": {"codec": "group_topk", "ratio": 0.02, "value_dtype": "int8", "packed_indices": True,
+    "local_gtopk": {"codec": "group_topk", "density": 0.01, "collective": "allgather"},
+    "local_compact": {"codec": "group_topk", "density": 0.02, "value_dtype": "int8", "packed_indices": True,
                       "collective": "allgather"},
 }
 LOCAL = {"local": 10, "local_gtopk": 10, "local_compact": 10}  # H when the method gives no @H
@@ -69,8 +69,8 @@ SCALING_SKIP = 10  # bench scaling: steps left out of the step time (start-up)
 
 
 def _method_base(method: str) -> tuple[str, dict[str, Any]]:
-    """``group_topk@0.05`` is group_topk at a fixed ratio of 0.05 (any sparse method takes
-    @RATIO); ``dct_quant@4`` is dct_quant at 4 bits. Suffixes for rayzip's hook methods:
+    """``group_topk@0.05`` is group_topk at a fixed density of 0.05 (any sparse method takes
+    @DENSITY); ``dct_quant@4`` is dct_quant at 4 bits. Suffixes for rayzip's hook methods:
     ``:serial`` runs without overlap (the whole exchange after backward), ``:flat`` without
     the node hierarchy (every worker exchanges compressed), to compare with the default;
     ``dense:node`` is the hierarchy's exchange uncompressed (dense inside and across nodes);
@@ -84,11 +84,11 @@ def _method_base(method: str) -> tuple[str, dict[str, Any]]:
     if modifier and modifier not in allowed:
         raise ValueError(f"method {method}:{modifier}: only rayzip's hook methods take :serial and :flat, "
                          "dense :node, and local steps :overlap")
-    knob = "every" if name in LOCAL else "ratio" if "ratio" in METHODS.get(name, {}) else \
+    knob = "every" if name in LOCAL else "density" if "density" in METHODS.get(name, {}) else \
         "bits" if "bits" in METHODS.get(name, {}) else None
     if name not in METHODS or (value and knob is None):
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)} "
-                         "(sparse ones also as NAME@RATIO, e.g. group_topk@0.05; dct_quant@BITS; local@H, local@auto)")
+                         "(sparse ones also as NAME@DENSITY, e.g. group_topk@0.05; dct_quant@BITS; local@H, local@auto)")
     compression = dict(METHODS[name])
     if value and knob == "every":
         if value != "auto" and (not value.isdigit() or int(value) < 1):
@@ -96,7 +96,7 @@ def _method_base(method: str) -> tuple[str, dict[str, Any]]:
         return name, compression  # H goes to the local_steps section (method_spec)
     if value:
         try:
-            compression[knob] = float(value) if knob == "ratio" else int(value)
+            compression[knob] = float(value) if knob == "density" else int(value)
         except ValueError:
             raise ValueError(f"method {method!r}: {value!r} is not a {knob}") from None
     if modifier == "serial":

@@ -24,8 +24,8 @@ from .timing import best_time
 __all__ = ["DEFAULT_CODECS", "CodecResult", "markdown_table", "parse_codec_spec", "parse_size", "run_codec_bench"]
 
 DEFAULT_CODECS = [
-    "none", "fp16", "bf16", "topk:ratio=0.01", "randomk:ratio=0.01",
-    "group_topk:ratio=0.01", "qsgd", "dct_quant",
+    "none", "fp16", "bf16", "topk:density=0.01", "randomk:density=0.01",
+    "group_topk:density=0.01", "qsgd", "dct_quant",
 ]
 
 
@@ -57,7 +57,7 @@ def parse_size(text: str) -> int:
 
 
 def parse_codec_spec(spec: str) -> tuple[str, dict]:
-    """'group_topk:ratio=0.01,group_size=512' -> ('group_topk', {...}) with typed values."""
+    """'group_topk:density=0.01,group_size=512' -> ('group_topk', {...}) with typed values."""
     name, _, args = spec.partition(":")
     params = {}
     for item in filter(None, args.split(",")):
@@ -221,7 +221,7 @@ def markdown_table(report: dict) -> str:
     head = ["codec", "ratio", "encode GB/s", "decode GB/s", "encode / memcpy", "decode / memcpy", "rel. L2 error"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report["codecs"] + report.get("transforms", []):
-        params = ", ".join(f"{k}={v}" for k, v in r.get("params", {}).items() if k in ("ratio", "bits", "levels"))
+        params = ", ".join(f"{k}={v}" for k, v in r.get("params", {}).items() if k in ("density", "bits", "levels"))
         name = f"{r['name']} ({params})" if params else r["name"]
         if not r.get("kernel", True):
             name += ", no kernel"

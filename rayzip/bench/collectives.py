@@ -10,7 +10,7 @@ independently placed entries, an upper bound for workers whose selections overla
 
 Usage::
 
-    report = run_collectives_bench([2, 4, 8], {"codec": "group_topk", "ratio": 0.01}, steps=8)
+    report = run_collectives_bench([2, 4, 8], {"codec": "group_topk", "density": 0.01}, steps=8)
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Usage::
 
     from rayzip.codecs import get_codec, ErrorFeedback
 
-    codec = get_codec("group_topk", ratio=0.01)
+    codec = get_codec("group_topk", density=0.01)
     memory = ErrorFeedback()
     payload = memory.encode(codec, "bucket0", grad)   # payload.to_bytes() is the wire
     grad_hat = codec.decode(payload)

@@ -7,7 +7,7 @@ sent: both sides of a collective know the bucket they exchange.
 
 Usage::
 
-    codec = get_codec("group_topk", ratio=0.01)
+    codec = get_codec("group_topk", density=0.01)
     payload = codec.encode(grad)                     # torch tensor, numpy or cupy array
     wire = payload.to_bytes()                        # len(wire) == codec.wire_nbytes(grad.numel())
     back = codec.decode(codec.from_bytes(wire, like=payload))
@@ -31,7 +31,7 @@ __all__ = [
     "NonFiniteError",
     "WireOverflowError",
     "Payload",
-    "check_ratio",
+    "check_density",
 ]
 
 
@@ -120,10 +120,10 @@ class Payload:
         return cls(arrays=arrays, **kwargs)
 
 
-def check_ratio(ratio: float) -> float:
-    if not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
-        raise CodecError(f"ratio must be in (0, 1], got {ratio!r}")
-    return float(ratio)
+def check_density(density: float) -> float:
+    if not (isinstance(density, (int, float)) and 0.0 < density <= 1.0):
+        raise CodecError(f"density must be in (0, 1], got {density!r}")
+    return float(density)
 
 
 def check_int(name: str, value: int, lo: int, hi: int | None = None) -> int:
@@ -135,13 +135,13 @@ def check_int(name: str, value: int, lo: int, hi: int | None = None) -> int:
     return int(value)
 
 
-def kept_count(ratio: float, size: int) -> int:
-    """k = max(1, ceil(ratio * size)), and 0 for an empty span."""
+def kept_count(density: float, size: int) -> int:
+    """k = max(1, ceil(density * size)), and 0 for an empty span."""
     if size <= 0:
         return 0
-    # The epsilon keeps ratio*size that is an integer in exact arithmetic (0.01*1000)
+    # The epsilon keeps density*size that is an integer in exact arithmetic (0.01*1000)
     # from rounding up through float error.
-    return min(size, max(1, math.ceil(ratio * size - 1e-9)))
+    return min(size, max(1, math.ceil(density * size - 1e-9)))
 
 
 def index_dtype(span: int) -> str:

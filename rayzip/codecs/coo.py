@@ -6,7 +6,7 @@ from the byte count it was told first, as the ring collective does.
 
 Usage::
 
-    total = get_codec("group_topk", ratio=0.01).aggregate([p0, p1])   # a coo payload
+    total = get_codec("group_topk", density=0.01).aggregate([p0, p1])   # a coo payload
     dense = get_codec("coo").decode(total)
 """
 

@@ -1,13 +1,13 @@
 """``group_topk``: top-k inside each group of G consecutive entries.
 
 The flat gradient is cut into groups of ``group_size`` G (the last may be shorter, of
-length r = numel mod G). Each group keeps its k = max(1, ceil(ratio * |group|)) entries of
+length r = numel mod G). Each group keeps its k = max(1, ceil(density * |group|)) entries of
 largest magnitude, so every group is represented and the payload size is fixed.
 
 Wire, for F = numel // G full groups with k = kept(G) and kl = kept(r) (0 when r = 0), and
 n = F*k + kl kept entries: ``indices`` (n offsets inside the group, uint16 when G <= 65536
 else uint32) then ``values`` (n, fp16 by default or fp32): ``n * (index_bytes + value_bytes)``.
-At ratio 0.01 and G = 1024 that is 11 * 4 bytes per 4096: 93x smaller than fp32.
+At density 0.01 and G = 1024 that is 11 * 4 bytes per 4096: 93x smaller than fp32.
 
 Two options make each kept entry cheaper, for updates sent rarely and with many entries
 (local steps' pseudo-gradients), where keeping twice the entries matters more than their
@@ -19,19 +19,19 @@ precision, which error feedback restores:
   (its largest kept magnitude / 127), the scales first, fp32, one per group (F, plus one for
   a tail): ``4 * (F + [kl > 0]) + n`` bytes of values.
 
-At ratio 0.02, G = 1024, both on: 4 + 21 * (1 + 10/8) bytes per 4096, 80x smaller than fp32
+At density 0.02, G = 1024, both on: 4 + 21 * (1 + 10/8) bytes per 4096, 80x smaller than fp32
 (the default wire at 0.02: 49x).
 
 Usage::
 
-    codec = get_codec("group_topk", ratio=0.01, group_size=1024)
+    codec = get_codec("group_topk", density=0.01, group_size=1024)
     payload = codec.encode(grad)
-    compact = get_codec("group_topk", ratio=0.02, value_dtype="int8", packed_indices=True)
+    compact = get_codec("group_topk", density=0.02, value_dtype="int8", packed_indices=True)
 """
 
 from __future__ import annotations
 
-from .base import CodecError, Field, Payload, check_int, check_ratio, index_dtype, kept_count
+from .base import CodecError, Field, Payload, check_int, check_density, index_dtype, kept_count
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .sparse import VALUE_DTYPES, SparseCodec, check_value_dtype
 from .kernels import all_finite, rows_kernel_for, top_magnitude_rows
@@ -46,9 +46,9 @@ __all__ = ["GroupTopK"]
 class GroupTopK(SparseCodec):
     name = "group_topk"
 
-    def __init__(self, ratio: float = 0.01, group_size: int = 1024, value_dtype: str = "fp16",
+    def __init__(self, density: float = 0.01, group_size: int = 1024, value_dtype: str = "fp16",
                  packed_indices: bool = False):
-        self.ratio = check_ratio(ratio)
+        self.density = check_density(density)
         self.group_size = check_int("group_size", group_size, 1)
         self.value_dtype = check_value_dtype(value_dtype, scaled=True)
         self.packed_indices = bool(packed_indices)
@@ -67,7 +67,7 @@ class GroupTopK(SparseCodec):
     def _split(self, numel: int) -> tuple[int, int, int, int]:
         """(full groups, k per full group, tail length, k of the tail)."""
         full, tail = divmod(numel, self.group_size)
-        return full, kept_count(self.ratio, self.group_size), tail, kept_count(self.ratio, tail)
+        return full, kept_count(self.density, self.group_size), tail, kept_count(self.density, tail)
 
     def wire_fields(self, numel: int) -> list[Field]:
         full, k, _, k_tail = self._split(numel)

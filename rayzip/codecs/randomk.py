@@ -1,4 +1,4 @@
-"""``randomk``: k = max(1, ceil(ratio * numel)) entries chosen by a seed; only values travel.
+"""``randomk``: k = max(1, ceil(density * numel)) entries chosen by a seed; only values travel.
 
 The indices are stratified: entry j is drawn uniformly from the j-th of k equal strata
 of the flat tensor, so indices never repeat and every entry has probability ~k/numel.
@@ -10,13 +10,13 @@ Wire: ``seed`` (1 uint64) then ``values`` (k, fp32 or fp16): ``8 + k * value_byt
 
 Usage::
 
-    codec = get_codec("randomk", ratio=0.01, seed=7)    # same seed on every worker
+    codec = get_codec("randomk", density=0.01, seed=7)    # same seed on every worker
     payload = codec.encode(grad)
 """
 
 from __future__ import annotations
 
-from .base import CodecError, Field, Payload, kept_count, check_int, check_ratio
+from .base import CodecError, Field, Payload, kept_count, check_int, check_density
 from .seeding import call_seed, mix64
 from .sparse import VALUE_DTYPES, SparseCodec, check_value_dtype
 from ..xp import array_module
@@ -37,8 +37,8 @@ class RandomK(SparseCodec):
     name = "randomk"
     summable = True
 
-    def __init__(self, ratio: float = 0.01, seed: int = 0, value_dtype: str = "fp32"):
-        self.ratio = check_ratio(ratio)
+    def __init__(self, density: float = 0.01, seed: int = 0, value_dtype: str = "fp32"):
+        self.density = check_density(density)
         self.seed = check_int("seed", seed, 0, (1 << 64) - 1)
         self.value_dtype = check_value_dtype(value_dtype)
         self.calls = 0  # advances once per encode; saved with the codec's state
@@ -53,12 +53,12 @@ class RandomK(SparseCodec):
         self.calls = int(state["calls"])
 
     def wire_fields(self, numel: int) -> list[Field]:
-        return [Field("seed", "<u8", 1), Field("values", VALUE_DTYPES[self.value_dtype], kept_count(self.ratio, numel))]
+        return [Field("seed", "<u8", 1), Field("values", VALUE_DTYPES[self.value_dtype], kept_count(self.density, numel))]
 
     def _encode(self, flat, xp):
         seed = call_seed(self.seed, self.calls)
         self.calls += 1
-        indices = random_indices(seed, flat.size, kept_count(self.ratio, flat.size), xp)
+        indices = random_indices(seed, flat.size, kept_count(self.density, flat.size), xp)
         return {"seed": xp.asarray([seed], dtype="<u8"), "values": self._narrow_values(flat[indices])}
 
     def _to_coo(self, payload: Payload):

@@ -56,15 +56,11 @@ def coo_sum(indices, values, xp):
 class SparseCodec(Codec):
     sparse = True
     summable = False
-    ratio: float = 1.0
+    density: float = 1.0  # the kept fraction
     value_dtype: str = "fp32"
 
-    @property
-    def density(self) -> float | None:
-        return self.ratio
-
     def with_density(self, density: float) -> "SparseCodec":
-        codec = type(self)(**{**self.params(), "ratio": density})
+        codec = type(self)(**{**self.params(), "density": density})
         codec.load_state_dict(self.state_dict())
         return codec
 
@@ -119,4 +115,4 @@ class SparseCodec(Codec):
         raise AssertionError("unreachable")
 
     def params(self) -> dict[str, Any]:
-        return {"ratio": self.ratio, "value_dtype": self.value_dtype}
+        return {"density": self.density, "value_dtype": self.value_dtype}

@@ -4,7 +4,7 @@ A collective whose ranks disagree does not fail, it hangs: a rank that skips a s
 a payload of another size, or leaves early keeps the others waiting until the process
 group's timeout. So before each payload exchange every rank all-reduces one small word:
 
-* ``step`` and the compression config (``ratio`` and ``mode``: enabled, compressed this
+* ``step`` and the compression config (``density`` and ``mode``: enabled, compressed this
   step, value dtype) must be equal on every rank, or every rank raises
   :class:`RankDisagreement` naming the field and its range;
 * ``bad``: a rank whose gradient (or its encoding) is not finite marks it here, with its
@@ -19,7 +19,7 @@ One all-reduce with MAX over ``[w, -w]`` gives every field's maximum and minimum
 
 Usage::
 
-    word = ControlWord(step=12, ratio=0.01, mode=encode_mode(True, True, "fp16"))
+    word = ControlWord(step=12, density=0.01, mode=encode_mode(True, True, "fp16"))
     agreed = agree(transport, word)      # the same Agreed on every rank
     agreed.check()                       # RankDisagreement, raised on every rank alike
 """
@@ -46,7 +46,7 @@ class RankDisagreement(RuntimeError):
 @dataclass
 class ControlWord:
     step: int = 0
-    ratio: int = 0  # the kept fraction's float64 bits (0: the codec has none)
+    density: int = 0  # the kept fraction's float64 bits (0: the codec has none)
     mode: int = 0  # encode_mode(...)
     bad: int = 0  # bad_key(...) when this rank's gradient is not finite
     failed: int = 0  # world - rank when this rank's encoding raised
@@ -54,12 +54,12 @@ class ControlWord:
     proposal: int = 0  # proposal_key(...) of a config change to adopt, 0 for none
 
     def __post_init__(self):
-        if isinstance(self.ratio, float):
-            self.ratio = _float_bits(self.ratio)
+        if isinstance(self.density, float):
+            self.density = _float_bits(self.density)
 
 
 FIELDS = tuple(f.name for f in fields(ControlWord))
-_AGREE = ("step", "ratio", "mode")
+_AGREE = ("step", "density", "mode")
 
 
 def control_nbytes(world: int) -> int:
@@ -82,12 +82,12 @@ def bad_key(rank: int, world: int, index: int, overflow: bool = False) -> int:
     return (world - rank) << (_INDEX_BITS + 1) | int(overflow) << _INDEX_BITS | min(max(index, 0), (1 << _INDEX_BITS) - 1)
 
 
-def proposal_key(seq: int, compression_ratio: float) -> int:
-    """A proposal: its sequence number (>= 0) and the compression ratio (1/kept fraction;
+def proposal_key(seq: int, compression: float) -> int:
+    """A proposal: its sequence number (>= 0) and the compression (1 / kept fraction;
     1 or below: compression off). The highest sequence number wins."""
     if seq < 0 or seq >= 1 << 30:
         raise ValueError(f"proposal sequence numbers run 0 .. 2**30-1, got {seq}")
-    bits = struct.unpack("<I", struct.pack("<f", max(0.0, float(compression_ratio))))[0]
+    bits = struct.unpack("<I", struct.pack("<f", max(0.0, float(compression))))[0]
     return (seq + 1) << 32 | bits
 
 
@@ -113,7 +113,7 @@ class Agreed:
         for name in _AGREE:
             lo, hi = getattr(self.low, name), getattr(self.high, name)
             if lo != hi:
-                if name == "ratio":
+                if name == "density":
                     lo, hi = _bits_float(lo), _bits_float(hi)
                 elif name == "mode":
                     lo, hi = _describe_mode(lo), _describe_mode(hi)
@@ -121,7 +121,7 @@ class Agreed:
         if problems:
             raise RankDisagreement(
                 f"ranks disagree at step {self.low.step}..{self.high.step}: {'; '.join(problems)}. Every rank must "
-                "run the same steps and change the config at the same step (set_ratio/set_enabled on every rank, or "
+                "run the same steps and change the config at the same step (set_density/set_enabled on every rank, or "
                 "propose() for a change that every rank adopts)")
 
     @property
@@ -144,12 +144,12 @@ class Agreed:
 
     @property
     def proposal(self) -> tuple[int, float] | None:
-        """(sequence number, compression ratio) of the winning proposal, or None."""
+        """(sequence number, compression) of the winning proposal, or None."""
         key = self.high.proposal
         if not key:
             return None
-        ratio = struct.unpack("<f", struct.pack("<I", key & 0xFFFF_FFFF))[0]
-        return (key >> 32) - 1, float(ratio)
+        compression = struct.unpack("<f", struct.pack("<I", key & 0xFFFF_FFFF))[0]
+        return (key >> 32) - 1, float(compression)
 
 
 def agree(transport, word: ControlWord) -> Agreed:

@@ -132,7 +132,7 @@ class ParameterServerClient:
         compressed = step >= self.spec.compression.warmup_steps
         codec = self.codec if compressed else self.dense_codec
         grad = flat_gradient(model)
-        stats = StepStats(step=step, compressed=compressed, ratio=codec.density,
+        stats = StepStats(step=step, compressed=compressed, density=codec.density,
                           numel=grad.numel(), dense_bytes=4 * grad.numel(), buckets=[b - a for a, b in self.bounds])
         pushes = []
         for index, (shard, (a, b)) in enumerate(zip(self.shards, self.bounds)):

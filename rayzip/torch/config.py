@@ -23,7 +23,7 @@ from ..comm.cost import Link
 
 __all__ = ["CODEC_FIELDS", "COLLECTIVES", "HIERARCHIES", "CompressionConfig"]
 
-# The codecs' parameters, by the config's names (density is the codecs' ``ratio``).
+# The codecs' parameters.
 CODEC_FIELDS = ("density", "group_size", "value_dtype", "packed_indices", "block", "bits", "keep", "levels",
                 "bucket_size", "seed")
 COLLECTIVES = ("auto", "ring", "allreduce", "allgather")
@@ -100,9 +100,9 @@ class CompressionConfig:
             return "choose momentum_correction (sgd) or adam_correction (adamw), not both"
         takes = codec_parameters(self.codec)
         for name in CODEC_FIELDS:
-            if getattr(self, name) is not None and _codec_name(name) not in takes:
+            if getattr(self, name) is not None and name not in takes:
                 return (f"{name} does not apply to codec {self.codec} "
-                        f"(it takes {', '.join(_config_name(t) for t in takes) or 'no parameters'})")
+                        f"(it takes {', '.join(takes) or 'no parameters'})")
         try:
             codec = self.build_codec()
             if self.error_feedback:
@@ -115,7 +115,7 @@ class CompressionConfig:
     def codec_params(self, rank: int = 0) -> dict[str, Any]:
         """The codec's keyword arguments, as :func:`rayzip.codecs.get_codec` takes them; QSGD's
         seed differs by ``rank`` (independent rounding noise averages out)."""
-        params = {_codec_name(k): getattr(self, k) for k in CODEC_FIELDS if getattr(self, k) is not None}
+        params = {k: getattr(self, k) for k in CODEC_FIELDS if getattr(self, k) is not None}
         if self.codec == "qsgd":
             params["seed"] = params.get("seed", 0) + rank
         return params
@@ -143,10 +143,3 @@ class CompressionConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return CompressionConfig(**{**values, **changes})
 
-
-def _codec_name(name: str) -> str:
-    return "ratio" if name == "density" else name
-
-
-def _config_name(name: str) -> str:
-    return "density" if name == "ratio" else name

@@ -25,7 +25,7 @@ Usage::
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     state = rayzip.torch.compress(ddp, CompressionConfig(codec="group_topk", density=0.01))
     ...                                   # train as usual
-    state.set_ratio(0.05)                 # from the next step on; every rank must call it
+    state.set_density(0.05)                 # from the next step on; every rank must call it
     state.propose(20.0)                   # or: one rank proposes, every rank adopts it next step
     print(state.last_step)                # bytes_sent, dense_bytes, comm_s of the finished step
 
@@ -71,7 +71,7 @@ class StepStats:
 
     step: int = 0
     compressed: bool = True
-    ratio: float | None = None
+    density: float | None = None  # the kept fraction in force; None: dense, or a codec without one
     bytes_sent: int = 0  # bytes this worker handed to torch.distributed to send (ps: pushed)
     local_bytes: int = 0  # of bytes_sent, those to workers on its own node (hierarchy)
     # hierarchy: what this worker's node sends off the node, by the counts: this worker's
@@ -92,7 +92,7 @@ class StepStats:
     skipped: bool = False  # a rank's gradient was not finite: every rank dropped this step
     nonfinite: str | None = None  # why, when skipped
     stop: bool = False  # some rank asked every rank to stop after this step
-    adopted: tuple[int, float] | None = None  # (seq, compression ratio) agreed this step, applied from the next
+    adopted: tuple[int, float] | None = None  # (seq, compression) agreed this step, applied from the next
 
 
 def plan_segments(sizes: list[int], cap: int) -> list[tuple[int, int]]:
@@ -185,40 +185,41 @@ class CompressionState:
         self._bucketwise = False  # this step's buckets are all-reduced in place
         self.step = 0
         self.enabled = True
-        self._pending_ratio: float | None = None
+        self._pending_density: float | None = None
         self._pending_enabled: bool | None = None
         self._proposal: int = 0
         self._stop = False
         self._requests = threading.Lock()  # propose/request_stop may run while the worker sends
         self._loss_scale: float | None = None  # the scale the residuals are in (AMP)
-        self.current = StepStats(ratio=self.codec.density)
+        self.current = StepStats(density=self.codec.density)
         self.last_step: StepStats | None = None
         self.totals = {"steps": 0, "bytes_sent": 0, "local_bytes": 0, "dense_bytes": 0, "comm_s": 0.0,
                        "busy_s": 0.0, "network_s": 0.0, "skipped": 0}
 
     # --- control, applied at step boundaries so that every rank switches together -------
     @property
-    def ratio(self) -> float | None:
+    def density(self) -> float | None:
+        """The codec's kept fraction in force (None: a codec that sends every entry)."""
         return self.codec.density
 
-    def set_ratio(self, ratio: float) -> None:
-        """Use ``ratio`` from the next step on. Call it on every rank for the same step (a
-        rank that does not is caught by the control word: every rank raises)."""
+    def set_density(self, density: float) -> None:
+        """Keep ``density`` of the entries from the next step on. Call it on every rank for the
+        same step (a rank that does not is caught by the control word: every rank raises)."""
         if self.codec.density is None:
-            raise ValueError(f"codec {self.codec.name} has no ratio to change")
-        self._pending_ratio = float(ratio)
+            raise ValueError(f"codec {self.codec.name} has no density to change")
+        self._pending_density = float(density)
 
     def set_enabled(self, enabled: bool) -> None:
         """Compression on, or off (dense fp32 allreduce), from the next step on, on every rank."""
         self._pending_enabled = bool(enabled)
 
-    def propose(self, compression_ratio: float, seq: int = 0) -> None:
-        """Ask every rank to compress at ``compression_ratio`` (1 / kept fraction; 1 or less:
+    def propose(self, compression: float, seq: int = 0) -> None:
+        """Ask every rank to compress at ``compression`` (1 / kept fraction; 1 or less:
         off) from the step after the next exchange. One rank may call it alone (a controller's
         decision reaches rank 0 only); the control word carries it to the others, and the
         highest ``seq`` wins. ``last_step.adopted`` says when it was agreed."""
         with self._requests:
-            self._proposal = proposal_key(seq, compression_ratio)
+            self._proposal = proposal_key(seq, compression)
 
     def request_stop(self) -> None:
         """Ask every rank to stop: ``last_step.stop`` is set on every rank after the next
@@ -228,7 +229,7 @@ class CompressionState:
             self._stop = True
 
     def dry_run(self, repeats: int = 2) -> "StepStats":
-        """A compressed exchange of a seeded random gradient, at the ratio in force, through
+        """A compressed exchange of a seeded random gradient, at the density in force, through
         a twin of this state (the same spec, parameters and process group; its own error
         feedback, codec and counters), so that nothing of the run's state moves: what one
         compressed step's exchange costs on this network and this codec, before the first
@@ -237,8 +238,8 @@ class CompressionState:
         parameters, group, device, momentum, adam_betas, emulation, node_key = self._twin
         twin = CompressionState(self.spec, parameters, group, device, momentum=momentum, adam_betas=adam_betas,
                                 names=self._names, emulation=emulation, node_key=node_key)
-        if self.ratio is not None:
-            twin.set_ratio(self.ratio)
+        if self.density is not None:
+            twin.set_density(self.density)
         twin.step = self.spec.warmup_steps  # past the warm-up, which would send it dense
         generator = torch.Generator().manual_seed(self.rank)
         grad = (torch.randn(self._numel, generator=generator) * 1e-3).to(device)
@@ -246,10 +247,10 @@ class CompressionState:
             twin.average(grad)
         return twin.last_step
 
-    def _apply_ratio(self, ratio: float) -> None:
-        """Swap in the codec at ``ratio``, keeping its state (a seeded codec's call count);
+    def _apply_density(self, density: float) -> None:
+        """Swap in the codec at ``density``, keeping its state (a seeded codec's call count);
         ``collective: auto`` weighs its choice again at the new density."""
-        self.codec = self.codec.with_density(ratio)
+        self.codec = self.codec.with_density(density)
         self.communicator = self._communicator()
 
     def _communicator(self):
@@ -261,13 +262,13 @@ class CompressionState:
                                  sizes=[hi - lo for lo, hi in self.segments], link=self.spec.link)
 
     def _begin_step(self) -> None:
-        if self._pending_ratio is not None:
-            self._apply_ratio(self._pending_ratio)
-            self._pending_ratio = None
+        if self._pending_density is not None:
+            self._apply_density(self._pending_density)
+            self._pending_density = None
         if self._pending_enabled is not None:
             self.enabled, self._pending_enabled = self._pending_enabled, None
         compressed = self.enabled and self.step >= self.spec.warmup_steps
-        self.current = StepStats(step=self.step, compressed=compressed, ratio=self.ratio if compressed else None)
+        self.current = StepStats(step=self.step, compressed=compressed, density=self.density if compressed else None)
 
     def _goes_bucketwise(self) -> bool:
         """Whether this step's gradient crosses whole, bucket by bucket in place: dense (or
@@ -296,15 +297,16 @@ class CompressionState:
         return {ranks[0]: (k, len(groups)) for k, ranks in enumerate(groups)}
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "enabled": self.enabled, "ratio": self.ratio,
+        return {"step": self.step, "enabled": self.enabled, "density": self.density,
                 "memory": self.memory.state_dict(), "codec": self.codec.state_dict(),
                 "loss_scale": self._loss_scale, "totals": dict(self.totals), "drained": self.dense_steps.drained}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; residuals and velocities land on this state's device."""
         self.step, self.enabled = int(state["step"]), bool(state["enabled"])
-        if state.get("ratio") is not None and self.codec.density is not None:
-            self._apply_ratio(state["ratio"])
+        density = state.get("density", state.get("ratio"))  # "ratio": checkpoints before the rename
+        if density is not None and self.codec.density is not None:
+            self._apply_density(density)
         memory = relayout_state(state["memory"], self.segments, self._numel)  # saved with other segments, too
         self.memory.load_state_dict(memory, like=torch.empty(0, device=self.transport.device))
         self.codec.load_state_dict(state["codec"])
@@ -463,7 +465,7 @@ class CompressionState:
         with self._requests:
             stop, self._stop = self._stop, False
             proposal, self._proposal = self._proposal, 0
-        word = ControlWord(step=self.step, ratio=float(self.ratio or 0.0),
+        word = ControlWord(step=self.step, density=float(self.density or 0.0),
                            mode=encode_mode(self.enabled, stats.compressed, self.codec.value_dtype),
                            bad=bad, failed=self.world - self.rank if failure is not None else 0,
                            stop=int(stop), proposal=proposal)
@@ -486,17 +488,17 @@ class CompressionState:
             return
         if self.current.adopted is not None and self.current.adopted[0] >= proposal[0]:
             return  # a later segment's word repeated an older proposal
-        seq, compression_ratio = proposal
+        seq, compression = proposal
         self.current.adopted = proposal
-        self.compress_at(compression_ratio)
+        self.compress_at(compression)
 
-    def compress_at(self, compression_ratio: float) -> None:
-        """From the next step on, compress at ``compression_ratio`` (1 / kept fraction; 1 or
+    def compress_at(self, compression: float) -> None:
+        """From the next step on, compress at ``compression`` (1 / kept fraction; 1 or
         less: off). Every rank must call it for the same step, as :meth:`propose`'s agreed
         proposals do."""
-        self._pending_enabled = compression_ratio > 1.0
-        if compression_ratio > 1.0 and self.codec.density is not None:
-            self._pending_ratio = 1.0 / compression_ratio
+        self._pending_enabled = compression > 1.0
+        if compression > 1.0 and self.codec.density is not None:
+            self._pending_density = 1.0 / compression
 
     def _follow_loss_scale(self) -> None:
         """Keep residuals in the units of the gradient: AMP scales it by the loss scale."""

@@ -86,7 +86,7 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | Compr
 
 
 def compression_state(model: torch.nn.Module) -> CompressionState | None:
-    """The hook's state (``last_step``, ``set_ratio``, ``propose``...), or None at world size 1
+    """The hook's state (``last_step``, ``set_density``, ``propose``...), or None at world size 1
     or for a model that :func:`prepare_model` did not prepare."""
     return getattr(model, _ATTRIBUTE, None)
 

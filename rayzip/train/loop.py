@@ -213,7 +213,7 @@ def _after_step(spec: JobSpec, task: Task, exchange: Exchange, telemetry: Teleme
         "total_bytes_sent": totals.bytes_sent, "total_dense_bytes": totals.dense_bytes,
         "total_bytes_received": totals.bytes_received, "total_local_bytes": totals.local_bytes,
         "total_node_bytes": totals.node_bytes, "collective": "ps" if exchange.name == "ps" else None,
-        "bytes_source": t.bytes_source, "compressed": t.compressed, "ratio": t.ratio, "local_every": t.local_every,
+        "bytes_source": t.bytes_source, "compressed": t.compressed, "density": t.density, "local_every": t.local_every,
         "verify_max_abs_err": totals.verify_max_abs_err,  # worst step so far
         "verify_documented_bytes": totals.verify_documented_bytes,
         "metric": task.metric, task.metric: run.metric, "reached_target": totals.time_to_target_s is not None,
@@ -365,7 +365,7 @@ class _ProgressTelemetry(Telemetry):
             t = record.traffic
             self.progress.update.remote({"step": record.step, "loss": record.loss, "pid": os.getpid(),
                                          "evaluated": False, "bytes_sent": t.bytes_sent,
-                                         "compressed": t.compressed, "ratio": t.ratio})
+                                         "compressed": t.compressed, "density": t.density})
 
 
 def train_loop(config: dict) -> None:

@@ -38,7 +38,7 @@ class Traffic:
     network_s: float = 0.0  # of busy_s, inside torch.distributed or waiting on the shards
     messages: int = 0  # latency-bound sends (a ring allreduce counts 2(n-1)); 0: not counted
     compressed: bool = False
-    ratio: float | None = None
+    density: float | None = None  # the kept fraction in force (None: dense)
     comm_source: str = "hook"  # hook, ps, or "step minus compute" (plain DDP, torch hooks)
     bytes_source: str = "counted"  # counted, or formula (plain DDP)
     verify_max_abs_err: float | None = None
@@ -54,7 +54,7 @@ def traffic_of(stats, source: str = "hook") -> Traffic:
                    local_bytes=stats.local_bytes, node_bytes=stats.node_bytes,
                    comm_s=stats.comm_s, busy_s=stats.busy_s or stats.comm_s, network_s=stats.network_s,
                    messages=stats.hops,
-                   compressed=bool(stats.compressed), ratio=stats.ratio, comm_source=source,
+                   compressed=bool(stats.compressed), density=stats.density, comm_source=source,
                    verify_max_abs_err=stats.verify_max_abs_err, verify_documented_bytes=stats.verify_documented_bytes,
                    stop=stats.stop)
 

@@ -178,7 +178,7 @@ class Telemetry:
         t = record.traffic
         self.controller.report.remote(self.rank, record.step, record.loss, record.step_s, t.comm_s, t.network_s,
                                       t.bytes_sent, t.dense_bytes, busy_s=t.busy_s, messages=t.messages,
-                                      density=t.ratio if t.compressed else None, world=self.world)
+                                      density=t.density if t.compressed else None, world=self.world)
 
     def record_checkpoint(self, stored_bytes: int, raw_bytes: int) -> None:
         if self.metrics is not None:

@@ -140,8 +140,8 @@ def test_fp16_ring_sum_that_overflows_on_the_wire_is_seen_by_every_rank():
 def _disagree_rank(rank, world, what):
     param = torch.zeros(1000)
     state = CompressionState(CompressionConfig(codec="topk", density=0.05), parameters=[param])
-    if what == "ratio" and rank == 1:
-        state.set_ratio(0.2)  # one rank alone: a different payload size every step from now on
+    if what == "density" and rank == 1:
+        state.set_density(0.2)  # one rank alone: a different payload size every step from now on
     if what == "step" and rank == 2:
         state.step = 7  # a rank restored at another step
     try:
@@ -151,7 +151,7 @@ def _disagree_rank(rank, world, what):
     return None
 
 
-@pytest.mark.parametrize("what, message", [("ratio", "ratio ranges over 0.05 .. 0.2"),
+@pytest.mark.parametrize("what, message", [("density", "density ranges over 0.05 .. 0.2"),
                                            ("step", "ranks disagree at step 0..7")])
 def test_ranks_that_disagree_all_raise_instead_of_hanging(what, message):
     results = run_world(_disagree_rank, 3, what, timeout_s=TIMEOUT_S)
@@ -197,7 +197,7 @@ def _adoption_rank(rank, world, seed):
     for step in range(60):
         adoption.before_step()
         state.average(torch.randn(2000))
-        seen.append((state.last_step.compressed, state.last_step.ratio, state.last_step.adopted))
+        seen.append((state.last_step.compressed, state.last_step.density, state.last_step.adopted))
         adoption.after_step(step)
         time.sleep(0.005 * (rank + 1))  # ranks run at different speeds
     return seen, applied
@@ -219,9 +219,9 @@ def test_a_late_controller_decision_is_adopted_by_every_rank_at_the_same_step():
 
 
 def test_the_control_word_reduces_to_min_max_and_names_the_lowest_bad_rank():
-    words = [ControlWord(step=3, ratio=0.01, bad=bad_key(2, 4, 99), proposal=proposal_key(5, 20.0)),
-             ControlWord(step=3, ratio=0.01, bad=bad_key(1, 4, 7)),
-             ControlWord(step=3, ratio=0.01, stop=1)]
+    words = [ControlWord(step=3, density=0.01, bad=bad_key(2, 4, 99), proposal=proposal_key(5, 20.0)),
+             ControlWord(step=3, density=0.01, bad=bad_key(1, 4, 7)),
+             ControlWord(step=3, density=0.01, stop=1)]
     rows = [list(vars(w).values()) for w in words]
     high = ControlWord(*np.max(rows, axis=0).tolist())
     low = ControlWord(*np.min(rows, axis=0).tolist())

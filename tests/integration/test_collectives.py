@@ -92,13 +92,13 @@ def test_sparse_ring_sums_like_dense_reference_and_counts_bytes(world, density, 
 
 CODECS = {
     "none": ({}, AllReduce), "fp16": ({}, AllReduce), "bf16": ({}, AllReduce),
-    "randomk": ({"ratio": 0.05, "seed": 4}, AllReduce),
-    "qsgd": ({}, AllGather), "dct_quant": ({}, AllGather), "group_topk": ({"ratio": 0.05}, AllGather),
-    "topk": ({"ratio": 0.02}, Ring),
+    "randomk": ({"density": 0.05, "seed": 4}, AllReduce),
+    "qsgd": ({}, AllGather), "dct_quant": ({}, AllGather), "group_topk": ({"density": 0.05}, AllGather),
+    "topk": ({"density": 0.02}, Ring),
     # Compact group top-k (codec name before the colon): gathered as it is on the wire, and
     # summed on the ring, which carries int8 values' partial sums in fp16.
-    "group_topk:compact": ({"ratio": 0.05, "value_dtype": "int8", "packed_indices": True}, AllGather),
-    "group_topk:compact-ring": ({"ratio": 0.05, "value_dtype": "int8", "packed_indices": True}, Ring),
+    "group_topk:compact": ({"density": 0.05, "value_dtype": "int8", "packed_indices": True}, AllGather),
+    "group_topk:compact-ring": ({"density": 0.05, "value_dtype": "int8", "packed_indices": True}, Ring),
 }
 
 
@@ -154,7 +154,7 @@ def test_unpacked_fields_are_aligned_for_their_type_with_odd_entry_counts():
     back = Chunk.unpack(buf.copy(), 200000, entries, "fp32")
     assert back.values.flags.aligned and np.array_equal(back.values, values)
     assert np.array_equal(back.indices, indices)
-    codec = get_codec("group_topk", ratio=0.5, group_size=3, value_dtype="fp32")  # 1 + 1 + 2 = odd
+    codec = get_codec("group_topk", density=0.5, group_size=3, value_dtype="fp32")  # 1 + 1 + 2 = odd
     payload = codec.encode(np.arange(7, dtype=np.float32) - 3)
     wire = np.concatenate([np.zeros(1, np.uint8), np.frombuffer(payload.to_bytes(), np.uint8)])[1:]
     rebuilt = codec.from_bytes(wire, like=payload)

@@ -8,7 +8,7 @@ from __future__ import annotations
 def test_measured_bytes_match_the_model_and_auto_sends_the_least():
     from rayzip.bench.collectives import run_collectives_bench
 
-    report = run_collectives_bench([2, 4], {"codec": "group_topk", "ratio": 0.01}, steps=4, skip=1)
+    report = run_collectives_bench([2, 4], {"codec": "group_topk", "density": 0.01}, steps=4, skip=1)
     for row in report["rows"]:
         assert row["measured_allgather_bytes"] == row["model_allgather_bytes"]  # fixed-size payloads
         # The model places every worker's entries independently: an upper bound on the fill-in.

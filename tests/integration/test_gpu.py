@@ -23,9 +23,9 @@ from rayzip.codecs.kernels import fused
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_CUPY),
                                 reason="needs a CUDA GPU and cupy (pip install 'rayzip[gpu]')")
 
-CODECS = [("none", {}), ("fp16", {}), ("bf16", {}), ("topk", {"ratio": 0.01}), ("randomk", {"ratio": 0.01}),
-          ("group_topk", {"ratio": 0.01}), ("group_topk", {"ratio": 0.01, "value_dtype": "fp32"}),
-          ("group_topk", {"ratio": 0.01, "group_size": 4096}),  # wider than the kernel's rows: torch ops
+CODECS = [("none", {}), ("fp16", {}), ("bf16", {}), ("topk", {"density": 0.01}), ("randomk", {"density": 0.01}),
+          ("group_topk", {"density": 0.01}), ("group_topk", {"density": 0.01, "value_dtype": "fp32"}),
+          ("group_topk", {"density": 0.01, "group_size": 4096}),  # wider than the kernel's rows: torch ops
           ("qsgd", {}), ("qsgd", {"levels": 7}), ("dct_quant", {}), ("dct_quant", {"bits": 4})]
 
 
@@ -141,10 +141,10 @@ def test_group_topk_kernel_picks_what_the_host_kernel_picks_ties_included(width,
 
 def test_kernels_equal_the_torch_ops_on_the_gpu():
     x = torch.from_numpy(np.random.default_rng(1).standard_normal(3_000_017, dtype=np.float32)).cuda()
-    fast, slow = _gpu_pair("group_topk", {"ratio": 0.01}, x)
+    fast, slow = _gpu_pair("group_topk", {"density": 0.01}, x)
     for field in ("indices", "values"):
         np.testing.assert_array_equal(cupy.asnumpy(fast.arrays[field]), cupy.asnumpy(slow.arrays[field]))
-    fast, slow = _gpu_pair("group_topk", {"ratio": 0.02, "value_dtype": "int8", "packed_indices": True}, x)
+    fast, slow = _gpu_pair("group_topk", {"density": 0.02, "value_dtype": "int8", "packed_indices": True}, x)
     for field in ("scales", "indices", "values"):
         np.testing.assert_array_equal(cupy.asnumpy(fast.arrays[field]), cupy.asnumpy(slow.arrays[field]))
     # the warp kernel (buckets of 64k entries, aligned) and the general one (any bucket, any address)
@@ -178,7 +178,7 @@ def test_kernels_equal_the_torch_ops_on_the_gpu():
         torch.testing.assert_close(decoded, want, rtol=1e-5, atol=1e-6 * float(x.abs().max()))
 
 
-@pytest.mark.parametrize("name, params", [("group_topk", {"ratio": 0.01}), ("qsgd", {}), ("dct_quant", {})])
+@pytest.mark.parametrize("name, params", [("group_topk", {"density": 0.01}), ("qsgd", {}), ("dct_quant", {})])
 def test_a_nan_on_the_gpu_is_reported_with_its_index(name, params):
     from rayzip.codecs import NonFiniteError
 

@@ -20,7 +20,7 @@ def _model():
                                torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
 
 
-def _train_rank(rank, world, spec, steps, ratio_at=None, nan_at=None):
+def _train_rank(rank, world, spec, steps, density_at=None, nan_at=None):
     ddp = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.5)
     plain = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.5)
     state = compress(ddp, CompressionConfig(**spec)) if spec else None
@@ -28,8 +28,8 @@ def _train_rank(rank, world, spec, steps, ratio_at=None, nan_at=None):
     gen = torch.Generator().manual_seed(rank)
     out = []
     for step in range(steps):
-        if ratio_at is not None and step == ratio_at:
-            state.set_ratio(0.2)
+        if density_at is not None and step == density_at:
+            state.set_density(0.2)
         x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
         if nan_at == step:
             x[0, 0] = float("nan")
@@ -50,7 +50,7 @@ def test_ring_hook_averages_the_decoded_payloads_and_counts_bytes():
     numel = sum(p.numel() for p in _model().parameters())
     # The reference, without the hook: each rank's own gradient through a fresh codec and
     # error feedback of its own, decoded, and averaged over the ranks.
-    codec = get_codec("group_topk", ratio=0.05, value_dtype="fp32")
+    codec = get_codec("group_topk", density=0.05, value_dtype="fp32")
     memories = [ErrorFeedback() for _ in range(world)]
     for step in range(4):
         grads = [r[step][0] for r in results]
@@ -86,7 +86,7 @@ def test_none_codec_hook_matches_plain_ddp_and_sends_dense_bytes():
         assert stats["bytes_sent"] == stats["dense_bytes"] + stats["control_bytes"]
 
 
-def test_warmup_steps_go_dense_then_compress_and_ratio_switches_at_a_step():
+def test_warmup_steps_go_dense_then_compress_and_density_switches_at_a_step():
     spec = {"codec": "topk", "density": 0.05, "warmup_steps": 2}
     results = run_world(_train_rank, 2, spec, 5, 3)
     for rank_steps in results:
@@ -94,7 +94,7 @@ def test_warmup_steps_go_dense_then_compress_and_ratio_switches_at_a_step():
         assert [s["compressed"] for s in stats] == [False, False, True, True, True]
         assert stats[0]["bytes_sent"] == stats[0]["dense_bytes"] + control_nbytes(2)
         assert stats[2]["bytes_sent"] < stats[2]["dense_bytes"] / 4
-        assert [s["ratio"] for s in stats] == [None, None, 0.05, 0.2, 0.2]
+        assert [s["density"] for s in stats] == [None, None, 0.05, 0.2, 0.2]
         assert stats[3]["bytes_sent"] > stats[2]["bytes_sent"]
 
 

@@ -102,7 +102,7 @@ def test_ranks_exchange_only_at_synchronizations_and_agree_there():
     steps, every = 8, 4
     numel = sum(p.numel() for p in _model().parameters())
     results = run_world(_local_rank, 2, steps, every, "group_topk", (0.7, 0.9))
-    codec = get_codec("group_topk", ratio=0.05)
+    codec = get_codec("group_topk", density=0.05)
     for step in range(steps):
         synced = (step + 1) % every == 0
         for rank in range(2):
@@ -310,7 +310,7 @@ def _local_exchange(rank, world):
 
     spec = parse_spec(_spec(local_steps={"enabled": True, "every": 2}, training={"eval_every": 2},
                             checkpoint={"every_steps": 2},
-                            compression={"codec": "group_topk", "ratio": 0.05, "collective": "allgather"}))
+                            compression={"codec": "group_topk", "density": 0.05, "collective": "allgather"}))
     model = _model()
     local = LocalSteps(model.named_parameters(), every=2, compression=spec.compression)
     return LocalStepsExchange(spec, model, rank, world, _sgd(model.parameters()), local)

@@ -173,7 +173,7 @@ def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheu
         "dataset": {"name": "digits"},
         "training": {"steps": 700, "batch_size": 32, "lr": 0.05, "momentum": 0.9, "eval_every": 100},
         "scaling": {"min_workers": 2, "max_workers": 2},
-        "compression": {"codec": "group_topk", "ratio": 0.01, "collective": "ring", "momentum_correction": True},
+        "compression": {"codec": "group_topk", "density": 0.01, "collective": "ring", "momentum_correction": True},
         "checkpoint": {"every_steps": 100},
         "adaptive": {"enabled": True, "prometheus_url": url, "interval": 1.0, "window": 4.0,
                      "min_ratio": 4, "max_ratio": 400, "importance_weight": 0.0, "query_timeout": 1.0,
@@ -188,7 +188,7 @@ def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheu
             # rank 0 sets the checkpoint gauges when a background write is complete, not when
             # the checkpoint is taken: the dashboard's checkpoint panels have data from here on
             events["checkpointed_at"] = time.time()
-        if "ratio" not in m:
+        if "density" not in m:
             return
         if "slowed" in events and "slow_from" not in events and m["step"] > events["slowed"] \
                 and m.get("comm_s", 0.0) >= 0.85:
@@ -196,7 +196,7 @@ def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheu
             # "slowed" when the file changes: the slowdown counts from the first step whose
             # wire time shows it (half of a dense step's 1.7 s at 200 kB/s).
             events["slow_from"] = m["step"]
-        kept = m["ratio"] or 1.0  # the kept fraction; None: dense
+        kept = m["density"] or 1.0  # the kept fraction; None: dense
         if "decided" not in events and kept != 0.01:
             events["decided"] = m["step"]  # the controller's first decision is in force
         elif "decided" in events and "slowed" not in events and m["step"] >= events["decided"] + 40 \

@@ -27,7 +27,7 @@ def _lm_spec(name: str) -> JobSpec:
                      "betas": [0.9, 0.95], "lr_schedule": "cosine", "lr_warmup_steps": 5, "grad_clip_norm": 1.0,
                      "eval_every": 20, "target_val_loss": 5.5, "stop_at_target": False},
         "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 2},
-        "compression": {"codec": "group_topk", "ratio": 0.05},
+        "compression": {"codec": "group_topk", "density": 0.05},
         "checkpoint": {"every_steps": 20, "num_to_keep": 2},
     })
 
@@ -73,7 +73,7 @@ def test_a_spec_named_user_loop_trains_through_the_context(local_ray, tmp_path):
         "name": "user-loop",
         "training": {"loop": "user_loops:digits_loop", "config": {"hidden": 64, "steps": 120}, "lr": 0.05},
         "scaling": {"min_workers": 2, "max_workers": 2},
-        "compression": {"codec": "group_topk", "ratio": 0.05, "momentum_correction": True},
+        "compression": {"codec": "group_topk", "density": 0.05, "momentum_correction": True},
     })
     summary = run_job(spec, storage_path=str(tmp_path))
     # The user's report is the summary's last metrics; the context's model exchanged

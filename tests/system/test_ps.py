@@ -173,7 +173,7 @@ def test_a_nan_on_one_worker_stops_every_worker_through_the_shards(local_ray, tm
     with the reason, so both stop at once, instead of rank 0 waiting for rank 1's push."""
     from rayzip.runner import TrainingFailed
 
-    spec = _job("ps-nan", {"codec": "group_topk", "ratio": 0.05, "collective": "ps"}, {"shards": 2},
+    spec = _job("ps-nan", {"codec": "group_topk", "density": 0.05, "collective": "ps"}, {"shards": 2},
                 on_nonfinite="raise").model_copy(update={"dataset": DatasetSpec(name="poisoned_data:digits_with_a_nan_shard")})
     started = time.perf_counter()
     with pytest.raises(TrainingFailed, match=r"NonFiniteError: rank 1, step 0, gradient slice of shard 0"):
@@ -222,7 +222,7 @@ def test_async_workers_with_lossless_pulls_stop_together_at_the_target(local_ray
     """Bounded-staleness asynchronous updates: each worker evaluates its own copy, so rank 0's
     decision to stop at the target is broadcast; a rank stopping alone would leave the other
     waiting on its clock (this run hung before that)."""
-    spec = _job("ps-async", {"codec": "group_topk", "ratio": 0.05, "collective": "ps", "momentum_correction": True},
+    spec = _job("ps-async", {"codec": "group_topk", "density": 0.05, "collective": "ps", "momentum_correction": True},
                 {"shards": 2, "mode": "async", "staleness": 2, "pull": "lossless"}, hidden=128, steps=300,
                 target_accuracy=0.93, eval_every=25)
     summary = run_job(spec, storage_path=str(tmp_path))

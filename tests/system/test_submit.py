@@ -23,7 +23,7 @@ model: {name: mlp, hidden: [32]}
 dataset: {name: %s}
 training: {steps: 20, eval_every: 10}
 scaling: {min_workers: 2, max_workers: 2, max_failures: 0}  # a failure fails the job: a retry would fail alike
-compression: {codec: group_topk, ratio: 0.05}
+compression: {codec: group_topk, density: 0.05}
 checkpoint: {every_steps: 0}
 """
 FAILING_DATASET = '''\

@@ -18,7 +18,7 @@ def test_two_worker_ring_training_verifies_counts_and_reaches_target(local_ray, 
         "dataset": {"name": "digits"},
         "training": {"steps": 300, "batch_size": 32, "lr": 0.05, "eval_every": 25, "target_accuracy": 0.93},
         "scaling": {"min_workers": 2, "max_workers": 2},
-        "compression": {"codec": "group_topk", "ratio": 0.01, "collective": "ring", "verify": True,
+        "compression": {"codec": "group_topk", "density": 0.01, "collective": "ring", "verify": True,
                         "momentum_correction": True},
         "checkpoint": {"every_steps": 100},
     })
@@ -45,7 +45,7 @@ def _elastic_spec(name: str) -> JobSpec:
         "dataset": {"name": "digits"},
         "training": {"steps": 160, "batch_size": 32, "lr": 0.05, "eval_every": 20},
         "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 2},
-        "compression": {"codec": "group_topk", "ratio": 0.05, "collective": "ring", "momentum_correction": True},
+        "compression": {"codec": "group_topk", "density": 0.05, "collective": "ring", "momentum_correction": True},
         "checkpoint": {"every_steps": 20, "num_to_keep": 2},
     })
 
@@ -100,7 +100,7 @@ def test_a_nan_on_one_rank_stops_every_rank_at_that_step_without_retries(local_r
         "dataset": {"name": "poisoned_data:digits_with_a_nan_shard"},  # rank 1's examples are NaN
         "training": {"steps": 50, "batch_size": 32, "eval_every": 10, "on_nonfinite": "raise"},
         "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 3},
-        "compression": {"codec": "group_topk", "ratio": 0.05},
+        "compression": {"codec": "group_topk", "density": 0.05},
         "checkpoint": {"every_steps": 0},
     })
     started = time.perf_counter()

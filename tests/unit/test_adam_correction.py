@@ -33,7 +33,7 @@ def test_through_a_lossless_codec_it_is_adamw_exactly():
 
 
 def test_every_direction_is_sent_once_now_or_later():
-    memory, codec = AdamCorrection((0.9, 0.99)), get_codec("topk", ratio=0.05)
+    memory, codec = AdamCorrection((0.9, 0.99)), get_codec("topk", density=0.05)
     sent = np.zeros(400, np.float32)
     directions = np.zeros(400, np.float32)
     reference = AdamCorrection((0.9, 0.99))
@@ -45,7 +45,7 @@ def test_every_direction_is_sent_once_now_or_later():
 
 
 def test_snapshot_restore_and_state_dict_round_trip():
-    memory, codec = AdamCorrection((0.9, 0.95)), get_codec("topk", ratio=0.1)
+    memory, codec = AdamCorrection((0.9, 0.95)), get_codec("topk", density=0.1)
     grads = _grads(6, 300, seed=2)
     for g in grads[:3]:
         memory.encode(codec, "model", g.numpy())
@@ -62,7 +62,7 @@ def test_snapshot_restore_and_state_dict_round_trip():
 
 
 def test_a_resize_gives_every_new_rank_the_mean_moments_and_keeps_pending_directions():
-    codec = get_codec("topk", ratio=0.1)
+    codec = get_codec("topk", density=0.1)
     saved = {}
     for rank in range(2):
         memory = AdamCorrection((0.9, 0.95))

@@ -28,12 +28,12 @@ def test_unknown_method_exits_2():
     assert result.exit_code == 2 and "unknown method 'dense@0.1'" in result.output
 
 
-def test_fixed_ratio_methods_and_the_adaptive_method_build_valid_specs():
+def test_fixed_density_methods_and_the_adaptive_method_build_valid_specs():
     from rayzip.bench.cluster import ADAPTIVE, method_compression
     from rayzip.spec import JobSpec
 
     training = {"optimizer": "sgd", "momentum": 0.9}
-    assert method_compression("group_topk@0.05", 10, training)["ratio"] == 0.05
+    assert method_compression("group_topk@0.05", 10, training)["density"] == 0.05
     spec = JobSpec.model_validate({"name": "a", "training": training, "adaptive": ADAPTIVE,
                                    "compression": method_compression("adaptive", 10, training)})
     assert spec.adaptive.enabled and spec.compression.momentum_correction
@@ -49,7 +49,7 @@ def test_every_method_builds_a_valid_spec_and_ps_methods_get_their_section():
     for method in METHODS:
         JobSpec.model_validate(method_spec(method, base, method.replace("_", "-")))
     ps = JobSpec.model_validate(method_spec("ps@0.05", base, "ps"))
-    assert ps.compression.collective == "ps" and ps.compression.ratio == 0.05
+    assert ps.compression.collective == "ps" and ps.compression.density == 0.05
     assert ps.ps.pull == "codec" and ps.ps.cpus_per_shard == 0 and ps.compression.momentum_correction
     assert JobSpec.model_validate(method_spec("ps-dense", base, "ps-dense")).ps.pull == "dense"
 
@@ -88,7 +88,7 @@ def test_methods_take_their_knob_and_adamw_jobs_get_adam_correction_for_sparse_c
     adamw = {"optimizer": "adamw"}
     # A dense quantizer sends the gradient with error feedback; AdamW runs on the mean.
     assert method_compression("dct_quant@4", 10, adamw) == {"codec": "dct_quant", "bits": 4, "collective": "allgather"}
-    assert method_compression("group_topk@0.05", 10, adamw)["ratio"] == 0.05
+    assert method_compression("group_topk@0.05", 10, adamw)["density"] == 0.05
     assert method_compression("group_topk@0.05", 10, adamw)["adam_correction"] is True
     assert "adam_correction" not in method_compression("powersgd", 10, adamw)  # torch's hook: not ours
     assert method_compression("group_topk", 10, {"optimizer": "sgd"})["momentum_correction"] is True

@@ -35,14 +35,14 @@ def test_bench_codecs_reports_every_codec_against_memcpy(tmp_path):
 
 def test_bench_codecs_takes_codec_options():
     result = runner.invoke(app, ["bench", "codecs", "--size", "256K", "--repeat", "1",
-                                 "--codecs", "group_topk:ratio=0.1,group_size=256;dct_quant:bits=4"])
+                                 "--codecs", "group_topk:density=0.1,group_size=256;dct_quant:bits=4"])
     assert result.exit_code == 0, result.output
     assert "group_topk" in result.output and "dct_quant" in result.output
 
 
 @pytest.mark.parametrize("args,message", [
     (["--codecs", "zip"], "unknown codec 'zip'"),
-    (["--codecs", "topk:ratio=2"], "ratio must be in"),
+    (["--codecs", "topk:density=2"], "density must be in"),
     (["--codecs", "topk:ratio"], "not key=value"),
     (["--size", "lots"], "not a byte count"),
 ])

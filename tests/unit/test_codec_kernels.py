@@ -31,7 +31,7 @@ def _both(codec_name: str, x, monkeypatch, **params):
 
 def test_group_topk_selects_what_torch_topk_selects(monkeypatch):
     x = np.random.default_rng(0).standard_normal(1024 * 300 + 77, dtype=np.float32)
-    fused, fallback = _both("group_topk", x, monkeypatch, ratio=0.01, value_dtype="fp32")
+    fused, fallback = _both("group_topk", x, monkeypatch, density=0.01, value_dtype="fp32")
     for name in ("indices", "values"):
         assert np.array_equal(fused.arrays[name], fallback.arrays[name])
 
@@ -66,7 +66,7 @@ def test_group_topk_in_long_rows_keeps_the_largest_and_the_lowest_index_among_ti
     assert np.array_equal(values, np.take_along_axis(x, expected, axis=1))
 
 
-@pytest.mark.parametrize("codec, params", [("group_topk", {"ratio": 0.01}), ("dct_quant", {"bits": 8}),
+@pytest.mark.parametrize("codec, params", [("group_topk", {"density": 0.01}), ("dct_quant", {"bits": 8}),
                                            ("dct_quant", {"block": 4, "bits": 8}), ("dct_quant", {"keep": 0.5})])
 @pytest.mark.parametrize("where", [5, 70_001, 1024 * 100 + 3])  # first vector, middle, tail
 def test_fused_kernels_find_nan_and_inf_as_they_read(codec, params, where):
@@ -140,4 +140,4 @@ def test_group_topk_of_a_group_of_nans_is_refused_not_read_out_of_bounds():
     x = np.random.default_rng(0).standard_normal(1024 * 8, dtype=np.float32)
     x[1024:2048] = np.nan
     with pytest.raises(NonFiniteError, match="1024 NaN/Inf value\\(s\\), first at flat index 1024"):
-        get_codec("group_topk", ratio=0.01).encode(x)
+        get_codec("group_topk", density=0.01).encode(x)

@@ -19,9 +19,9 @@ from rayzip.codecs.randomk import random_indices
 LOSSY = {
     "fp16": {},
     "bf16": {},
-    "topk": {"ratio": 0.05},
-    "randomk": {"ratio": 0.05, "seed": 3},
-    "group_topk": {"ratio": 0.05, "group_size": 256},
+    "topk": {"density": 0.05},
+    "randomk": {"density": 0.05, "seed": 3},
+    "group_topk": {"density": 0.05, "group_size": 256},
     "qsgd": {"levels": 31},
     "dct_quant": {"bits": 4, "keep": 1.0},
 }
@@ -49,12 +49,12 @@ def documented_nbytes(name: str, params: dict, n: int) -> int:
         return 2 * n
     if name == "topk":
         index_bytes = 2 if n <= 65536 else 4
-        return kept(params["ratio"], n) * (index_bytes + 4)
+        return kept(params["density"], n) * (index_bytes + 4)
     if name == "randomk":
-        return 8 + 4 * kept(params["ratio"], n)
+        return 8 + 4 * kept(params["density"], n)
     if name == "group_topk":
         g = params["group_size"]
-        count = (n // g) * kept(params["ratio"], g) + kept(params["ratio"], n % g)
+        count = (n // g) * kept(params["density"], g) + kept(params["density"], n % g)
         value_bytes = 2 if params.get("value_dtype", "fp16") == "fp16" else 4
         return count * (2 + value_bytes)
     if name == "qsgd":
@@ -103,7 +103,7 @@ COMPACT = [{"value_dtype": "int8", "packed_indices": True}, {"value_dtype": "int
 @pytest.mark.parametrize("n", SIZES)
 def test_compact_group_topk_bytes_equal_documented_formula(options, n):
     group, ratio = 256, 0.05
-    codec = get_codec("group_topk", ratio=ratio, group_size=group, **options)
+    codec = get_codec("group_topk", density=ratio, group_size=group, **options)
     payload = codec.encode(gaussian(n, seed=n))
     full, tail = divmod(n, group)
     count = full * kept(ratio, group) + kept(ratio, tail)
@@ -116,8 +116,8 @@ def test_compact_group_topk_bytes_equal_documented_formula(options, n):
 @pytest.mark.parametrize("n,group", [(10_240, 1024), (10_007, 1000), (50, 64)])
 def test_compact_group_topk_keeps_the_same_entries_each_within_half_its_groups_step(options, n, group):
     x = gaussian(n, seed=n) * np.linspace(0.01, 10, n, dtype=np.float32)  # groups of unlike scales
-    plain = get_codec("group_topk", ratio=0.03, group_size=group, value_dtype="fp32")
-    compact = get_codec("group_topk", ratio=0.03, group_size=group, **options)
+    plain = get_codec("group_topk", density=0.03, group_size=group, value_dtype="fp32")
+    compact = get_codec("group_topk", density=0.03, group_size=group, **options)
     payload = compact.encode(x)
     indices, values = compact.to_coo(compact.from_bytes(payload.to_bytes(), like=payload))
     expected_indices, expected = plain.to_coo(plain.encode(x))
@@ -134,7 +134,7 @@ def test_compact_group_topk_keeps_the_same_entries_each_within_half_its_groups_s
 
 
 def test_compact_group_topk_at_two_percent_is_80x_and_sends_an_all_zero_group_as_zeros():
-    codec = get_codec("group_topk", ratio=0.02, group_size=1024, value_dtype="int8", packed_indices=True)
+    codec = get_codec("group_topk", density=0.02, group_size=1024, value_dtype="int8", packed_indices=True)
     x = gaussian(1 << 20)
     x[:1024] = 0.0
     payload = codec.encode(x)
@@ -143,7 +143,7 @@ def test_compact_group_topk_at_two_percent_is_80x_and_sends_an_all_zero_group_as
 
 
 def test_group_topk_at_one_percent_compresses_more_than_50x():
-    codec = get_codec("group_topk", ratio=0.01, group_size=1024, value_dtype="fp16")
+    codec = get_codec("group_topk", density=0.01, group_size=1024, value_dtype="fp16")
     payload = codec.encode(gaussian(1 << 20))
     assert payload.arrays["indices"].dtype == np.uint16
     assert payload.arrays["values"].dtype == np.float16
@@ -152,9 +152,9 @@ def test_group_topk_at_one_percent_compresses_more_than_50x():
 
 @pytest.mark.parametrize("n", [1000, 70_000])
 def test_index_width_is_the_narrowest_that_holds_an_offset(n):
-    topk = get_codec("topk", ratio=0.1).encode(gaussian(n))
+    topk = get_codec("topk", density=0.1).encode(gaussian(n))
     assert topk.arrays["indices"].dtype == (np.uint16 if n <= 65536 else np.uint32)
-    big_groups = get_codec("group_topk", ratio=0.1, group_size=70_000).encode(gaussian(n))
+    big_groups = get_codec("group_topk", density=0.1, group_size=70_000).encode(gaussian(n))
     assert big_groups.arrays["indices"].dtype == np.uint32
 
 
@@ -214,7 +214,7 @@ def test_zigzag_order_is_jpegs():
 def test_group_topk_keeps_exactly_the_per_group_topk(n, group):
     ratio = 0.03
     x = gaussian(n, seed=n)
-    codec = get_codec("group_topk", ratio=ratio, group_size=group, value_dtype="fp32")
+    codec = get_codec("group_topk", density=ratio, group_size=group, value_dtype="fp32")
     out = codec.decode(codec.encode(x))
     t = torch.from_numpy(x)
     for start in range(0, n, group):
@@ -228,7 +228,7 @@ def test_group_topk_keeps_exactly_the_per_group_topk(n, group):
 
 def test_group_topk_on_ties_keeps_k_of_the_largest_magnitudes():
     x = np.array([3, -3, 3, 1, 0, 2, -3, 1], dtype=np.float32)  # four entries of |3|
-    codec = get_codec("group_topk", ratio=0.25, group_size=8, value_dtype="fp32")
+    codec = get_codec("group_topk", density=0.25, group_size=8, value_dtype="fp32")
     out = codec.decode(codec.encode(x))
     kept_idx = np.flatnonzero(out)
     assert len(kept_idx) == 2
@@ -241,7 +241,7 @@ def test_group_topk_mixes_tied_and_untied_groups():
     x = gaussian(8 * 64, seed=3).reshape(8, 64)
     x[1] = 0.0
     x[3, :5] = 9.0
-    codec = get_codec("group_topk", ratio=4 / 64, group_size=64, value_dtype="fp32")
+    codec = get_codec("group_topk", density=4 / 64, group_size=64, value_dtype="fp32")
     payload = codec.encode(x.reshape(-1))
     offsets = payload.arrays["indices"].reshape(8, 4).astype(np.int64)
     for g in range(8):
@@ -253,7 +253,7 @@ def test_group_topk_mixes_tied_and_untied_groups():
 
 def test_topk_keeps_the_global_largest():
     x = gaussian(5000)
-    out = get_codec("topk", ratio=0.01).decode(get_codec("topk", ratio=0.01).encode(x))
+    out = get_codec("topk", density=0.01).decode(get_codec("topk", density=0.01).encode(x))
     idx = torch.topk(torch.from_numpy(np.abs(x)), 50).indices.numpy()
     assert sorted(np.flatnonzero(out)) == sorted(idx)
     assert np.array_equal(out[idx], x[idx])
@@ -264,7 +264,7 @@ def test_randomk_indices_are_distinct_seeded_and_regenerated_from_the_payload():
     assert len(np.unique(idx)) == 100 and idx.min() >= 0 and idx.max() < 10_000
     assert np.array_equal(idx, random_indices(12345, 10_000, 100, np))
     assert not np.array_equal(idx, random_indices(12346, 10_000, 100, np))
-    a, b = get_codec("randomk", ratio=0.01, seed=9), get_codec("randomk", ratio=0.01, seed=9)
+    a, b = get_codec("randomk", density=0.01, seed=9), get_codec("randomk", density=0.01, seed=9)
     x = gaussian(10_000)
     pa, pb = a.encode(x), b.encode(x * 2)
     ia, _ = a.to_coo(pa)
@@ -420,7 +420,7 @@ def test_error_feedback_residual_is_exactly_compensated_minus_decoded(name):
 
 def test_error_feedback_state_round_trips_and_checks_layout():
     memory = ErrorFeedback()
-    codec = get_codec("topk", ratio=0.1)
+    codec = get_codec("topk", density=0.1)
     memory.encode(codec, "a", gaussian(100))
     restored = ErrorFeedback()
     restored.load_state_dict(memory.state_dict())
@@ -433,7 +433,7 @@ def test_error_feedback_does_not_modify_its_input():
     memory = ErrorFeedback()
     x = gaussian(100)
     before = x.copy()
-    codec = get_codec("topk", ratio=0.1)
+    codec = get_codec("topk", density=0.1)
     memory.encode(codec, "a", x)
     memory.encode(codec, "a", x)
     assert np.array_equal(x, before)
@@ -529,7 +529,7 @@ def test_fp16_overflow_is_an_error_not_inf():
     with pytest.raises(NonFiniteError, match="overflows fp16"):
         get_codec("fp16").encode(x)
     with pytest.raises(CodecError, match="fp16 range"):
-        get_codec("group_topk", ratio=0.5, group_size=10).encode(x)
+        get_codec("group_topk", density=0.5, group_size=10).encode(x)
     assert get_codec("bf16").decode(get_codec("bf16").encode(x))[5] == pytest.approx(1e6, rel=1e-2)
 
 
@@ -542,9 +542,9 @@ def test_bf16_rounds_like_torch():
 # --- parameters ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,params,message", [
-    ("topk", {"ratio": 0}, "ratio must be in"),
-    ("topk", {"ratio": 1.5}, "ratio must be in"),
-    ("randomk", {"ratio": -0.1}, "ratio must be in"),
+    ("topk", {"density": 0}, "density must be in"),
+    ("topk", {"density": 1.5}, "density must be in"),
+    ("randomk", {"density": -0.1}, "density must be in"),
     ("group_topk", {"group_size": 0}, "group_size must be"),
     ("group_topk", {"value_dtype": "fp8"}, "value_dtype"),
     ("topk", {"value_dtype": "int8"}, "value_dtype"),
@@ -633,7 +633,7 @@ def _zigzag(n: int) -> list[int]:
 
 def test_momentum_correction_masks_the_velocity_of_sent_entries():
     memory = MomentumCorrection(0.9)
-    codec = get_codec("topk", ratio=0.1)
+    codec = get_codec("topk", density=0.1)
     g1, g2 = gaussian(200, seed=1), gaussian(200, seed=2)
     p1 = memory.encode(codec, "a", g1)
     sent = codec.to_coo(p1)[0]

@@ -33,7 +33,7 @@ def test_the_codec_and_memory_it_builds():
     config = CompressionConfig(codec="group_topk", density=0.02, value_dtype="int8", packed_indices=True)
     codec = config.build_codec()
     assert (codec.name, codec.density, codec.value_dtype) == ("group_topk", 0.02, "int8")
-    assert config.codec_params() == {"ratio": 0.02, "value_dtype": "int8", "packed_indices": True}
+    assert config.codec_params() == {"density": 0.02, "value_dtype": "int8", "packed_indices": True}
     assert CompressionConfig(codec="qsgd", seed=5).codec_params(rank=3)["seed"] == 8  # independent noise
     assert isinstance(config.build_memory(), ErrorFeedback)
     assert isinstance(config.replace(error_feedback=False).build_memory(), NoMemory)
@@ -48,7 +48,7 @@ def test_the_codec_and_memory_it_builds():
 
 
 def test_a_job_specs_compression_section_builds_the_same_config():
-    spec = parse_spec({"name": "x", "compression": {"codec": "group_topk", "ratio": 0.01, "collective": "ring",
+    spec = parse_spec({"name": "x", "compression": {"codec": "group_topk", "density": 0.01, "collective": "ring",
                                                     "momentum_correction": True, "link_mbit": 100,
                                                     "link_latency_ms": 2, "segment_mb": 1, "warmup_steps": 3}})
     assert spec.compression.to_config() == CompressionConfig(

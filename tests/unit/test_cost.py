@@ -12,7 +12,7 @@ from rayzip.comm.transport import HEADER_BYTES
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_allgather_sends_n_minus_one_payloads_and_allreduce_the_ring_formula(world):
     numel = 1_000_003
-    group = get_codec("group_topk", ratio=0.01)
+    group = get_codec("group_topk", density=0.01)
     assert collective_costs(group, numel, world)["allgather"] == Cost((world - 1) * group.wire_nbytes(numel), world - 1)
     fp16 = get_codec("fp16")
     costs = collective_costs(fp16, numel, world)
@@ -44,16 +44,16 @@ def test_compression_against_a_dense_allreduce_falls_as_workers_are_added():
 
 def test_auto_picks_the_cheaper_collective_by_the_model():
     numel = 1_000_000
-    assert choose_collective("auto", get_codec("group_topk", ratio=0.01), [numel], 8) == "allgather"
-    assert choose_collective("auto", get_codec("randomk", ratio=0.01), [numel], 8) == "allreduce"
+    assert choose_collective("auto", get_codec("group_topk", density=0.01), [numel], 8) == "allgather"
+    assert choose_collective("auto", get_codec("randomk", density=0.01), [numel], 8) == "allreduce"
     assert choose_collective("auto", get_codec("dct_quant"), [numel], 8) == "allgather"
     assert choose_collective("auto", get_codec("none"), [numel], 2) == "allreduce"
     # Dense enough that merged chunks beat gathering 8-byte (uint32 index, fp32) entries.
-    dense_topk = get_codec("topk", ratio=0.5, value_dtype="fp32")
+    dense_topk = get_codec("topk", density=0.5, value_dtype="fp32")
     costs = collective_costs(dense_topk, numel, 2)
     assert costs["ring"].bytes < costs["allgather"].bytes
     assert choose_collective("auto", dense_topk, [numel], 2) == "ring"
     # Latency counts: many tiny segments on a high-latency link favour fewer messages.
-    tiny = get_codec("topk", ratio=0.5, value_dtype="fp32")
+    tiny = get_codec("topk", density=0.5, value_dtype="fp32")
     slow = Link(bandwidth=1e12, latency=1.0)
     assert choose_collective("auto", tiny, [64] * 10, 2, slow) == "allgather"

@@ -21,7 +21,7 @@ def _spec(**sections):
     ({"local_steps": {"enabled": True, "every": 0}}, "local_steps.every"),
     ({"local_steps": {"enabled": True, "every": 10, "adaptive": True, "min_every": 20}}, "local_steps.every"),
     ({"local_steps": {"enabled": True, "every": 10}, "training": {"eval_every": 10}, "checkpoint": {"every_steps": 10},
-      "adaptive": {"enabled": True}, "compression": {"codec": "group_topk", "ratio": 0.01}}, "local_steps.adaptive"),
+      "adaptive": {"enabled": True}, "compression": {"codec": "group_topk", "density": 0.01}}, "local_steps.adaptive"),
     ({"local_steps": {"enabled": True, "every": 5, "overlap": True}, "compression": {"collective": "ps"},
       "training": {"eval_every": 5}, "checkpoint": {"every_steps": 5}}, "local_steps.overlap"),
 ])
@@ -33,7 +33,7 @@ def test_the_spec_refuses_what_local_steps_cannot_do(sections, field):
 
 def test_a_valid_local_steps_spec_parses():
     spec = parse_spec(_spec(local_steps={"enabled": True, "every": 10}, training={"eval_every": 50},
-                            checkpoint={"every_steps": 100}, compression={"codec": "group_topk", "ratio": 0.01}))
+                            checkpoint={"every_steps": 100}, compression={"codec": "group_topk", "density": 0.01}))
     assert spec.local_steps.every == 10 and spec.local_steps.nesterov
     # A tuned H puts no rule on the evaluation and checkpoint steps: they force synchronizations.
     tuned = parse_spec(_spec(local_steps={"enabled": True, "every": 10, "adaptive": True}, training={"eval_every": 7},
@@ -95,5 +95,5 @@ def test_bench_methods_name_the_local_steps():
     with pytest.raises(ValueError, match="local steps :overlap"):
         method_spec("group_topk:overlap", base, "x")
     compact = parse_spec(method_spec("local_compact@4", outer, "x")).compression
-    assert (compact.codec, compact.ratio, compact.value_dtype, compact.packed_indices) == ("group_topk", 0.02, "int8", True)
+    assert (compact.codec, compact.density, compact.value_dtype, compact.packed_indices) == ("group_topk", 0.02, "int8", True)
     assert compact.collective == "allgather" and not compact.adam_correction

@@ -46,7 +46,7 @@ def test_optimizer_state_merges_and_slices_back_exactly():
 @pytest.mark.parametrize("mode", ["dense", "lossless", "codec"])
 def test_pull_messages_rebuild_the_workers_copy_bit_for_bit(mode):
     rng = np.random.default_rng(1)
-    codec = get_codec("group_topk", ratio=0.05)
+    codec = get_codec("group_topk", density=0.05)
     params = rng.standard_normal(5000).astype(np.float32)
     message, shard_copy = encode_pull(mode, params, None, codec)
     assert message["kind"] == "dense"  # no copy yet: dense, whatever the mode

@@ -28,7 +28,7 @@ fi
 if want bench; then
   echo "=== rayzip bench codecs --device cuda --size 256M, medians of 3 interleaved rounds"
   timeout 150 python3 -m rayzip bench codecs --device cuda --size 256M --repeat 10 --rounds 3 \
-    --codecs "none;fp16;bf16;topk:ratio=0.01;randomk:ratio=0.01;group_topk:ratio=0.01;qsgd;dct_quant;dct_quant:bits=4" \
+    --codecs "none;fp16;bf16;topk:density=0.01;randomk:density=0.01;group_topk:density=0.01;qsgd;dct_quant;dct_quant:bits=4" \
     --json "$OUT/bench-codecs-cuda.json" > "$OUT/bench.log" 2>&1
   echo "bench exit $?"; tail -28 "$OUT/bench.log"
 fi

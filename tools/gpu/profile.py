@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 from rayzip.codecs import get_codec
 
 x = cupy.asarray(np.random.default_rng(0).standard_normal(64 << 20, dtype=np.float32))
-SPECS = [("fp16", {}), ("bf16", {}), ("group_topk", {"ratio": 0.01}), ("qsgd", {}), ("dct_quant", {}),
+SPECS = [("fp16", {}), ("bf16", {}), ("group_topk", {"density": 0.01}), ("qsgd", {}), ("dct_quant", {}),
          ("dct_quant", {"bits": 4})]
 
 
