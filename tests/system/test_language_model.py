@@ -61,6 +61,10 @@ def test_a_killed_language_model_worker_resumes_data_weights_and_residuals_exact
     assert replayed["steps"] >= 2 and replayed["identical"] == replayed["steps"], replayed
     # The loop waited on checkpoints only for snapshots and for the slowed writes.
     assert summary["metrics"]["checkpoint_stall_s"] > 0
+    # The checkpoints Ray kept are rayzip's compressed format, and verify.
+    from rayzip import checkpoint
+
+    assert checkpoint.verify(os.path.join(summary["checkpoint"], "trainer"))["tensors"] > 0
     # It learns: byte-level uniform is 8 bits/byte; 5.5 is well on the way down from it.
     history = [h["val_loss"] for h in summary["history"]]
     assert history[0] < 6.5 and history[-1] < history[0], history

@@ -1,4 +1,5 @@
-"""A real 2-worker TorchTrainer on a local Ray, with the sparse ring (issue 3)."""
+"""A real 2-worker TorchTrainer on a local Ray, with the sparse ring (issue 3). A killed
+worker's exact resume through Ray Train is tests/system/test_language_model.py's."""
 
 from __future__ import annotations
 
@@ -36,59 +37,6 @@ def test_two_worker_ring_training_verifies_counts_and_reaches_target(local_ray, 
     assert summary["wire_compression_ratio"] >= 50
     numel = (64 * 128 + 128) + (128 * 10 + 10)
     assert summary["dense_bytes_per_worker"] == summary["steps"] * (2 * 1 * 4 * numel // 2)
-
-
-def _elastic_spec(name: str) -> JobSpec:
-    return JobSpec.model_validate({
-        "name": name,
-        "model": {"name": "mlp", "hidden": [128]},
-        "dataset": {"name": "digits"},
-        "training": {"steps": 160, "batch_size": 32, "lr": 0.05, "eval_every": 20},
-        "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 2},
-        "compression": {"codec": "group_topk", "density": 0.05, "collective": "ring", "momentum_correction": True},
-        "checkpoint": {"every_steps": 20, "num_to_keep": 2},
-    })
-
-
-def kill_between_checkpoints(killed: dict):
-    """An on_progress callback that SIGKILLs rank 0's worker once, a few steps after the last
-    checkpoint Ray Train took and with no later one being written or uploaded: the run then
-    resumes from that checkpoint and redoes at least three steps."""
-    import os
-    import signal
-
-    def kill(metrics: dict) -> None:
-        reported = metrics.get("checkpoint_reported_step")
-        if killed or reported is None or metrics.get("checkpoint_pending_step") is not None \
-                or metrics.get("checkpoint_uploading_step") is not None:
-            return
-        if metrics["step"] >= 50 and 3 <= metrics["step"] - reported <= 12:
-            killed.update(step=metrics["step"], reported=reported)
-            os.kill(metrics["pid"], signal.SIGKILL)
-
-    return kill
-
-
-def test_killed_worker_resumes_from_the_compressed_checkpoint_exactly(local_ray, tmp_path):
-    import os
-
-    from rayzip import checkpoint
-
-    killed: dict = {}
-    summary = run_job(_elastic_spec("elastic-killed"), storage_path=str(tmp_path),
-                      on_progress=kill_between_checkpoints(killed))
-    assert killed and summary["restarts"] == 1, (killed, summary["resumes"])
-    assert summary["steps"] == 160 and summary["world_size"] == 2
-    # Resumed from the checkpoint Ray Train had taken when the kill landed.
-    assert summary["metrics"]["resumed_from"] == killed["reported"] + 1, (killed, summary["resumes"])
-    # Weights, optimizer, residuals, momentum and the data position came back bit-exactly:
-    # every redone step repeated rank 0's loss of the first attempt, bit for bit. (Two steps
-    # suffice to see lost residuals or momentum: they change the next step's weights.)
-    replayed = summary["replayed"]
-    assert replayed["steps"] >= 2 and replayed["identical"] == replayed["steps"], replayed
-    # The checkpoints Ray kept are rayzip's compressed format, and verify.
-    kept = checkpoint.verify(os.path.join(summary["checkpoint"], "trainer"))
-    assert kept["tensors"] > 0
 
 
 def test_a_nan_on_one_rank_stops_every_rank_at_that_step_without_retries(local_ray, tmp_path):
