@@ -19,9 +19,9 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-from .codecs import CODECS, codec_parameters
+from .codecs import CODECS
 from .comm.cost import Link
-from .torch.config import CompressionConfig
+from .torch.config import CODEC_FIELDS, CompressionConfig
 
 __all__ = [
     "CheckpointSpec", "CompressionSpec", "DatasetSpec", "JobSpec", "LocalStepsSpec", "MetricsSpec", "ModelSpec",
@@ -35,8 +35,6 @@ BUILTIN_LOOPS = ("classification", "language_model")
 TEXT_DATASETS = ("python-stdlib",)
 _GPT_FIELDS = ("layers", "width", "heads", "context", "dropout")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-_CODEC_FIELDS = ("density", "group_size", "value_dtype", "packed_indices", "block", "bits", "keep", "levels",
-                 "bucket_size", "seed")
 
 
 # Fields a spec may still carry from before a rename: refused, naming the new field.
@@ -284,19 +282,14 @@ class CompressionSpec(_Strict):
         if self.adam_correction and self.collective == "ps":
             raise ValueError("adam_correction runs on collectives among the workers; with collective ps the "
                              "shards run the optimizer")
-        takes = codec_parameters(self.codec)
-        for name in _CODEC_FIELDS:
-            if getattr(self, name) is not None and name not in takes:
-                raise ValueError(f"{name} does not apply to codec {self.codec} "
-                                 f"(it takes {', '.join(takes) or 'no parameters'})")
-        self._config()  # the library's own checks: error feedback, the collective
+        self._config()  # the library's own checks: the codec's parameters, error feedback, the collective
         return self
 
     def _config(self) -> CompressionConfig:
         # A shard decodes every push, so with collective ps any codec fits: checked as allgather.
         collective = "allgather" if self.collective == "ps" else self.collective
         return CompressionConfig(
-            codec=self.codec, **{k: getattr(self, k) for k in _CODEC_FIELDS},
+            codec=self.codec, **{k: getattr(self, k) for k in CODEC_FIELDS},
             error_feedback=self.error_feedback, momentum_correction=self.momentum_correction,
             adam_correction=self.adam_correction, collective=collective, link=self.link(),
             hierarchy=self.hierarchy, overlap=self.overlap, segment_mb=self.segment_mb,

@@ -1,6 +1,7 @@
 """Processes a test started, found by a tag in their environment: a test marks the processes
 it starts (and so everything they start) with ``RAYZIP_TEST_RUN=<tag>``, and finds or ends
-exactly those, never another Ray or anything else on the machine.
+exactly those, never another Ray or anything else on the machine. The ports they listen on
+are free ones of their own (:func:`free_port`).
 
 Usage::
 
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 import uuid
 from pathlib import Path
 
-__all__ = ["end_tagged", "tagged_env", "tagged_pids"]
+__all__ = ["end_tagged", "free_port", "tagged_env", "tagged_pids"]
 
 VARIABLE = "RAYZIP_TEST_RUN"
 
@@ -63,3 +65,10 @@ def end_tagged(tag: str, grace_s: float = 10.0) -> set[int]:
         except ProcessLookupError:
             pass
     return stubborn
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

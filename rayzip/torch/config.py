@@ -12,7 +12,8 @@ Usage::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..codecs import (CODECS, AdamCorrection, CodecError, ErrorFeedback, MomentumCorrection, NoMemory,
@@ -140,6 +141,5 @@ class CompressionConfig:
 
     def replace(self, **changes) -> "CompressionConfig":
         """A copy with ``changes``, checked again."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return CompressionConfig(**{**values, **changes})
+        return dataclasses.replace(self, **changes)
 

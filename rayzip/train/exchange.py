@@ -451,15 +451,16 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
         return ParameterServerExchange(spec, model, rank, world, client)
     hooked = comp.torch_hook is None and (comp.codec != "none" or comp.verify or comp.momentum_correction
                                           or comp.hierarchy == "node")
+    config = comp.to_config() if hooked else None
     model, probe = prepare_timed(model, parallel_strategy="ddp",
-                                 parallel_strategy_kwargs=ddp_kwargs(comp.to_config()) if hooked else None)
+                                 parallel_strategy_kwargs=ddp_kwargs(config) if hooked else None)
     ddp = isinstance(model, DistributedDataParallel)
     if ddp and comp.torch_hook is not None:
         counter = register_torch_hook(model, comp.torch_hook, comp.powersgd_rank, comp.powersgd_start_iter)
         return TorchHookExchange(spec, model, rank, world, build_optimizer(training, model.parameters()),
                                  counter=counter)
     if ddp and hooked:
-        state = compress(model, comp.to_config(), momentum=training.momentum if comp.momentum_correction else None,
+        state = compress(model, config, momentum=training.momentum if comp.momentum_correction else None,
                          adam_betas=tuple(training.betas) if comp.adam_correction else None,
                          on_nonfinite=training.on_nonfinite, emulation=emulation, node_key=node_id())
         state.link_probe = probe

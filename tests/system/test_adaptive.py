@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 
@@ -23,15 +22,11 @@ from rayzip.spec import AdaptiveSpec, JobSpec
 from rayzip.train.faults import Faults
 
 from links import FileLink
+from own_processes import free_port
 from paths import ROOT, TESTS
 
 PROMETHEUS = shutil.which("prometheus")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- a real run -------------------------------------------------------------------------------
@@ -72,7 +67,7 @@ def ray_with_fast_metrics(tmp_path_factory):
 def prometheus(tmp_path):
     if PROMETHEUS is None:
         pytest.fail("the prometheus binary is missing: .ci/run installs the Debian package `prometheus`")
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "prometheus.yml"
     # Ray's head keeps this file up to date in its temp dir (/tmp/ray by default).
     sd = os.path.join(ray._private.worker._global_node.get_temp_dir_path(), "prom_metrics_service_discovery.json")
@@ -97,7 +92,7 @@ def prometheus(tmp_path):
 
 
 def test_controller_holds_its_ratio_when_prometheus_is_unreachable(ray_with_fast_metrics):
-    spec = AdaptiveSpec(enabled=True, prometheus_url=f"http://127.0.0.1:{_free_port()}", interval=0.2,
+    spec = AdaptiveSpec(enabled=True, prometheus_url=f"http://127.0.0.1:{free_port()}", interval=0.2,
                         query_timeout=0.5)
     spec.window = 0.1
     controller = AdaptiveController.remote("hold-test", "hold", spec.model_dump(), 50.0)

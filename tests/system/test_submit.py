@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from own_processes import end_tagged, tagged_env
+from own_processes import end_tagged, free_port, tagged_env
 
 
 BIN = Path(sys.executable).parent
@@ -32,11 +31,6 @@ def load(**kwargs):
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -47,9 +41,9 @@ def cluster():
     env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
                 "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})  # the cluster's Python has rayzip
     env.pop("RAY_ADDRESS", None)
-    dashboard = _free_port()
+    dashboard = free_port()
     temp = tempfile.mkdtemp(prefix="rz-submit-", dir="/tmp")  # short: Ray's socket paths must fit
-    ports = {option: _free_port() for option in ("port", "ray-client-server-port", "dashboard-agent-listen-port",
+    ports = {option: free_port() for option in ("port", "ray-client-server-port", "dashboard-agent-listen-port",
                                                  "dashboard-agent-grpc-port", "node-manager-port",
                                                  "object-manager-port", "metrics-export-port",
                                                  "runtime-env-agent-port")}

@@ -3,12 +3,13 @@ failure, without a cluster (issue 6)."""
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 
 from rayzip.adaptive import PressurePolicy, PrometheusSource, SourceError
 from rayzip.spec import AdaptiveSpec, SpecError, parse_spec
+
+from own_processes import free_port
 
 
 # --- the first (pressure) policy, a pure function ------------------------------------------
@@ -44,13 +45,8 @@ def test_spec_refuses_adaptive_without_a_ratio_to_tune():
                     "adaptive": {"enabled": True, "min_ratio": 10, "max_ratio": 5}})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_an_unreachable_prometheus_is_a_source_error():
-    source = PrometheusSource(f"http://127.0.0.1:{_free_port()}", "run", 5, 0.5)
+    source = PrometheusSource(f"http://127.0.0.1:{free_port()}", "run", 5, 0.5)
     with pytest.raises(SourceError):
         source.inputs()
