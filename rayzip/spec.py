@@ -21,7 +21,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 
 from .codecs import CODECS
 from .comm.cost import Link
-from .torch.config import CODEC_FIELDS, CompressionConfig
+from .engine.config import CODEC_FIELDS, CompressionConfig
 
 __all__ = [
     "CheckpointSpec", "CompressionSpec", "DatasetSpec", "JobSpec", "LocalStepsSpec", "MetricsSpec", "ModelSpec",

@@ -6,7 +6,8 @@ Layers, lowest first; a module imports from its own layer or those below:
     base       xp, cuda               array modules and CUDA kernels
     codecs     codecs, checkpoint     gradient codecs; the lossless checkpoint format
     comm       comm                   collectives over torch.distributed
-    torch      torch                  config, the hook, local steps (no pydantic, no Ray)
+    engine     engine                 the gradient-exchange engine (no DDP)
+    torch      torch                  config and the adapters: DDP hook, local steps (no pydantic, no Ray)
     ray        spec, train, ps, adaptive, metrics, runner, submit, package, k8s
     cli        cli, bench, __main__
 """
@@ -19,14 +20,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rayzip"
-LAYERS = {"base": ("xp", "cuda"), "codecs": ("codecs", "checkpoint"), "comm": ("comm",), "torch": ("torch",),
+LAYERS = {"base": ("xp", "cuda"), "codecs": ("codecs", "checkpoint"), "comm": ("comm",), "engine": ("engine",), "torch": ("torch",),
           "ray": ("spec", "train", "ps", "adaptive", "metrics", "runner", "submit", "package", "k8s"),
           "cli": ("cli", "bench", "__main__", "__init__")}
 ORDER = list(LAYERS)
 LAYER_OF = {top: layer for layer, tops in LAYERS.items() for top in tops}
 # Imports outside rayzip that a layer may not make: the library layers run without them.
 FORBIDDEN = {"base": ("ray", "pydantic"), "codecs": ("ray", "pydantic"), "comm": ("ray", "pydantic"),
-             "torch": ("ray", "pydantic")}
+             "engine": ("ray", "pydantic"), "torch": ("ray", "pydantic")}
 
 
 def top_of(module: Path) -> str:

@@ -31,7 +31,7 @@ import torch
 
 from ..codecs import NonFiniteError, get_codec
 from ..spec import JobSpec
-from ..torch.hook import StepStats
+from ..engine import StepStats
 from ..xp import asnumpy
 from .pull import decode_pull, message_nbytes
 from .shard import merge_optimizer_states, slice_optimizer_state

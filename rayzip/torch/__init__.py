@@ -5,12 +5,12 @@ Usage::
     import rayzip.torch
 
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    state = rayzip.torch.compress(ddp, rayzip.torch.CompressionConfig(codec="group_topk", density=0.01))
+    exchange = rayzip.torch.compress(ddp, rayzip.torch.CompressionConfig(codec="group_topk", density=0.01))
 """
 
-from .config import CompressionConfig
-from .hook import CompressionState, StepStats, compress, compressed_hook, ddp_kwargs
+from ..engine import CompressionConfig, GradientExchange, StepStats
+from .hook import compress, compressed_hook, ddp_kwargs
 from .lr import cosine_lr, learning_rate, scaled_lr
 
-__all__ = ["CompressionConfig", "CompressionState", "StepStats", "compress", "compressed_hook", "cosine_lr", "ddp_kwargs",
-           "learning_rate", "scaled_lr"]
+__all__ = ["CompressionConfig", "GradientExchange", "StepStats", "compress", "compressed_hook", "cosine_lr",
+           "ddp_kwargs", "learning_rate", "scaled_lr"]

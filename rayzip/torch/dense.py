@@ -24,9 +24,9 @@ gradient's size):
 A non-finite gradient on any rank makes the sum non-finite on every rank, at the same
 element, so every rank skips the step or raises together, without a word of its own.
 
-Usage (inside :class:`rayzip.torch.CompressionState`)::
+Usage (inside the DDP hook, :class:`rayzip.torch.hook.DDPHookState`)::
 
-    steps = DenseSteps(transport, memory, segments, names, offsets, segment_of)
+    steps = DenseSteps(exchange, offsets, segment_of)
     steps.start(device)                                         # at the step's first bucket
     future = steps.bucket(bucket.buffer(), bucket.parameters())  # each bucket: DDP's future
     span_s, bad_index = steps.finish()                          # once backward is done
@@ -39,25 +39,30 @@ import time
 import torch
 
 from ..codecs.memory import AdamCorrection, MomentumCorrection
-from ..comm import Transport, ring_allreduce_bytes
 from ..xp import as_array, to_torch
 
 __all__ = ["DenseSteps"]
 
 
 class DenseSteps:
-    """The dense steps' state: whether the memory was averaged (``drained``: every rank
-    holds the same momentum or moments, and no residuals), and the step in flight."""
+    """The dense step in flight, on the engine's transport and memory. The engine keeps
+    whether the memory was averaged (``exchange.drained``: every rank holds the same momentum
+    or moments, and no residuals), which its checkpoints save.
 
-    def __init__(self, transport: Transport, memory, segments: list[tuple[int, int]], names: list[str],
-                 offsets: dict[int, tuple[int, int]], segment_of: dict[int, int]):
-        self.transport, self.memory = transport, memory
-        self.segments, self.names = segments, names
+    Args:
+        exchange: the engine (:class:`rayzip.engine.GradientExchange`).
+        offsets: each parameter's (flat offset, element count), by ``id``.
+        segment_of: each parameter's segment, by ``id``.
+    """
+
+    def __init__(self, exchange, offsets: dict[int, tuple[int, int]], segment_of: dict[int, int]):
+        self.exchange = exchange
+        self.transport, self.memory = exchange.transport, exchange.memory
+        self.segments, self.names = exchange.segments, exchange.segment_names
         self.offsets, self.segment_of = offsets, segment_of
-        self.numel = max((hi for _, hi in segments), default=0)
+        self.numel = exchange.numel
         # The memory's per-segment state that dense steps keep shared and update.
-        self.slots = {MomentumCorrection: ("velocities",), AdamCorrection: ("first", "second")}.get(type(memory), ())
-        self.drained = False
+        self.slots = {MomentumCorrection: ("velocities",), AdamCorrection: ("first", "second")}.get(type(self.memory), ())
         self._flush: torch.Tensor | None = None  # the residuals' mean, added once
         self._held: dict[str, list[torch.Tensor | None]] = {}
         self._new: dict[str, list[torch.Tensor]] = {}
@@ -72,9 +77,9 @@ class DenseSteps:
         """At the step's first bucket: average what the memory holds, if not done yet."""
         self._started = self._done = time.perf_counter()
         self._averaged, self._futures = [], []
-        self._snapshot, self._was_drained = self.memory.snapshot(), self.drained
+        self._snapshot, self._was_drained = self.memory.snapshot(), self.exchange.drained
         self._flush = None
-        if not self.drained:
+        if not self.exchange.drained:
             self._drain(device)
         # Written per parameter by the buckets' callbacks (disjoint slices), committed by
         # finish(): a skipped step keeps the state it started with.
@@ -104,7 +109,7 @@ class DenseSteps:
                 if rows[row]:
                     setattr(self.memory, slot, {self.names[k]: as_array(stacked[row, lo:hi].clone())[0]
                                                 for k, (lo, hi) in enumerate(self.segments)})
-        self.drained = True
+        self.exchange.drained = True
 
     def bucket(self, buffer: torch.Tensor, params: list[torch.Tensor]) -> torch.futures.Future:
         """Start the all-reduce of one DDP bucket; its future completes with the average
@@ -174,7 +179,7 @@ class DenseSteps:
                     bad = index if bad is None else min(bad, index)
         if bad is not None:
             self.memory.restore(self._snapshot)
-            self.drained = self._was_drained
+            self.exchange.drained = self._was_drained
         else:
             for slot in self.slots:
                 setattr(self.memory, slot, {n: as_array(v)[0] for n, v in zip(self.names, self._new[slot])})

@@ -2,7 +2,7 @@
 
 Each worker takes H inner steps with its own optimizer on its own batches and exchanges
 nothing. Then every worker sends its *pseudo-gradient*, the parameters at the last
-synchronization minus its own now, through a :class:`~rayzip.torch.CompressionState`: the
+synchronization minus its own now, through a :class:`~rayzip.engine.GradientExchange`: the
 spec's codec, error feedback (the residual of one round rides on the next) and collective,
 with the control word that makes every rank skip, raise or adopt a new ratio together. An
 outer optimizer (SGD with Nesterov momentum, as in DiLoCo) applies the mean pseudo-gradient
@@ -51,8 +51,8 @@ from .. import cuda
 from ..codecs import NonFiniteError
 from ..codecs.kernels import all_finite
 from ..comm.emulation import Emulation
-from .config import CompressionConfig
-from .hook import NONFINITE_POLICIES, CompressionState, StepStats
+from ..engine import NONFINITE_POLICIES, GradientExchange, StepStats
+from ..engine.config import CompressionConfig
 from .optim import build_outer_optimizer
 
 __all__ = ["LocalSteps"]
@@ -97,9 +97,9 @@ class LocalSteps:
         # overlap, those plus this rank's own progress in the round still in flight.
         self.base = [a.clone() for a in self.anchor] if self.overlap else self.anchor
         self._pending: _InFlight | None = None
-        self.state = (CompressionState(compression, self.params, process_group=process_group,
-                                       device=self.params[0].device, names=self.names, on_nonfinite=on_nonfinite,
-                                       emulation=emulation, node_key=node_key)
+        self.state = (GradientExchange(compression, [p.numel() for p in self.params], names=self.names,
+                                       process_group=process_group, device=self.params[0].device,
+                                       on_nonfinite=on_nonfinite, emulation=emulation, node_key=node_key)
                       if exchanging else None)
         self.world = dist.get_world_size(process_group) if exchanging else 1
         self.rank = dist.get_rank(process_group) if exchanging else 0

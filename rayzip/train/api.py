@@ -39,8 +39,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..spec import CompressionSpec
-from ..torch.config import CompressionConfig
-from ..torch.hook import CompressionState, compress, ddp_kwargs
+from ..engine.config import CompressionConfig
+from ..engine import GradientExchange
+from ..torch.hook import compress, ddp_kwargs
 from .checkpoints import (GroupCheckpoints, load_optimizer, load_trainer, restore_hook, take_parts, unwrap,
                           write_parts, write_taken)
 from .exchange import node_id
@@ -85,7 +86,7 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | Compr
     return prepared
 
 
-def compression_state(model: torch.nn.Module) -> CompressionState | None:
+def compression_state(model: torch.nn.Module) -> GradientExchange | None:
     """The hook's state (``last_step``, ``set_density``, ``propose``...), or None at world size 1
     or for a model that :func:`prepare_model` did not prepare."""
     return getattr(model, _ATTRIBUTE, None)

@@ -114,7 +114,7 @@ def restore_hook(path: Path, rank: int, world: int, trainer: dict, state) -> Non
     steps while the others ran the ring).
 
     Error feedback is held by every rank, or with a node hierarchy by each node's leader
-    (:attr:`CompressionState.holders`, saved in rank 0's part). Restarted on the same layout,
+    (:attr:`rayzip.engine.GradientExchange.holders`, saved in rank 0's part). Restarted on the same layout,
     each rank loads its own state. Otherwise the holders' states are re-sharded
     (:func:`reshard_state`) from the old holders to the new ones, so that their mean, the
     update still pending, is kept: across a resize, and into or out of a hierarchy."""

@@ -106,7 +106,7 @@ class Telemetry:
 
     def start(self, compute_s: float) -> None:
         """Before the first step, on every rank (``rayzip run``'s loops call it): a dry
-        compressed exchange (:meth:`~rayzip.torch.hook.CompressionState.dry_run`), reported
+        compressed exchange (:meth:`~rayzip.engine.GradientExchange.dry_run`), reported
         to the controller as step -1 with ``compute_s`` (a compute-only forward and backward),
         then the controller's start decision, which rank 0 fetches and every rank applies
         from step 0. So a fast link starts dense and a slow one at the ratio the cost model

@@ -17,7 +17,7 @@ import torch
 from gloo_world import run_world
 from rayzip.comm.control import Agreed, ControlWord, RankDisagreement, bad_key, proposal_key
 from rayzip.torch import CompressionConfig, compress
-from rayzip.torch.hook import CompressionState, NonFiniteError
+from rayzip.engine import GradientExchange, NonFiniteError
 from rayzip.train.loop import Adoption
 
 TIMEOUT_S = 20
@@ -89,9 +89,8 @@ def test_nan_on_one_rank_every_rank_skips_the_same_step_and_keeps_its_residual(s
 
 
 def _exchange_rank(rank, world, spec, values_by_rank, policy):
-    """One CompressionState.average of a crafted flat gradient per step."""
-    param = torch.zeros(len(values_by_rank[0][0]))
-    state = CompressionState(CompressionConfig(**spec), parameters=[param], on_nonfinite=policy)
+    """One GradientExchange.average of a crafted flat gradient per step."""
+    state = GradientExchange(CompressionConfig(**spec), sizes=[len(values_by_rank[0][0])], on_nonfinite=policy)
     out = []
     for step_values in values_by_rank:
         grad = torch.tensor(step_values[rank], dtype=torch.float32)
@@ -138,8 +137,7 @@ def test_fp16_ring_sum_that_overflows_on_the_wire_is_seen_by_every_rank():
 
 
 def _disagree_rank(rank, world, what):
-    param = torch.zeros(1000)
-    state = CompressionState(CompressionConfig(codec="topk", density=0.05), parameters=[param])
+    state = GradientExchange(CompressionConfig(codec="topk", density=0.05), sizes=[1000])
     if what == "density" and rank == 1:
         state.set_density(0.2)  # one rank alone: a different payload size every step from now on
     if what == "step" and rank == 2:
@@ -160,8 +158,7 @@ def test_ranks_that_disagree_all_raise_instead_of_hanging(what, message):
 
 
 def _stop_rank(rank, world):
-    param = torch.zeros(100)
-    state = CompressionState(CompressionConfig(codec="topk", density=0.1), parameters=[param])
+    state = GradientExchange(CompressionConfig(codec="topk", density=0.1), sizes=[100])
     stops = []
     for step in range(4):
         if rank == 2 and step == 1:
@@ -176,8 +173,7 @@ def test_a_stop_asked_by_one_rank_reaches_every_rank_at_the_same_step():
 
 
 def _adoption_rank(rank, world, seed):
-    param = torch.zeros(2000)
-    state = CompressionState(CompressionConfig(codec="topk", density=0.01), parameters=[param])
+    state = GradientExchange(CompressionConfig(codec="topk", density=0.01), sizes=[2000])
     # Rank 0's controller answers slowly and at random: each decision arrives a few ms to
     # tens of ms later, while the ranks keep stepping.
     decisions: list[dict] = []

@@ -65,7 +65,7 @@ def _switching_rank(rank, world, verify, nan_at=None, policy="raise", restart_at
         if not state.last_step.skipped:
             optimizer.step()
         velocities = {k: np.asarray(v).copy() for k, v in state.memory.velocities.items()}
-        out.append((dict(state.last_step.__dict__), _flat(ddp), velocities, state.dense_steps.drained))
+        out.append((dict(state.last_step.__dict__), _flat(ddp), velocities, state.drained))
     return {"error": None, "out": out}
 
 

@@ -302,15 +302,15 @@ def _delayed_rank(rank, world, delay):
     writes the results, so that DDP would read them unwritten unless its stream waits."""
     torch.cuda.set_device(0)
     if delay:
-        from rayzip.torch import hook
+        from rayzip.engine import GradientExchange
 
-        exchange = hook.CompressionState._exchange_segments
+        exchange = GradientExchange.exchange_into
 
         def slow(self, flat, out, ready=None):
             exchange(self, flat, out, ready)
             torch.cuda._sleep(200_000_000)  # about 0.1 s of the side stream's time
 
-        hook.CompressionState._exchange_segments = slow
+        GradientExchange.exchange_into = slow
     result = _hook(rank, "cuda", codec="group_topk", density=0.05, collective="allgather")
     return [step["grad"] for step in result["steps"]]
 

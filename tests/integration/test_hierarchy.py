@@ -16,7 +16,7 @@ from rayzip.comm.control import control_nbytes
 from rayzip.comm.hierarchy import Topology
 from rayzip.comm.transport import ring_allreduce_bytes
 from rayzip.torch import CompressionConfig
-from rayzip.torch.hook import CompressionState
+from rayzip.engine import GradientExchange
 
 NUMEL = 40_000
 SIZES = [30_000, 10_000]  # two parameters, so two segments below
@@ -28,11 +28,10 @@ def _grad(rank: int, step: int) -> torch.Tensor:
     return torch.randn(NUMEL, generator=gen) * (1 + rank)
 
 
-def _state(spec: dict, rank_nodes: list[str] | None, rank: int) -> CompressionState:
+def _state(spec: dict, rank_nodes: list[str] | None, rank: int) -> GradientExchange:
     if rank_nodes is not None:
         os.environ["RAYZIP_NODE_ID"] = rank_nodes[rank]
-    parameters = [torch.zeros(n) for n in SIZES]
-    return CompressionState(CompressionConfig(segment_mb=SEGMENT_MB, **spec), parameters)
+    return GradientExchange(CompressionConfig(segment_mb=SEGMENT_MB, **spec), SIZES)
 
 
 def _run(rank, world, spec, nodes, grads_of, steps):
@@ -108,9 +107,8 @@ def _bad_grads(rank, step):
 
 def _run_bad(rank, world, policy):
     os.environ["RAYZIP_NODE_ID"] = "ab"[rank // 2]
-    state = CompressionState(CompressionConfig(segment_mb=SEGMENT_MB, codec="group_topk", density=0.05,
-                                             hierarchy="node"), [torch.zeros(n) for n in SIZES],
-                             on_nonfinite=policy)
+    state = GradientExchange(CompressionConfig(segment_mb=SEGMENT_MB, codec="group_topk", density=0.05,
+                                               hierarchy="node"), SIZES, on_nonfinite=policy)
     state.average(_bad_grads(rank, 0))
     try:
         average = state.average(_bad_grads(rank, 1))

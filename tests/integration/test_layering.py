@@ -1,5 +1,5 @@
-"""The library layers stand alone (issue 44): rayzip.torch, rayzip.codecs and rayzip.checkpoint
-train two gloo ranks through the hook, and save and load a checkpoint, in processes where
+"""The library layers stand alone (issue 44): rayzip.torch, rayzip.engine, rayzip.codecs and
+rayzip.checkpoint train two gloo ranks through the hook, and save and load a checkpoint, in processes where
 importing ray or pydantic fails; and every import in the package points down a layer."""
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 import rayzip.checkpoint
 import rayzip.codecs
+import rayzip.engine
 import rayzip.torch
 
 

@@ -89,9 +89,9 @@ def _restart_rank(rank, world, spec, steps, cut):
     ddp.module.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
     state.load_state_dict(saved["compression"])
-    whole = [(0, state._numel)]
-    held = relayout_state(state.memory.state_dict(), whole, state._numel)
-    was = relayout_state(saved["compression"]["memory"], whole, state._numel)
+    whole = [(0, state.numel)]
+    held = relayout_state(state.memory.state_dict(), whole, state.numel)
+    was = relayout_state(saved["compression"]["memory"], whole, state.numel)
     kept = sorted(held) == sorted(was) and all(np.array_equal(held[k], was[k]) for k in held)
     resumed = _steps(ddp, state, optimizer, batches[cut:])
     return uninterrupted[cut:], resumed, (kept, len(state.segments), sorted(was))

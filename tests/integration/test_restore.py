@@ -14,7 +14,7 @@ from gloo_world import run_world
 from rayzip.codecs.memory import reshard_state
 from rayzip.spec import TrainingSpec
 from rayzip.torch import CompressionConfig
-from rayzip.torch.hook import CompressionState
+from rayzip.engine import GradientExchange
 from rayzip.xp import array_module, as_array
 
 TIMEOUT_S = 30
@@ -46,9 +46,8 @@ def test_reshard_keeps_the_mean_of_pending_error_feedback(old, new):
 
 
 def _state(rank, world, warmup=5):
-    param = torch.zeros(NUMEL)
     spec = CompressionConfig(codec="topk", density=0.02, momentum_correction=True, warmup_steps=warmup)
-    return CompressionState(spec, parameters=[param], momentum=0.9)
+    return GradientExchange(spec, sizes=[NUMEL], momentum=0.9)
 
 
 def _save_rank(rank, world, directory, steps):

@@ -1,4 +1,4 @@
-"""The library's own compression config: what the hook and local steps are told.
+"""The library's own compression config: what the engine, and so the hook and local steps, are told.
 
 A frozen dataclass, checked when built, with no pydantic and no Ray behind it: the job spec
 (:class:`rayzip.spec.CompressionSpec`) validates YAML and builds one of these
@@ -7,7 +7,7 @@ A frozen dataclass, checked when built, with no pydantic and no Ray behind it: t
 Usage::
 
     config = CompressionConfig(codec="group_topk", density=0.01, momentum_correction=True)
-    state = rayzip.torch.compress(ddp, config, momentum=0.9)
+    exchange = rayzip.torch.compress(ddp, config, momentum=0.9)
 """
 
 from __future__ import annotations
