@@ -114,9 +114,9 @@ def run(
                 tmp.write_text(json.dumps(m, default=str))
                 tmp.replace(progress_file)
             metric = _metric_text(m.get("metric"), m.get(m.get("metric") or "test_accuracy"))
-            ratio = m["dense_bytes"] / m["bytes_sent"] if m.get("bytes_sent") and m.get("dense_bytes") else float("nan")
+            reduction = m["dense_bytes"] / m["bytes_sent"] if m.get("bytes_sent") and m.get("dense_bytes") else float("nan")
             bar.update(task, completed=m["step"] + 1,
-                       status=f"loss {m['loss']:.3f}  {metric}  wire {ratio:.1f}x  workers {m.get('world_size', '-')}")
+                       status=f"loss {m['loss']:.3f}  {metric}  wire {reduction:.1f}x  workers {m.get('world_size', '-')}")
 
         try:
             summary = run_job(spec, storage_path=storage_path, on_progress=show, verbose=verbose,
@@ -202,7 +202,7 @@ def _summary_table(summary: dict):
     table = Table(title=f"rayzip run: {summary['name']}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
-    ratio = summary["wire_compression_ratio"]
+    reduction = summary["wire_reduction"]
     lm = summary.get("metric") == "val_loss"
     value, target = ((summary.get("final_val_loss"), summary.get("target_val_loss")) if lm
                      else (summary["final_test_accuracy"], summary["target_accuracy"]))
@@ -231,7 +231,7 @@ def _summary_table(summary: dict):
         tuned = f" (tuned; {min(seen)}..{max(seen)} at evaluations)" if summary.get("local_every_tuned") and seen else ""
         rows.append(("local steps between synchronizations", f"{summary['local_every']}{tuned}"))
     rows += [
-        ("wire compression", f"{ratio:.1f}x" if ratio else "-"),
+        ("wire reduction", f"{reduction:.1f}x" if reduction else "-"),
         ("wall time", f"{summary['wall_s']:.1f} s"),
     ]
     if summary.get("restarts"):
@@ -242,7 +242,7 @@ def _summary_table(summary: dict):
     adaptive = summary.get("adaptive")
     if adaptive:
         sources = ", ".join(f"{k} {v}" for k, v in adaptive["sources"].items())
-        rows.append(("controller decisions", f"{sources}; final ratio {adaptive['final_ratio']:.1f}"))
+        rows.append(("controller decisions", f"{sources}; final compression {adaptive['final_compression']:.1f}"))
     for key, value in rows:
         table.add_row(key, value)
     return table
@@ -298,7 +298,7 @@ def bench_codecs(
     device: str = typer.Option("cpu", help="cpu (numpy) or cuda (cupy)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
-    """Encode/decode GB/s, wire ratio and error of every codec, against memcpy.
+    """Encode/decode GB/s, wire reduction and error of every codec, against memcpy.
 
     Example: rayzip bench codecs --size 64M --json out/bench-codecs.json
     """

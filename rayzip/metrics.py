@@ -16,14 +16,14 @@ Worker series (``ray_`` + name):
 ``rayzip_collective_delay_seconds`` histogram  end-to-end time inside the collective
 ``rayzip_bytes_sent_total``         counter    bytes this rank sent
 ``rayzip_dense_bytes_total``        counter    what a dense fp32 ring allreduce would send
-``rayzip_compression_ratio``        gauge      wire compression of the last step (1: dense)
+``rayzip_wire_reduction``           gauge      dense bytes over sent bytes of the last step (1: dense)
 ``rayzip_batch_loss``               gauge      the last batch's loss
 ``rayzip_step``                     gauge      the last step
 ``rayzip_checkpoint_bytes``         gauge      rank 0's last checkpoint, stored bytes
 ``rayzip_checkpoint_ratio``         gauge      its raw bytes over stored bytes
 ==================================  =========  ==========================================
 
-Controller series: ``rayzip_controller_ratio`` (gauge, the decided compression ratio; 1 is
+Controller series: ``rayzip_controller_compression`` (gauge, the decided compression, 1 / density; 1 is
 off), ``rayzip_controller_decisions_total`` (counter, label ``source``: prometheus,
 workers, or held), ``rayzip_controller_pressure`` and ``rayzip_controller_importance``
 (gauges, the decision's inputs).
@@ -60,7 +60,7 @@ def _worker_series():
                 for name, text in (("bytes_sent", "Bytes this rank sent."),
                                    ("dense_bytes", "Bytes a dense fp32 ring allreduce would send."))}
     gauges = {name: Gauge(f"rayzip_{name}", description=text, tag_keys=tags)
-              for name, text in (("compression_ratio", "Wire compression of the last step (1: dense)."),
+              for name, text in (("wire_reduction", "Dense bytes over sent bytes of the last step (1: dense)."),
                                  ("batch_loss", "Loss of the last batch."),
                                  ("step", "Last step."),
                                  ("checkpoint_bytes", "Stored bytes of the last checkpoint (rank 0's part)."),
@@ -87,7 +87,7 @@ class WorkerMetrics:
             self.counters["bytes_sent"].inc(bytes_sent, tags=tags)
         if dense_bytes:
             self.counters["dense_bytes"].inc(dense_bytes, tags=tags)
-        self.gauges["compression_ratio"].set(dense_bytes / bytes_sent if bytes_sent else 1.0, tags=tags)
+        self.gauges["wire_reduction"].set(dense_bytes / bytes_sent if bytes_sent else 1.0, tags=tags)
         self.gauges["batch_loss"].set(loss, tags=tags)
         self.gauges["step"].set(step, tags=tags)
         if self._checkpoint is not None:
@@ -110,7 +110,8 @@ def _controller_series():
 
     tags = ("run", "job")
     return {
-        "ratio": Gauge("rayzip_controller_ratio", description="Decided compression ratio (1: off).", tag_keys=tags),
+        "compression": Gauge("rayzip_controller_compression", description="Decided compression, 1 / density (1: off).",
+                             tag_keys=tags),
         "pressure": Gauge("rayzip_controller_pressure", description="Delay per byte over the best seen.", tag_keys=tags),
         "importance": Gauge("rayzip_controller_importance", description="Recent loss over its running mean.",
                             tag_keys=tags),
@@ -124,8 +125,8 @@ class ControllerMetrics:
         self.tags = {"run": run, "job": job}
         self.series = _controller_series()
 
-    def record(self, ratio: float, pressure: float | None, importance: float | None, source: str) -> None:
-        self.series["ratio"].set(ratio, tags=self.tags)
+    def record(self, compression: float, pressure: float | None, importance: float | None, source: str) -> None:
+        self.series["compression"].set(compression, tags=self.tags)
         if pressure is not None:
             self.series["pressure"].set(pressure, tags=self.tags)
         if importance is not None:

@@ -8,7 +8,7 @@ checkpoint.
 Usage::
 
     summary = run_job(load_spec("jobs/digits-group-topk.yaml"))
-    print(summary["final_test_accuracy"], summary["wire_compression_ratio"])
+    print(summary["final_test_accuracy"], summary["wire_reduction"])
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
         "local_bytes_per_worker": metrics.get("total_local_bytes", 0),  # hierarchy: to workers on the node
         "node_bytes": metrics.get("total_node_bytes"),  # hierarchy: off rank 0's node, by the counts
         "bytes_source": metrics.get("bytes_source"),
-        "wire_compression_ratio": (dense / sent) if sent else None,
+        "wire_reduction": (dense / sent) if sent else None,
         "final_loss": metrics.get("loss"),
         "verify_max_abs_err": metrics.get("verify_max_abs_err"),
         "verify_documented_bytes": metrics.get("verify_documented_bytes"),
@@ -200,7 +200,7 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     controller = None
     if spec.adaptive.enabled:
         controller = start_controller(run_id, spec.name, spec.adaptive,
-                                      initial_ratio=1.0 / (spec.compression.density or 0.01))
+                                      initial_compression=1.0 / (spec.compression.density or 0.01))
     shards = start_shards(run_id, spec) if spec.compression.collective == "ps" else None
     trainer = TorchTrainer(
         train_loop,
@@ -272,7 +272,7 @@ def adaptive_summary(decisions: list[dict]) -> dict:
     for d in decisions:
         sources[d["source"]] = sources.get(d["source"], 0) + 1
     return {"decisions": decisions, "sources": sources, "held": sources.get("held", 0),
-            "final_ratio": decisions[-1]["ratio"] if decisions else None}
+            "final_compression": decisions[-1]["compression"] if decisions else None}
 
 
 def ps_summary(spec: JobSpec, shards: list[dict]) -> dict:

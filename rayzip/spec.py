@@ -38,7 +38,9 @@ _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 # Fields a spec may still carry from before a rename: refused, naming the new field.
-RENAMED = {("compression", "ratio"): "compression.density (the kept fraction: 0.01 sends 1% of the entries)"}
+RENAMED = {("compression", "ratio"): "compression.density (the kept fraction: 0.01 sends 1% of the entries)",
+           ("adaptive", "min_ratio"): "adaptive.min_compression (1 / density: 4 keeps 25% of the entries)",
+           ("adaptive", "max_ratio"): "adaptive.max_compression (1 / density: 200 keeps 0.5% of the entries)"}
 
 
 class SpecError(ValueError):
@@ -384,18 +386,18 @@ class MetricsSpec(_Strict):
 
 class AdaptiveSpec(_Strict):
     """The adaptive compression controller (see rayzip.adaptive). Ratios here are compression
-    ratios of the sparsifier, 1 / its kept fraction: 100 keeps 1% of the entries."""
+    compression of the sparsifier, 1 / its density: 100 keeps 1% of the entries."""
 
     enabled: bool = False
-    policy: str = Field("cost_model", description="Decision rule: cost_model (predicts each ratio's step time, "
+    policy: str = Field("cost_model", description="Decision rule: cost_model (predicts each compression's step time, "
                         "dense included, from a fitted model of the step), pressure (the first rule: compression "
                         "in proportion to delay per byte), or 'module:Class' built from this section.")
     prometheus_url: Optional[str] = Field(
         None, description="Prometheus server to query (http://host:9090). Unset: the workers' own reports only.")
     interval: float = Field(2.0, gt=0, description="Seconds between decisions.")
     window: float = Field(10.0, gt=0, description="Seconds of history each Prometheus rate() covers.")
-    min_ratio: float = Field(4.0, ge=1, description="Least compression while compressing.")
-    max_ratio: float = Field(200.0, ge=1, description="Most compression.")
+    min_compression: float = Field(4.0, ge=1, description="Least compression while compressing.")
+    max_compression: float = Field(200.0, ge=1, description="Most compression.")
     importance_weight: float = Field(0.5, ge=0, description="Exponent on batch importance (loss over its "
                                                             "running mean): important batches are compressed less.")
     delay_weight: float = Field(1.0, ge=0, description="pressure: exponent on network pressure (delay per byte "
@@ -421,8 +423,8 @@ class AdaptiveSpec(_Strict):
 
     @model_validator(mode="after")
     def _bounds(self):
-        if self.max_ratio < self.min_ratio:
-            raise ValueError(f"max_ratio ({self.max_ratio}) is below min_ratio ({self.min_ratio})")
+        if self.max_compression < self.min_compression:
+            raise ValueError(f"max_compression ({self.max_compression}) is below min_compression ({self.min_compression})")
         if self.prometheus_url is not None and not re.match(r"https?://", self.prometheus_url):
             raise ValueError("prometheus_url must start with http:// or https://")
         return self
@@ -462,7 +464,7 @@ class JobSpec(_Strict):
     def _adaptive_has_a_knob(self):
         c = self.compression
         if self.adaptive.enabled and (c.codec not in ("topk", "randomk", "group_topk") or c.torch_hook is not None):
-            raise ValueError(f"adaptive.enabled tunes a sparsifier's ratio: it needs compression.codec topk, "
+            raise ValueError(f"adaptive.enabled tunes a sparsifier's density: it needs compression.codec topk, "
                              f"randomk or group_topk on rayzip's hook (got {c.codec})")
         return self
 
@@ -508,8 +510,8 @@ class JobSpec(_Strict):
             raise ValueError("local_steps keeps momentum in the inner and outer optimizers: set "
                              "compression.momentum_correction and compression.adam_correction to false")
         if self.adaptive.enabled:
-            raise ValueError("adaptive.enabled tunes the ratio of per-step compression; local steps keep the spec's "
-                             "ratio and tune H themselves: set local_steps.adaptive instead")
+            raise ValueError("adaptive.enabled tunes the density of per-step compression; local steps keep the spec's "
+                             "density and tune H themselves: set local_steps.adaptive instead")
         every = local.every
         if local.adaptive:
             if not local.min_every <= every <= local.max_every:

@@ -1,4 +1,4 @@
-"""The adaptive compression controller: a named Ray actor that sets the sparsifier's ratio.
+"""The adaptive compression controller: a named Ray actor that sets the sparsifier's compression.
 
 Every ``interval`` seconds it gathers its inputs, decides, and publishes a decision; rank 0
 of the training run fetches the latest decision without waiting and broadcasts it, so every
@@ -25,10 +25,10 @@ of latency and bandwidth needs per-step pairs of payload and time that rates ave
 ``cost_model``, fits a model of the step (:mod:`rayzip.adaptive.model`) to the workers'
 per-step reports (network time as latency times messages plus bytes over bandwidth, the
 codec's own time against density, compute), predicts the step time of dense allreduce and
-of each candidate ratio, and picks the least compression within ``slack`` of the fastest:
+of each candidate compression, and picks the least compression within ``slack`` of the fastest:
 compression off when dense is predicted fastest, with hysteresis. *Sample importance* ``i``
 (mean loss of the batches since the last decision over the running mean of all losses)
-caps the ratio at ``max_ratio / i ** importance_weight``: important batches are compressed
+caps the compression at ``max_compression / i ** importance_weight``: important batches are compressed
 less. ``pressure``, the first rule, is kept for comparison.
 
 **Robustness.** A Prometheus that is unreachable, slow (``query_timeout``), or answers with
@@ -80,7 +80,7 @@ STEP_LAG = 8  # a step some rank has not reported this many steps later is combi
 @dataclass
 class Decision:
     seq: int
-    ratio: float  # compression ratio of the sparsifier, 1 / kept fraction; 1.0: compression off
+    compression: float  # compression of the sparsifier, 1 / kept fraction; 1.0: compression off
     source: str  # prometheus, workers, held, initial, or start (before the first step)
     at: float
     inputs: dict = field(default_factory=dict)
@@ -140,9 +140,9 @@ def controller_name(run_id: str) -> str:
 
 @ray.remote(num_cpus=0)
 class AdaptiveController:
-    """See the module docstring. ``initial_ratio`` is in force until the first decision."""
+    """See the module docstring. ``initial_compression`` is in force until the first decision."""
 
-    def __init__(self, run: str, job: str, spec: dict, initial_ratio: float):
+    def __init__(self, run: str, job: str, spec: dict, initial_compression: float):
         from ..metrics import ControllerMetrics
 
         self.spec = AdaptiveSpec.model_validate(spec)
@@ -165,7 +165,7 @@ class AdaptiveController:
         self.first_report: float | None = None
         self.loss_mean: float | None = None
         self.new_losses: list[float] = []
-        self.current = Decision(0, float(initial_ratio), "initial", time.time())
+        self.current = Decision(0, float(initial_compression), "initial", time.time())
         self.decisions: list[dict] = [asdict(self.current)]
         self.failures = 0
         self.warned = False
@@ -243,22 +243,22 @@ class AdaptiveController:
             now = time.time()
             self._add_link_probe(now)
             self.model.fit(now)
-            started = self.policy.start(PolicyInputs(model=self.model, importance=1.0, current=self.current.ratio,
+            started = self.policy.start(PolicyInputs(model=self.model, importance=1.0, current=self.current.compression,
                                                      now=now))
             if started is None:
                 return None
-            ratio, explain = started
-            seq = self.current.seq + (1 if ratio != self.current.ratio else 0)
-            self.probing, self.probe_steps = (1.0 / ratio if explain.get("probe") else None), 0
-            self.current = Decision(seq, ratio, "start", now, {**explain, "dense_bytes": self.model.dense_bytes()})
+            compression, explain = started
+            seq = self.current.seq + (1 if compression != self.current.compression else 0)
+            self.probing, self.probe_steps = (1.0 / compression if explain.get("probe") else None), 0
+            self.current = Decision(seq, compression, "start", now, {**explain, "dense_bytes": self.model.dense_bytes()})
             self.decisions.append(asdict(self.current))
-        self.metrics.record(ratio, explain.get("pressure"), 1.0, "start")
-        log.info("rayzip controller: ratio %.1f before the first step: %s", ratio, explain)
-        return {"seq": seq, "ratio": ratio}
+        self.metrics.record(compression, explain.get("pressure"), 1.0, "start")
+        log.info("rayzip controller: compression %.1f before the first step: %s", compression, explain)
+        return {"seq": seq, "compression": compression}
 
     def decision(self) -> dict:
         with self.lock:
-            return {"seq": self.current.seq, "ratio": self.current.ratio}
+            return {"seq": self.current.seq, "compression": self.current.compression}
 
     def applied(self, seq: int, step: int) -> None:
         with self.lock:
@@ -371,32 +371,32 @@ class AdaptiveController:
         with self.lock:
             self._add_link_probe(time.time())
             self.model.fit(time.time())
-            current = self.current.ratio
-            ratio, explain = self.policy.decide(PolicyInputs(
+            current = self.current.compression
+            compression, explain = self.policy.decide(PolicyInputs(
                 model=self.model, importance=importance, current=current, now=time.time(),
                 delay_per_byte=inputs["delay_per_byte"], compute_s=inputs["compute_s"], dense_bytes=dense))
         inputs = {**inputs, **explain, "dense_bytes": dense}
         with self.lock:
             self.failures = 0
-            seq = self.current.seq + (1 if ratio != self.current.ratio else 0)
-            self.probing, self.probe_steps = (1.0 / ratio if explain.get("probe") else None), 0
-            self.current = Decision(seq, ratio, source, time.time(), inputs)
+            seq = self.current.seq + (1 if compression != self.current.compression else 0)
+            self.probing, self.probe_steps = (1.0 / compression if explain.get("probe") else None), 0
+            self.current = Decision(seq, compression, source, time.time(), inputs)
             self.decisions.append(asdict(self.current))
-        self.metrics.record(ratio, explain.get("pressure"), importance, source)
-        log.info("rayzip controller: ratio %.1f from %s: %s", ratio, source,
+        self.metrics.record(compression, explain.get("pressure"), importance, source)
+        log.info("rayzip controller: compression %.1f from %s: %s", compression, source,
                  {k: v for k, v in inputs.items() if not isinstance(v, dict)})
         return True
 
     def _hold(self, reason: str) -> None:
         with self.lock:
             self.failures += 1
-            entry = asdict(Decision(self.current.seq, self.current.ratio, "held", time.time(), {"reason": reason}))
+            entry = asdict(Decision(self.current.seq, self.current.compression, "held", time.time(), {"reason": reason}))
             self.decisions.append(entry)
-        self.metrics.record(self.current.ratio, None, None, "held")
+        self.metrics.record(self.current.compression, None, None, "held")
         if not self.warned:
             self.warned = True
-            log.warning("rayzip controller: Prometheus gave no usable answer (%s); holding ratio %.1f and "
-                        "retrying with backoff", reason, self.current.ratio)
+            log.warning("rayzip controller: Prometheus gave no usable answer (%s); holding compression %.1f and "
+                        "retrying with backoff", reason, self.current.compression)
 
 
 def _same_mode(density: float | None, kept: float) -> bool:
@@ -406,7 +406,7 @@ def _same_mode(density: float | None, kept: float) -> bool:
     return abs(density - kept) <= 1e-3 * kept
 
 
-def start_controller(run_id: str, job: str, spec: AdaptiveSpec, initial_ratio: float):
+def start_controller(run_id: str, job: str, spec: AdaptiveSpec, initial_compression: float):
     """The run's named controller actor."""
     return AdaptiveController.options(name=controller_name(run_id)).remote(run_id, job, spec.model_dump(),
-                                                                         initial_ratio)
+                                                                         initial_compression)

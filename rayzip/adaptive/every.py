@@ -4,7 +4,7 @@ the compute of a step.
 
 With H inner steps per synchronization a step costs, on average, ``compute + sync / H``.
 A larger H always runs faster and always drifts further from synchronous training, so H
-follows the cost model's rule for the compression ratio: the least compression (here the
+follows the cost model's rule for the compression: the least compression (here the
 smallest H, within ``[low, high]``) whose predicted step is within ``slack`` of the fastest
 (H = ``high``). A slow link (a long ``sync``) raises H; a fast one, or heavy compute,
 lowers it toward ``low``.

@@ -5,7 +5,7 @@ kept fraction of a sparsifier (``None``: dense, compression off) and
 
 * ``network = alpha * messages + beta * bytes``: a latency per latency-bound message and an
   inverse bandwidth, fitted by least squares to the (messages, bytes, seconds) of recent
-  steps. Runs produce varied payloads (dense probes, ratio changes), which is what makes the
+  steps. Runs produce varied payloads (dense probes, compression changes), which is what makes the
   two separable; when the recent steps all have one payload size, ``alpha`` stays at its last
   well-determined value (latency seldom changes; bandwidth does) and only ``beta`` is fitted;
 * ``codec(d) = c0 + c1 * d``: the exchange's own time outside torch.distributed (encode,

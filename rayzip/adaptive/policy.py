@@ -1,6 +1,6 @@
-"""Decision rules for the adaptive controller: inputs in, a compression ratio out (1.0: off).
+"""Decision rules for the adaptive controller: inputs in, a compression out (1.0: off).
 
-A policy is any object with ``decide(inputs: PolicyInputs) -> (ratio, explain)`` (and, if it
+A policy is any object with ``decide(inputs: PolicyInputs) -> (compression, explain)`` (and, if it
 can decide before the first step, ``start`` with the same signature), built from
 the job's :class:`~rayzip.spec.AdaptiveSpec` (``adaptive.policy``: ``cost_model``, the
 default, ``pressure``, or ``module:Class`` for your own). ``explain`` is a flat dict recorded
@@ -8,7 +8,7 @@ with the decision. Policies do no I/O and may keep state between decisions.
 
 * :class:`CostModelPolicy` predicts each candidate's step time from the fitted
   :class:`~rayzip.adaptive.model.StepModel` and picks the least compression whose predicted
-  step is within ``slack`` of the fastest, dense included (auto-off), under a ratio cap that
+  step is within ``slack`` of the fastest, dense included (auto-off), under a compression cap that
   important batches lower. It switches only for a predicted gain above ``hysteresis``, and a
   marginal switch between dense and compressed must be the verdict of two decisions in a row.
   While compressing with no recent dense step, it probes, a few steps at a time (the
@@ -18,14 +18,14 @@ with the decision. Policies do no I/O and may keep state between decisions.
   time at all); then dense, if the model now gives dense a chance (within 2x of the chosen
   step) or still cannot tell. On a slow link the first rung shows the bandwidth and the
   second is skipped. Symmetrically, while dense with no compressed step in ``probe_every``,
-  it probes the fastest ratio, if the model puts it within 2x of dense. A switch off is
+  it probes the fastest compression, if the model puts it within 2x of dense. A switch off is
   always measured first: with no dense step in the window, a decision for dense becomes a
   dense probe, and its measurement decides.
-  Candidate ratios stay within 8x of the kept fractions measured (the codec's time is
-  fitted, not known, beyond them), so the ratio moves there step by step. Its ``start``
+  Candidate compressions stay within 8x of the kept fractions measured (the codec's time is
+  fitted, not known, beyond them), so the compression moves there step by step. Its ``start``
   decides before the first step, from the start-up measurements (the timed broadcast of the
   model and one dry compressed step): a fast link starts dense (a dense probe), a slow one
-  at the chosen ratio, no less compression than the dry step's, with no probe.
+  at the chosen compression, no less compression than the dry step's, with no probe.
 * :class:`PressurePolicy` is the first rule, kept for comparison: compression in proportion
   to delay per byte over the best seen. It reads fixed latency as pressure (a smaller
   payload has a larger delay per byte) and does not see codec time.
@@ -33,7 +33,7 @@ with the decision. Policies do no I/O and may keep state between decisions.
 Usage::
 
     policy = make_policy(AdaptiveSpec(enabled=True))
-    ratio, explain = policy.decide(PolicyInputs(model=model, importance=1.0, current=100.0))
+    compression, explain = policy.decide(PolicyInputs(model=model, importance=1.0, current=100.0))
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ PROBE_PAYLOAD = 8.0  # the first rung: a payload this much larger than the chose
 class PolicyInputs:
     model: StepModel  # fitted to the workers' per-step reports
     importance: float  # recent batch loss over its running mean
-    current: float  # the ratio in force (1.0: dense)
+    current: float  # the compression in force (1.0: dense)
     now: float = 0.0  # the model's clock
     delay_per_byte: float | None = None  # this window's, slowest rank (Prometheus or the workers)
     compute_s: float | None = None  # this window's mean compute per step
@@ -92,7 +92,7 @@ def make_policy(spec: AdaptiveSpec) -> Policy:
 
 
 def _cap(spec: AdaptiveSpec, importance: float) -> float:
-    return min(spec.max_ratio, max(spec.min_ratio, spec.max_ratio / importance ** spec.importance_weight))
+    return min(spec.max_compression, max(spec.min_compression, spec.max_compression / importance ** spec.importance_weight))
 
 
 class CostModelPolicy(Policy):
@@ -104,23 +104,23 @@ class CostModelPolicy(Policy):
     def __init__(self, spec: AdaptiveSpec):
         self.spec = spec
         self.flip_verdicts = 0  # decisions in a row that called for a dense/compressed flip
-        self.probing_from: float | None = None  # the ratio a probe interrupted
-        self.probe: float | None = None  # the ratio being probed (1.0: dense)
+        self.probing_from: float | None = None  # the compression a probe interrupted
+        self.probe: float | None = None  # the compression being probed (1.0: dense)
         self.payload_probed_at: float | None = None
         self.best_dense_network: float | None = None
 
     def candidates(self, cap: float, seen: tuple[float, float] | None) -> list[float]:
-        """Dense, and ratios from ``min_ratio`` to ``cap`` (two per octave) no further than
+        """Dense, and compressions from ``min_compression`` to ``cap`` (two per octave) no further than
         PROBE_PAYLOAD from the kept fractions measured: outside them the codec's time is
         extrapolated, so the controller moves there one measured step at a time."""
-        lo = self.spec.min_ratio
+        lo = self.spec.min_compression
         count = max(1, math.ceil(2 * math.log2(cap / lo))) if cap > lo else 0
-        ratios = [lo * (cap / lo) ** (i / count) for i in range(count)] + [cap]
+        compressions = [lo * (cap / lo) ** (i / count) for i in range(count)] + [cap]
         if seen is not None:
             least, most = 1.0 / seen[1] / PROBE_PAYLOAD, 1.0 / seen[0] * PROBE_PAYLOAD
-            inside = [r for r in ratios if least <= r <= most]
-            ratios = inside or [min(ratios, key=lambda r: min(abs(math.log(r * seen[0])), abs(math.log(r * seen[1]))))]
-        return [1.0] + ratios
+            inside = [r for r in compressions if least <= r <= most]
+            compressions = inside or [min(compressions, key=lambda r: min(abs(math.log(r * seen[0])), abs(math.log(r * seen[1]))))]
+        return [1.0] + compressions
 
     def decide(self, inputs: PolicyInputs) -> tuple[float, dict]:
         model = inputs.model
@@ -153,7 +153,7 @@ class CostModelPolicy(Policy):
             return inputs.current, {"reason": "no start-up measurements"}
         # One measured density says nothing of how the codec's time grows with k (top-k's
         # selection does), so less compression than the dry step's would be a guess.
-        _, _, _, explain = self._predict(inputs, inputs.current, at_least=min(inputs.current, self.spec.max_ratio))
+        _, _, _, explain = self._predict(inputs, inputs.current, at_least=min(inputs.current, self.spec.max_compression))
         target = explain["target"]
         if target == 1.0 and inputs.current != 1.0:
             self.probing_from, self.probe = inputs.current, 1.0
@@ -162,15 +162,15 @@ class CostModelPolicy(Policy):
 
     def _predict(self, inputs: PolicyInputs, current: float, at_least: float = 1.0,
                  ) -> tuple[float, dict[float, Prediction], Prediction, dict]:
-        """The importance cap, each candidate's predicted step (dense, and ratios of at least
-        ``at_least``), the current ratio's, and the record of them (``target``: the least
+        """The importance cap, each candidate's predicted step (dense, and compressions of at least
+        ``at_least``), the current compression's, and the record of them (``target``: the least
         compression within slack of the fastest)."""
         spec, model = self.spec, inputs.model
         cap = _cap(spec, inputs.importance)
         predictions = {r: model.predict(None if r == 1.0 else 1.0 / r) for r in self.candidates(cap, model.densities())
                        if r == 1.0 or r >= at_least}
         target = _least_within_slack(predictions, spec.slack)
-        now_p = model.predict(None if current == 1.0 else 1.0 / min(current, spec.max_ratio))
+        now_p = model.predict(None if current == 1.0 else 1.0 / min(current, spec.max_compression))
         link = model.link
         dense_network = predictions[1.0].network_s
         self.best_dense_network = min(self.best_dense_network or dense_network, dense_network)
@@ -205,7 +205,7 @@ class CostModelPolicy(Policy):
 
     def _probe(self, model: StepModel, now: float, choice: float, predictions: dict[float, Prediction],
                chosen: Prediction, current: float) -> float | None:
-        """The ratio to probe next (1.0: dense), or None (see the module docstring)."""
+        """The compression to probe next (1.0: dense), or None (see the module docstring)."""
         dense = predictions[1.0]
         newest_dense = model.dense[-1].at if model.dense else None
         if choice == 1.0:
@@ -214,18 +214,18 @@ class CostModelPolicy(Policy):
             if current != 1.0:
                 return 1.0 if not measured else None
             # Staying dense on compressed steps measured long ago (the dry step before the
-            # first, perhaps): measure the fastest ratio again, if it may beat dense.
+            # first, perhaps): measure the fastest compression again, if it may beat dense.
             newest = model.compressed[-1].at if model.compressed else None
-            ratio, fastest = min(((r, p) for r, p in predictions.items() if r != 1.0), key=lambda rp: rp[1].total_s,
+            compression, fastest = min(((r, p) for r, p in predictions.items() if r != 1.0), key=lambda rp: rp[1].total_s,
                                  default=(None, None))
             stale = newest is not None and now - newest > self.spec.probe_every
-            return ratio if stale and ratio is not None and fastest.total_s <= PROBE_WITHIN * dense.total_s else None
+            return compression if stale and compression is not None and fastest.total_s <= PROBE_WITHIN * dense.total_s else None
         if newest_dense is not None and now - newest_dense <= self.spec.probe_every:
             return None
         if not model.alpha_known:
             if self.payload_probed_at is None or now - self.payload_probed_at > self.spec.probe_every:
                 self.payload_probed_at = now
-                return max(self.spec.min_ratio, choice / PROBE_PAYLOAD)
+                return max(self.spec.min_compression, choice / PROBE_PAYLOAD)
             return 1.0  # the larger payload did not settle latency against bandwidth: measure dense
         return 1.0 if dense.total_s <= PROBE_WITHIN * chosen.total_s else None
 
@@ -250,9 +250,9 @@ class PressurePolicy(Policy):
     def decide(self, inputs: PolicyInputs) -> tuple[float, dict]:
         if inputs.delay_per_byte is None or inputs.compute_s is None or inputs.dense_bytes is None:
             return inputs.current, {"reason": "no window inputs yet"}
-        return self.ratio_for(inputs.delay_per_byte, inputs.compute_s, inputs.dense_bytes, inputs.importance)
+        return self.compression_for(inputs.delay_per_byte, inputs.compute_s, inputs.dense_bytes, inputs.importance)
 
-    def ratio_for(self, delay_per_byte: float, compute_s: float, dense_bytes: float,
+    def compression_for(self, delay_per_byte: float, compute_s: float, dense_bytes: float,
                   importance: float) -> tuple[float, dict]:
         spec = self.spec
         if self.best_delay_per_byte is None or delay_per_byte < self.best_delay_per_byte:
@@ -267,6 +267,6 @@ class PressurePolicy(Policy):
         # The compression that fits a step's communication, on the best link seen, into the
         # budget share of its compute; then more with more delay, less for important batches.
         fitting = dense_bytes * self.best_delay_per_byte / (spec.comm_budget * max(compute_s, 1e-6))
-        explain["fitting_ratio"] = fitting
-        ratio = fitting * pressure ** spec.delay_weight / importance ** spec.importance_weight
-        return min(spec.max_ratio, max(spec.min_ratio, ratio)), explain
+        explain["fitting_compression"] = fitting
+        compression = fitting * pressure ** spec.delay_weight / importance ** spec.importance_weight
+        return min(spec.max_compression, max(spec.min_compression, compression)), explain

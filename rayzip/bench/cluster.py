@@ -64,7 +64,7 @@ METHODS: dict[str, dict[str, Any]] = {
 LOCAL = {"local": 10, "local_gtopk": 10, "local_compact": 10}  # H when the method gives no @H
 LOCAL_AUTO_MAX = 50  # @auto: the most H, and the evaluation interval (each evaluation synchronizes)
 PS = {"ps": {"cpus_per_shard": 0, "pull": "codec"}, "ps-dense": {"cpus_per_shard": 0, "pull": "dense"}}
-ADAPTIVE = {"enabled": True, "interval": 2.0, "window": 6.0, "min_ratio": 4, "max_ratio": 200}
+ADAPTIVE = {"enabled": True, "interval": 2.0, "window": 6.0, "min_compression": 4, "max_compression": 200}
 SCALING_SKIP = 10  # bench scaling: steps left out of the step time (start-up)
 
 
@@ -284,7 +284,7 @@ def aggregate_runs(runs: list[dict]) -> dict[str, Any]:
 
 def _compare_with_best_fixed(rows: list[dict], key: str, into: str) -> None:
     """Each row's ``key`` over the lowest among the methods without a controller (DDP and
-    every fixed ratio run in the same report)."""
+    every fixed-density run in the same report)."""
     fixed = [r[key] for r in rows if "error" not in r and r.get("decisions") is None and r.get(key)]
     for r in rows:
         r[into] = r[key] / min(fixed) if fixed and r.get(key) and "error" not in r else None
@@ -404,7 +404,7 @@ def _row(method: str, s: dict, tx_before: list[int], tx_after: list[int], run_s:
         "interface_bytes_whole_run": statistics.mean(a - b for a, b in zip(tx_after, tx_before)),
         "dense_bytes": s["dense_bytes_per_worker"],
         # Over the bytes that leave the worker's node where the hierarchy knows them apart.
-        "wire_compression": s["dense_bytes_per_worker"] / network if network else None,
+        "wire_reduction": s["dense_bytes_per_worker"] / network if network else None,
         "history": s.get("history", []),
         "decisions": decision_timeline(s.get("adaptive")),
         "run_s": run_s,
@@ -413,18 +413,18 @@ def _row(method: str, s: dict, tx_before: list[int], tx_after: list[int], run_s:
 
 def decision_timeline(adaptive: dict | None) -> list[dict] | None:
     """The controller's decisions that took effect: the step each was applied from, the
-    ratio (1.0: off) and whether it was a dense probe; None for a run without a controller."""
+    compression (1.0: off) and whether it was a dense probe; None for a run without a controller."""
     if not adaptive:
         return None
-    return [{"step": d["applied_step"], "ratio": d["ratio"], "probe": bool(d.get("inputs", {}).get("probe"))}
+    return [{"step": d["applied_step"], "compression": d["compression"], "probe": bool(d.get("inputs", {}).get("probe"))}
             for d in adaptive["decisions"] if d.get("applied_step") is not None]
 
 
 def timeline_text(decisions: list[dict] | None, most: int = 8) -> str:
-    """``100×, off@31 (probe), 144×@52, ...``: each ratio from the step it took effect."""
+    """``100×, off@31 (probe), 144×@52, ...``: each compression from the step it took effect."""
     if not decisions:
         return "–"
-    parts = [("off" if d["ratio"] <= 1.0 else f"{d['ratio']:.0f}×") + f"@{d['step']}" + (" (probe)" if d["probe"] else "")
+    parts = [("off" if d["compression"] <= 1.0 else f"{d['compression']:.0f}×") + f"@{d['step']}" + (" (probe)" if d["probe"] else "")
              for d in decisions]
     return ", ".join(parts[:most]) + (f", … {len(parts) - most} more" if len(parts) > most else "")
 
@@ -554,7 +554,7 @@ def render_table(report: dict):
                       f"{r['wire_bytes_pulled'] / 1e6:.2f}" if r.get("wire_bytes_pulled") is not None else "-",
                       f"{r['node_bytes'] / 1e6:.2f}" if r.get("node_bytes") is not None else "-", iface,
                       f"{r['interface_vs_counted']:.3f}" if r.get("interface_vs_counted") else "-",
-                      f"{r['wire_compression']:.1f}x" if r["wire_compression"] else "-")
+                      f"{r['wire_reduction']:.1f}x" if r["wire_reduction"] else "-")
     return table
 
 
@@ -587,7 +587,7 @@ def markdown_table(report: dict) -> str:
                  f"{_network(r) / 1e6:.1f}"]
                 + ([_mb(r.get("wire_bytes_pulled"))] if pulled else [])
                 + ([_mb(r.get("wire_bytes_interface"))] if iface else [])
-                + [_number(r.get("wire_compression") or None, "{:.1f}×")]
+                + [_number(r.get("wire_reduction") or None, "{:.1f}×")]
                 + ([_number(r.get("step_vs_best_fixed"), "{:.2f}×"), timeline_text(r.get("decisions"))]
                    if controlled else []))
     return _markdown(head, report["methods"], cells)
@@ -676,7 +676,7 @@ def plot(report: dict, path: Path) -> None:
     target = report.get("target", report.get("target_accuracy"))
     controlled = [r for r in report["methods"] if r.get("decisions")]
     if controlled:
-        fig, (ax, ratio_ax) = plt.subplots(2, 1, figsize=(7, 6.4), dpi=120, gridspec_kw={"height_ratios": [2, 1]})
+        fig, (ax, compression_ax) = plt.subplots(2, 1, figsize=(7, 6.4), dpi=120, gridspec_kw={"height_ratios": [2, 1]})
     else:
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     for r in report["methods"]:
@@ -685,17 +685,17 @@ def plot(report: dict, path: Path) -> None:
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker=".", label=r["name"])
     if controlled:
-        for r in controlled:  # the ratio in force from each applied decision to the run's end
+        for r in controlled:  # the compression in force from each applied decision to the run's end
             steps = [d["step"] for d in r["decisions"]] + [r.get("steps") or r["decisions"][-1]["step"]]
-            ratios = [d["ratio"] for d in r["decisions"]]
-            ratio_ax.step(steps, ratios + ratios[-1:], where="post", label=r["name"])
+            factors = [d["compression"] for d in r["decisions"]]
+            compression_ax.step(steps, factors + factors[-1:], where="post", label=r["name"])
         if report.get("drop_to") and controlled[0].get("dropped_at_step"):
-            ratio_ax.axvline(controlled[0]["dropped_at_step"], color="grey", linestyle=":", label="link drop")
-        ratio_ax.set_yscale("log")
-        ratio_ax.set_xlabel("step")
-        ratio_ax.set_ylabel("compression ratio (1: off)")
-        ratio_ax.grid(alpha=0.3)
-        ratio_ax.legend()
+            compression_ax.axvline(controlled[0]["dropped_at_step"], color="grey", linestyle=":", label="link drop")
+        compression_ax.set_yscale("log")
+        compression_ax.set_xlabel("step")
+        compression_ax.set_ylabel("compression, 1 / density (1: off)")
+        compression_ax.grid(alpha=0.3)
+        compression_ax.legend()
     if target:
         ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="target")
     ax.set_xlabel("training time (s)")

@@ -1,4 +1,4 @@
-"""``rayzip bench codecs``: throughput, wire ratio and error of every codec, against memcpy.
+"""``rayzip bench codecs``: throughput, wire reduction and error of every codec, against memcpy.
 
 Every figure is taken in the same run, on the same array: the plain copy of that array is
 the memory-bandwidth reference each codec is compared with (``vs_memcpy``), so the ratios
@@ -33,7 +33,7 @@ DEFAULT_CODECS = [
 class CodecResult:
     name: str
     params: dict
-    ratio: float
+    wire_reduction: float  # raw bytes over payload bytes
     payload_bytes: int
     encode_gbps: float
     decode_gbps: float
@@ -133,7 +133,7 @@ def run_codec_bench(size_bytes: int, specs: list[str], repeat: int = 3, device: 
     results = []
     for (name, codec, kernel), spent, (rel_error, nbytes) in zip(cases, times, finals):
         results.append(CodecResult(
-            name=name, params=codec.params(), ratio=x.nbytes / max(nbytes, 1), payload_bytes=nbytes,
+            name=name, params=codec.params(), wire_reduction=x.nbytes / max(nbytes, 1), payload_bytes=nbytes,
             encode_gbps=x.nbytes / statistics.median(e for e, _ in spent) / 1e9,
             decode_gbps=x.nbytes / statistics.median(d for _, d in spent) / 1e9, rel_error=rel_error,
             vs_memcpy=statistics.median(c / e for c, (e, _) in zip(copies, spent)),
@@ -200,13 +200,13 @@ def render_table(report: dict):
     where = report.get("device_name", report["device"])
     table = Table(title=f"{report['size_bytes'] / 2**20:.0f} MiB fp32 on {where}; memcpy {report['memcpy_gbps']:.2f} GB/s; "
                         f"best of {report['repeat']}, median of {report.get('rounds', 1)} round(s)")
-    for col in ("codec", "ratio", "enc GB/s", "dec GB/s", "enc/memcpy", "dec/memcpy", "rel err"):
+    for col in ("codec", "wire reduction", "enc GB/s", "dec GB/s", "enc/memcpy", "dec/memcpy", "rel err"):
         if col == "codec":
             table.add_column(col, no_wrap=True, min_width=max(len(_label(r)) for r in report["codecs"]))
         else:
             table.add_column(col, justify="right")
     for r in report["codecs"] + report.get("transforms", []):
-        table.add_row(_label(r), f"{r.get('ratio', 1.0):.2f}x", f"{r['encode_gbps']:.3f}", f"{r['decode_gbps']:.3f}",
+        table.add_row(_label(r), f"{r.get('wire_reduction', 1.0):.2f}x", f"{r['encode_gbps']:.3f}", f"{r['decode_gbps']:.3f}",
                       f"{r['vs_memcpy']:.3f}", f"{r['decode_vs_memcpy']:.3f}", f"{r.get('rel_error', 0.0):.2e}")
     return table
 
@@ -218,7 +218,7 @@ def _label(row: dict) -> str:
 
 def markdown_table(report: dict) -> str:
     """The report as a Markdown table, for the README (generated, not typed)."""
-    head = ["codec", "ratio", "encode GB/s", "decode GB/s", "encode / memcpy", "decode / memcpy", "rel. L2 error"]
+    head = ["codec", "wire reduction", "encode GB/s", "decode GB/s", "encode / memcpy", "decode / memcpy", "rel. L2 error"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report["codecs"] + report.get("transforms", []):
         params = ", ".join(f"{k}={v}" for k, v in r.get("params", {}).items() if k in ("density", "bits", "levels"))
@@ -226,6 +226,6 @@ def markdown_table(report: dict) -> str:
         if not r.get("kernel", True):
             name += ", no kernel"
         lines.append("| " + " | ".join([
-            name, f"{r.get('ratio', 1.0):.2f}×", f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}",
+            name, f"{r.get('wire_reduction', 1.0):.2f}×", f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}",
             f"{r['vs_memcpy']:.3f}", f"{r['decode_vs_memcpy']:.3f}", f"{r.get('rel_error', 0.0):.3g}"]) + " |")
     return "\n".join(lines)

@@ -4,7 +4,7 @@ Each worker takes H inner steps with its own optimizer on its own batches and ex
 nothing. Then every worker sends its *pseudo-gradient*, the parameters at the last
 synchronization minus its own now, through a :class:`~rayzip.engine.GradientExchange`: the
 spec's codec, error feedback (the residual of one round rides on the next) and collective,
-with the control word that makes every rank skip, raise or adopt a new ratio together. An
+with the control word that makes every rank skip, raise or adopt a new compression together. An
 outer optimizer (SGD with Nesterov momentum, as in DiLoCo) applies the mean pseudo-gradient
 to the synchronized parameters, and every worker goes on from the result. The inner
 optimizer's state stays each worker's own.

@@ -170,7 +170,7 @@ class TorchHookExchange(Exchange):
 
 class HookExchange(Exchange):
     """rayzip's compressed comm hook: the hook counts bytes and times the exchange, and the
-    step's control word tells every rank whether to skip, stop or adopt a new ratio."""
+    step's control word tells every rank whether to skip, stop or adopt a new compression."""
 
     name = "rayzip"
 

@@ -1,5 +1,5 @@
 """Per-step telemetry from any training loop: Prometheus series, the adaptive controller,
-and ratio adoption agreed in the hook's control word.
+and compression adoption agreed in the hook's control word.
 
 ``rayzip run``'s loops use it, and so can your own ``train_func``::
 
@@ -13,7 +13,7 @@ and ratio adoption agreed in the hook's control word.
         telemetry.end_step(step, float(loss))          # a StepRecord
 
 ``controller`` names an adaptive controller actor started on the driver with
-:func:`rayzip.adaptive.start_controller`; its ratio decisions reach every rank at the same
+:func:`rayzip.adaptive.start_controller`; its compression decisions reach every rank at the same
 step (:class:`Adoption`). Every rank must call ``begin_step``/``end_step`` at every step.
 """
 
@@ -35,7 +35,7 @@ START_WAIT_S = 5.0  # how long every rank waits, before the first step, for the 
 
 class Adoption:
     """Rank 0 takes the controller's latest decision without waiting (``poll`` returns a
-    ``{"seq", "ratio"}`` decision or None) and proposes it in the step's control word; every
+    ``{"seq", "compression"}`` decision or None) and proposes it in the step's control word; every
     rank adopts the agreed proposal from the next step on, however late the decision came.
     ``applied(seq, step)`` tells the controller, once, from rank 0."""
 
@@ -61,10 +61,10 @@ class Adoption:
         if self.rank != 0:
             return
         latest = self.poll()
-        if latest is not None and latest["seq"] > self.proposed_seq and latest["ratio"] >= 1.0:
+        if latest is not None and latest["seq"] > self.proposed_seq and latest["compression"] >= 1.0:
             # Agreed in this step's control word, applied by every rank from the next step.
             self.proposed_seq = latest["seq"]
-            self.state.propose(latest["ratio"], seq=latest["seq"])
+            self.state.propose(latest["compression"], seq=latest["seq"])
 
     def after_step(self, step: int) -> None:
         adopted = self.state.last_step.adopted if self.state.last_step is not None else None
@@ -109,8 +109,8 @@ class Telemetry:
         compressed exchange (:meth:`~rayzip.engine.GradientExchange.dry_run`), reported
         to the controller as step -1 with ``compute_s`` (a compute-only forward and backward),
         then the controller's start decision, which rank 0 fetches and every rank applies
-        from step 0. So a fast link starts dense and a slow one at the ratio the cost model
-        picks, rather than at the spec's ratio until a few steps are measured. Without a
+        from step 0. So a fast link starts dense and a slow one at the compression the cost model
+        picks, rather than at the spec's compression until a few steps are measured. Without a
         controller that decides before a step, it changes nothing."""
         if self.controller is None or self.state is None or getattr(self.state, "link_probe", None) is None:
             return
@@ -122,13 +122,13 @@ class Telemetry:
         if self.rank == 0:
             answer = self._start_decision()
             if answer is not None:
-                decision[0], decision[1] = answer["seq"], answer["ratio"]
+                decision[0], decision[1] = answer["seq"], answer["compression"]
         torch.distributed.broadcast(decision, 0)  # NCCL: on the hook's device
-        seq, ratio = decision.tolist()
-        if math.isnan(ratio):
-            return  # no decision in time: the spec's ratio until the controller's first
+        seq, compression = decision.tolist()
+        if math.isnan(compression):
+            return  # no decision in time: the spec's compression until the controller's first
         seq = int(seq)
-        self.state.compress_at(ratio)
+        self.state.compress_at(compression)
         if self.adoption is not None:
             self.adoption.proposed_seq = self.adoption.applied_seq = seq  # in force: not proposed again
         if self.rank == 0:

@@ -182,7 +182,7 @@ def _adoption_rank(rank, world, seed):
     def controller():
         for seq in range(1, 8):
             time.sleep(rng.uniform(0.005, 0.06))
-            decisions.append({"seq": seq, "ratio": float(rng.choice([1.0, 5.0, 20.0, 50.0]))})
+            decisions.append({"seq": seq, "compression": float(rng.choice([1.0, 5.0, 20.0, 50.0]))})
 
     if rank == 0:
         threading.Thread(target=controller, daemon=True).start()
@@ -205,12 +205,12 @@ def test_a_late_controller_decision_is_adopted_by_every_rank_at_the_same_step():
     assert seen[1] == seen[0] and seen[2] == seen[0]
     adopted = [(step, a) for step, (_, _, a) in enumerate(seen[0]) if a is not None]
     assert adopted, "no decision reached the ranks"
-    for step, (seq, ratio) in adopted:  # applied from the next step on
+    for step, (seq, compression) in adopted:  # applied from the next step on
         if step + 1 < len(seen[0]):
             compressed, kept, _ = seen[0][step + 1]
-            assert compressed == (ratio > 1.0)
-            if ratio > 1.0:
-                assert kept == pytest.approx(1.0 / ratio)
+            assert compressed == (compression > 1.0)
+            if compression > 1.0:
+                assert kept == pytest.approx(1.0 / compression)
     assert results[0][1] == [(seq, step + 1) for step, (seq, _) in adopted]
 
 

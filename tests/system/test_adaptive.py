@@ -91,7 +91,7 @@ def prometheus(tmp_path):
     proc.wait()
 
 
-def test_controller_holds_its_ratio_when_prometheus_is_unreachable(ray_with_fast_metrics):
+def test_controller_holds_its_compression_when_prometheus_is_unreachable(ray_with_fast_metrics):
     spec = AdaptiveSpec(enabled=True, prometheus_url=f"http://127.0.0.1:{free_port()}", interval=0.2,
                         query_timeout=0.5)
     spec.window = 0.1
@@ -107,7 +107,7 @@ def test_controller_holds_its_ratio_when_prometheus_is_unreachable(ray_with_fast
     ray.get(controller.stop.remote())
     history = ray.get(controller.history.remote())
     held = [d for d in history if d["source"] == "held"]
-    assert held and all(d["ratio"] == 50.0 for d in history), history
+    assert held and all(d["compression"] == 50.0 for d in history), history
     assert "ConnectionError" in held[0]["inputs"]["reason"]
     # Backoff: 0.2, 0.4, 0.8 s between attempts, not one every 0.2 s.
     assert len(held) <= 5, [d["at"] for d in held]
@@ -119,7 +119,7 @@ def test_the_first_decision_comes_three_steps_after_the_start_up_transfer(ray_wi
     # 100x steps whose codec takes 43 ms: three steps in, the controller measures dense. Rank 1
     # reports each step first: the controller waits for rank 0's report of it (world 2)
     # rather than combine rank 1's alone and hold back every later step.
-    spec = AdaptiveSpec(enabled=True, interval=30.0, window=60.0, min_ratio=4, max_ratio=200)
+    spec = AdaptiveSpec(enabled=True, interval=30.0, window=60.0, min_compression=4, max_compression=200)
     controller = AdaptiveController.remote("early-test", "early", spec.model_dump(), 100.0)
     for rank in (1, 0):
         controller.report_link.remote(rank, 17.4e6, 0.014, 1.0)
@@ -135,13 +135,13 @@ def test_the_first_decision_comes_three_steps_after_the_start_up_transfer(ray_wi
     ray.kill(controller)
     assert len(history) >= 2, history
     first = history[1]
-    assert first["ratio"] == 1.0 and first["inputs"]["probe"] and first["inputs"]["link_separable"], first
+    assert first["compression"] == 1.0 and first["inputs"]["probe"] and first["inputs"]["link_separable"], first
 
 
 def test_the_start_decision_comes_from_the_dry_step_before_any_step(ray_with_fast_metrics):
     # Every rank's dry compressed exchange (step -1: rayzip.train.Telemetry.start) and its
     # start-up broadcast, on a link where dense is fast: the run starts with a dense probe.
-    spec = AdaptiveSpec(enabled=True, interval=30.0, window=60.0, min_ratio=4, max_ratio=200)
+    spec = AdaptiveSpec(enabled=True, interval=30.0, window=60.0, min_compression=4, max_compression=200)
     controller = AdaptiveController.remote("start-test", "start", spec.model_dump(), 100.0)
     assert ray.get(controller.start.remote()) is None  # nothing measured yet
     for rank in (1, 0):
@@ -154,7 +154,7 @@ def test_the_start_decision_comes_from_the_dry_step_before_any_step(ray_with_fas
     history = ray.get(controller.history.remote())
     ray.get(controller.stop.remote())
     ray.kill(controller)
-    assert answer == {"seq": 1, "ratio": 1.0}, history
+    assert answer == {"seq": 1, "compression": 1.0}, history
     assert history[-1]["source"] == "start" and history[-1]["inputs"]["probe"], history[-1]
 
 
@@ -171,9 +171,9 @@ def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheu
         "compression": {"codec": "group_topk", "density": 0.01, "collective": "ring", "momentum_correction": True},
         "checkpoint": {"every_steps": 100},
         "adaptive": {"enabled": True, "prometheus_url": url, "interval": 1.0, "window": 4.0,
-                     "min_ratio": 4, "max_ratio": 400, "importance_weight": 0.0, "query_timeout": 1.0,
+                     "min_compression": 4, "max_compression": 400, "importance_weight": 0.0, "query_timeout": 1.0,
                      # Before the slowdown, the least compression within 25% of the fastest: a busy
-                     # loopback can look slow enough for the default 3% to sit at max_ratio.
+                     # loopback can look slow enough for the default 3% to sit at max_compression.
                      "slack": 0.25},
     })
     events: dict = {}
@@ -215,7 +215,7 @@ def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheu
     print("EVENTS", {k: v for k, v in events.items() if not k.endswith("_at") and k != "panels"},
           summary["wall_s"], summary["train_s"])
     for d in decisions:
-        print("DECISION", d["source"], round(d["ratio"], 1), d.get("applied_step"),
+        print("DECISION", d["source"], round(d["compression"], 1), d.get("applied_step"),
               {k: (round(v, 9) if isinstance(v, float) else v) for k, v in d["inputs"].items()
                if k in ("delay_per_byte", "compute_s", "pressure", "beta_s_per_byte", "predicted_dense_s",
                        "predicted_step_s", "probe")})
@@ -234,22 +234,22 @@ def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheu
         assert set(d["inputs"]["collective_delay_p50_s_by_rank"]) == {"0", "1"}, d
         assert d["inputs"]["delay_per_byte"] == max(d["inputs"]["delay_per_byte_by_rank"].values())
 
-    # The ratio rose within 20 steps of the slowdown.
+    # The compression rose within 20 steps of the slowdown.
     assert "slow_from" in events, events
     applied = [d for d in decisions if d.get("applied_step") is not None]
     before = [d for d in applied if d["applied_step"] <= events["slow_from"]]
     after = [d for d in applied if d["applied_step"] > events["slow_from"]]
     assert before and after, applied
-    rise = next(d for d in after if d["ratio"] > before[-1]["ratio"])
+    rise = next(d for d in after if d["compression"] > before[-1]["compression"])
     assert rise["applied_step"] - events["slow_from"] <= 20, (events, rise, before[-1])
     assert rise["inputs"]["pressure"] > 1
 
-    # With Prometheus gone the controller held its ratio, and said so. (A hold before the kill,
-    # while Prometheus had not scraped every rank yet, held the ratio of its own time.)
+    # With Prometheus gone the controller held its compression, and said so. (A hold before the kill,
+    # while Prometheus had not scraped every rank yet, held the compression of its own time.)
     held = [d for d in decisions if d["source"] == "held"]
     assert summary["adaptive"]["held"] == len(held)
     held_after_kill = [d for d in held if d["at"] >= events["killed_at"]]
     last_decided = [d for d in decisions if d["source"] == "prometheus"][-1]
     assert held_after_kill, held
-    assert all(d["ratio"] == last_decided["ratio"] for d in held_after_kill)
-    assert summary["adaptive"]["final_ratio"] == last_decided["ratio"]
+    assert all(d["compression"] == last_decided["compression"] for d in held_after_kill)
+    assert summary["adaptive"]["final_compression"] == last_decided["compression"]

@@ -69,7 +69,7 @@ def test_a_killed_language_model_worker_resumes_data_weights_and_residuals_exact
     history = [h["val_loss"] for h in summary["history"]]
     assert history[0] < 6.5 and history[-1] < history[0], history
     assert summary["reached_target"], history
-    assert summary["wire_compression_ratio"] > 5 and summary["bytes_source"] == "counted"
+    assert summary["wire_reduction"] > 5 and summary["bytes_source"] == "counted"
 
 
 def test_a_spec_named_user_loop_trains_through_the_context(local_ray, tmp_path):

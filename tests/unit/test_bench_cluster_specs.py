@@ -124,7 +124,7 @@ def test_repeated_runs_give_medians_with_their_spread():
 
     def run(step_s, ttt, final):
         return {"name": "m", "step_s": step_s, "comm_s": step_s / 2, "time_to_target_s": ttt, "final_metric": final,
-                "final_accuracy": final, "wire_bytes_counted": 100, "wire_compression": 4.0, "metric": "test_accuracy",
+                "final_accuracy": final, "wire_bytes_counted": 100, "wire_reduction": 4.0, "metric": "test_accuracy",
                 "steps_to_target": 7, "history": [{"step": 0}], "compressed": True}
 
     row = aggregate_runs([run(0.3, 10.0, 0.9), run(0.1, None, 0.8), run(0.2, 12.0, 0.85)])

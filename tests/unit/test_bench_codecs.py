@@ -22,13 +22,13 @@ def test_bench_codecs_reports_every_codec_against_memcpy(tmp_path):
     names = [c["name"] for c in report["codecs"]]
     assert names == [parse_codec_spec(s)[0] for s in DEFAULT_CODECS]
     for c in report["codecs"]:
-        assert {"name", "ratio", "encode_gbps", "decode_gbps", "rel_error", "vs_memcpy"} <= set(c)
+        assert {"name", "wire_reduction", "encode_gbps", "decode_gbps", "rel_error", "vs_memcpy"} <= set(c)
         assert c["encode_gbps"] > 0 and c["decode_gbps"] > 0
         assert c["vs_memcpy"] == pytest.approx(c["encode_gbps"] / report["memcpy_gbps"])
-        assert c["ratio"] == pytest.approx(report["size_bytes"] / c["payload_bytes"])
+        assert c["wire_reduction"] == pytest.approx(report["size_bytes"] / c["payload_bytes"])
     by_name = {c["name"]: c for c in report["codecs"]}
-    assert by_name["none"]["rel_error"] == 0 and by_name["none"]["ratio"] == 1
-    assert by_name["group_topk"]["ratio"] >= 50
+    assert by_name["none"]["rel_error"] == 0 and by_name["none"]["wire_reduction"] == 1
+    assert by_name["group_topk"]["wire_reduction"] >= 50
     for name in names:
         assert name in result.output
 

@@ -37,8 +37,8 @@ def rel_error(a, b) -> float:
     return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 
 
-def kept(ratio: float, size: int) -> int:
-    return 0 if size == 0 else min(size, max(1, math.ceil(ratio * size - 1e-9)))
+def kept(density: float, size: int) -> int:
+    return 0 if size == 0 else min(size, max(1, math.ceil(density * size - 1e-9)))
 
 
 # Independent statements of each codec's documented wire size.
@@ -102,11 +102,11 @@ COMPACT = [{"value_dtype": "int8", "packed_indices": True}, {"value_dtype": "int
 @pytest.mark.parametrize("options", COMPACT)
 @pytest.mark.parametrize("n", SIZES)
 def test_compact_group_topk_bytes_equal_documented_formula(options, n):
-    group, ratio = 256, 0.05
-    codec = get_codec("group_topk", density=ratio, group_size=group, **options)
+    group, density = 256, 0.05
+    codec = get_codec("group_topk", density=density, group_size=group, **options)
     payload = codec.encode(gaussian(n, seed=n))
     full, tail = divmod(n, group)
-    count = full * kept(ratio, group) + kept(ratio, tail)
+    count = full * kept(density, group) + kept(density, tail)
     index_bytes = math.ceil(count * 8 / 8) if options.get("packed_indices") else 2 * count  # G = 256: 8 bits
     value_bytes = 4 * (full + (tail > 0)) + count if options["value_dtype"] == "int8" else 2 * count
     assert payload.nbytes == len(payload.to_bytes()) == codec.wire_nbytes(n) == index_bytes + value_bytes
@@ -212,14 +212,14 @@ def test_zigzag_order_is_jpegs():
 
 @pytest.mark.parametrize("n,group", [(10_240, 1024), (10_000, 1024), (999, 100), (50, 64)])
 def test_group_topk_keeps_exactly_the_per_group_topk(n, group):
-    ratio = 0.03
+    density = 0.03
     x = gaussian(n, seed=n)
-    codec = get_codec("group_topk", density=ratio, group_size=group, value_dtype="fp32")
+    codec = get_codec("group_topk", density=density, group_size=group, value_dtype="fp32")
     out = codec.decode(codec.encode(x))
     t = torch.from_numpy(x)
     for start in range(0, n, group):
         chunk = t[start:start + group]
-        k = max(1, math.ceil(ratio * chunk.numel()))
+        k = max(1, math.ceil(density * chunk.numel()))
         expected = torch.zeros_like(chunk)
         idx = torch.topk(chunk.abs(), k).indices
         expected[idx] = chunk[idx]

@@ -31,7 +31,7 @@ def test_dashboard_has_datasource_run_and_rank_variables_and_object_datasource_r
         for target in panel["targets"]:
             assert target["datasource"] == ref and "$run" in target["expr"], (panel["title"], target["expr"])
     titles = " | ".join(p["title"] for p in DASHBOARD["panels"])
-    for needed in ("Compression ratio per worker", "Wire bytes/s", "Communication against compute",
+    for needed in ("Wire reduction per worker", "Wire bytes/s", "Communication against compute",
                    "Step time p50 and p95", "Batch loss", "Controller decisions", "Checkpoint"):
         assert needed in titles, titles
 
