@@ -227,11 +227,11 @@ def _run_method(cluster: NetnsCluster, method: str, label: str, base: dict, powe
     tx_before = cluster.tx_bytes()
     started = time.time()
     log(f"running {label} ...")
+    dropper = _Dropper(cluster, progress, drop_to, drop_at_step, log) if drop_to is not None else None
     proc = cluster.run_in_head([cluster.python, "-m", "rayzip", "run", str(spec_file), "--summary-json", str(out),
                                 "--storage-path", str(cluster.tmp / "results"), "--progress-file", str(progress)],
                                capture_output=True, text=True, timeout=3600,
-                               on_poll=_dropper(cluster, progress, drop_to, drop_at_step, log)
-                               if drop_to is not None else None)
+                               on_poll=dropper.poll if dropper is not None else None)
     tx_after = cluster.tx_bytes()
     if proc.returncode != 0 or not out.exists():
         error = _last_error(proc.stdout + proc.stderr)
@@ -240,7 +240,7 @@ def _run_method(cluster: NetnsCluster, method: str, label: str, base: dict, powe
     summary = json.loads(out.read_text())
     row = _row(method, summary, tx_before, tx_after, time.time() - started, workers_per_node)
     if drop_to is not None:
-        row.update(_drop_phases(summary, getattr(proc, "dropped_at", None)))  # set only on runs that drop a node
+        row.update(_drop_phases(summary, dropper.dropped_at))
         log(f"  {label}: step {row['step_ms_before_drop']} ms before the drop, {row['step_ms_after_drop']} ms after")
     log(f"  {label}: {row['time_to_target_s']} s to target, final {row['metric']} {row['final_metric']:.4f}, "
         f"step {row['step_s'] * 1e3:.0f} ms" + (f"; controller {timeline_text(row['decisions'])}"
@@ -312,23 +312,26 @@ DROP_EVAL_EVERY = 10
 SETTLE_STEPS = 20  # after the drop, steps left out while queues drain and the controller reacts
 
 
-def _dropper(cluster, progress: Path, drop_to: str, drop_at_step: int, log: Callable[[str], None]):
-    """A poll callback for the running job: drops the links once it reaches the step."""
-    state: dict[str, Any] = {}
+class _Dropper:
+    """A poll callback for the running job: drops the links once it reaches the step, and
+    keeps the step it did (``dropped_at``)."""
 
-    def poll(proc) -> None:
-        if "step" in state:
+    def __init__(self, cluster, progress: Path, drop_to: str, drop_at_step: int, log: Callable[[str], None]):
+        self.cluster, self.progress, self.log = cluster, progress, log
+        self.drop_to, self.drop_at_step = drop_to, drop_at_step
+        self.dropped_at: int | None = None
+
+    def poll(self, proc) -> None:
+        if self.dropped_at is not None:
             return
         try:
-            step = json.loads(progress.read_text())["step"]
+            step = json.loads(self.progress.read_text())["step"]
         except (OSError, ValueError, KeyError):
             return
-        if step + 1 >= drop_at_step:
-            cluster.set_bandwidth(drop_to)
-            state["step"] = step + 1
-            proc.dropped_at = step + 1
-            log(f"  links dropped to {drop_to} at step {step + 1}")
-    return poll
+        if step + 1 >= self.drop_at_step:
+            self.cluster.set_bandwidth(self.drop_to)
+            self.dropped_at = step + 1
+            self.log(f"  links dropped to {self.drop_to} at step {step + 1}")
 
 
 def mean_step_s(history: list[dict], first: int, last: int) -> float | None:

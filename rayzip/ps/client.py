@@ -72,6 +72,11 @@ def set_flat_parameters(model: torch.nn.Module, flat: np.ndarray) -> None:
 class ParameterServerClient:
     """One worker's connection to the shards: codec, memory, its copy of each slice, counters."""
 
+    # Ranks whose error feedback a checkpoint re-shards on a resize: none. After a resize a
+    # worker reloads its own part only where it held the shards' step; else its residuals
+    # start afresh (the shards hold the state that must survive).
+    holders = None
+
     def __init__(self, shard_names: list[str], spec: JobSpec, rank: int, world: int, momentum: float | None = None):
         self.shards = [ray.get_actor(name) for name in shard_names]
         self.spec, self.rank, self.world = spec, rank, world

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,19 @@ class Parts:
     hook: dict | None
 
 
-def take_parts(rank: int, world: int, trainer: Callable[[], dict], state,
+class RankState(Protocol):
+    """What a loop's exchange keeps of each rank in a checkpoint: the engine's state
+    (:class:`rayzip.engine.GradientExchange`), local steps' or the parameter-server client's."""
+
+    @property
+    def holders(self) -> dict[int, tuple[int, int]] | None:
+        """The ranks whose error feedback a restart on another layout re-shards, each with (its
+        index, their count); None: nothing is re-sharded."""
+
+    def state_dict(self) -> dict: ...
+
+
+def take_parts(rank: int, world: int, trainer: Callable[[], dict], state: RankState | None,
                copy: Callable[[Any], Any] | None = None) -> Parts:
     """This rank's parts of a checkpoint, as they are now: ``trainer()`` on rank 0, with
     ``world_size``, the torch RNG and the hook's holders added, and the hook's state. With
@@ -57,9 +69,8 @@ def take_parts(rank: int, world: int, trainer: Callable[[], dict], state,
     content = None
     if rank == 0:
         content = {**trainer(), "world_size": world, "torch_rng": torch.get_rng_state()}
-        # The hook's holders: every rank, or each node's leader. getattr: the exchanges under a
-        # loop are not one type yet, and only some hold error feedback per rank.
-        holders = getattr(state, "holders", None)
+        # The hook's holders: every rank, or each node's leader (None: nothing to re-shard).
+        holders = state.holders if state is not None else None
         if holders is not None:
             content["hook_holders"] = {str(r): list(held) for r, held in holders.items()}
     hook = None if state is None else {"world_size": world, "hook": state.state_dict()}

@@ -304,6 +304,8 @@ class LocalStepsServerExchange(ParameterServerExchange):
 class _ServerLocalState:
     """The client's state and this rank's inner optimizer, as one checkpoint part."""
 
+    holders = None  # as the client's: nothing to re-shard
+
     def __init__(self, client: ParameterServerClient, optimizer: torch.optim.Optimizer):
         self.client, self.optimizer = client, optimizer
 

@@ -25,6 +25,7 @@ import time
 import ray
 import torch
 
+from ..engine import GradientExchange
 from ..metrics import WorkerMetrics
 from .records import StepRecord, Traffic, traffic_of
 
@@ -79,7 +80,8 @@ class Telemetry:
     job and rank labels), the controller's inputs, and its decisions' adoption."""
 
     def __init__(self, model: torch.nn.Module | None = None, run: str = "rayzip", job: str | None = None,
-                 controller=None, metrics: bool = True, rank: int | None = None, state=None):
+                 controller=None, metrics: bool = True, rank: int | None = None,
+                 state: GradientExchange | None = None):
         from .api import compression_state
 
         if rank is None:
@@ -96,9 +98,8 @@ class Telemetry:
         self.adoption = (Adoption.from_controller(controller, rank, self.state)
                          if controller is not None and self.state is not None else None)
         self._started: float | None = None
-        # The timed start-up sync (rayzip.train.probe). getattr: the exchanges under a loop are
-        # not one type yet (the hook's state, local steps', the ps client); only the hook's has one.
-        probe = getattr(self.state, "link_probe", None)
+        # The timed start-up sync (rayzip.train.probe), where the caller timed one.
+        probe = self.state.link_probe if self.state is not None else None
         if self.controller is not None and probe is not None:
             # Now, not with the first step: a handle's first call waits for the actor's
             # address, and the controller combines a step only once every rank's report is in.
@@ -112,7 +113,7 @@ class Telemetry:
         from step 0. So a fast link starts dense and a slow one at the compression the cost model
         picks, rather than at the spec's compression until a few steps are measured. Without a
         controller that decides before a step, it changes nothing."""
-        if self.controller is None or self.state is None or getattr(self.state, "link_probe", None) is None:
+        if self.controller is None or self.state is None or self.state.link_probe is None:
             return
         dry = self.state.dry_run()
         self._report(StepRecord(step=-1, loss=float("nan"), lr=0.0, step_s=compute_s + dry.comm_s,
