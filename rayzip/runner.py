@@ -217,24 +217,7 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
             checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.num_to_keep),
         ),
     )
-    outcome: dict[str, Any] = {}
-
-    def fit() -> None:
-        try:
-            outcome["result"] = trainer.fit()
-        except BaseException as exc:  # re-raised on the caller's thread
-            outcome["error"] = exc
-
-    started = time.time()
-    thread = threading.Thread(target=fit, name="rayzip-fit", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        thread.join(timeout=0.5)
-        if on_progress is not None:
-            latest = ray.get(progress.get.remote())
-            if latest:
-                on_progress(latest)
-    wall_s = time.time() - started
+    outcome, wall_s = _fit_watching(trainer, progress, on_progress)
     history = ray.get(progress.get_history.remote())
     failure = ray.get(progress.get_failure.remote())
     restarts = ray.get(progress.get_restarts.remote())
@@ -264,6 +247,29 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     # reported in both attempts, how many repeated it bit for bit (all, when a resume is exact)
     summary.update(restarts)
     return summary
+
+
+def _fit_watching(trainer: TorchTrainer, progress, on_progress: Callable[[dict], None] | None):
+    """``trainer.fit()`` on a thread of its own while this one hands ``on_progress`` the
+    latest metrics: ({"result": ...} or {"error": ...}, the fit's wall seconds)."""
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # re-raised on the caller's thread
+            outcome["error"] = exc
+
+    started = time.time()
+    thread = threading.Thread(target=fit, name="rayzip-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.5)
+        if on_progress is not None:
+            latest = ray.get(progress.get.remote())
+            if latest:
+                on_progress(latest)
+    return outcome, time.time() - started
 
 
 def adaptive_summary(decisions: list[dict]) -> dict:

@@ -190,7 +190,7 @@ def _after_step(spec: JobSpec, task: Task, exchange: Exchange, telemetry: Teleme
                 record: StepRecord, steps: int) -> bool:
     """Evaluate, report and checkpoint where due; whether every rank stops here."""
     training, step, totals, t = spec.training, record.step, run.totals, record.traffic
-    chain, progress, started = run.chain, run.progress, run.started
+    progress, started = run.progress, run.started
     rank, world = exchange.rank, exchange.world
     last = step == steps - 1
     evaluate = (step + 1) % training.eval_every == 0 or last
@@ -221,27 +221,8 @@ def _after_step(spec: JobSpec, task: Task, exchange: Exchange, telemetry: Teleme
         "elapsed_s": time.time() - started, "done": done, "pid": os.getpid(), "skipped": record.skipped,
         "skipped_steps": totals.skipped_steps,
     }
-    every = spec.checkpoint.every_steps
     checkpoints = run.checkpoints
-    stalled = checkpoints.stall_s
-    ready = checkpoints.poll()  # a background write that every rank has completed
-    if (every and (step + 1) % every == 0) or done:
-        directory = Path(tempfile.mkdtemp(prefix="rayzip-ckpt-"))
-        parts: dict = {}
-
-        def take(copy) -> Parts:
-            taken, parts["index"] = step_parts(rank, world, step, lambda: exchange.weights(), exchange.state,
-                                               totals, {"data": task.data_state(step + 1), "metric": run.metric},
-                                               copy)
-            return taken
-
-        run.checkpoint_steps[directory] = step
-        ready += checkpoints.save(directory, take, lambda taken: write_taken(directory, taken, chain, parts["index"]))
-    if done:
-        ready += checkpoints.flush()  # the run ends with its last checkpoint reported
-    totals.checkpoint_stall_s += checkpoints.stall_s - stalled
-    for directory in ready:
-        run.uploading_step = run.checkpoint_steps.pop(directory)
+    ready = _checkpoint(spec, task, exchange, run, step, done)
     metrics.update({"checkpoint_stall_s": totals.checkpoint_stall_s, "resumed_from": run.resumed_from,
                     "checkpoint_reported_step": run.reported_step, "checkpoint_uploading_step": run.uploading_step,
                     "checkpoint_pending_step": run.checkpoint_steps.get(checkpoints.pending)})
@@ -273,6 +254,33 @@ def _after_step(spec: JobSpec, task: Task, exchange: Exchange, telemetry: Teleme
         run.taken()
     run.train_start += time.perf_counter() - paused
     return done
+
+
+def _checkpoint(spec: JobSpec, task: Task, exchange: Exchange, run: _Run, step: int, done: bool) -> list[Path]:
+    """Take a checkpoint where one is due (every ``checkpoint.every_steps``, and the last);
+    the checkpoint directories every rank has finished writing, to report now."""
+    every, checkpoints, totals = spec.checkpoint.every_steps, run.checkpoints, run.totals
+    stalled = checkpoints.stall_s
+    ready = checkpoints.poll()  # a background write that every rank has completed
+    if (every and (step + 1) % every == 0) or done:
+        directory = Path(tempfile.mkdtemp(prefix="rayzip-ckpt-"))
+        parts: dict = {}
+
+        def take(copy) -> Parts:
+            taken, parts["index"] = step_parts(exchange.rank, exchange.world, step, lambda: exchange.weights(),
+                                               exchange.state, totals,
+                                               {"data": task.data_state(step + 1), "metric": run.metric}, copy)
+            return taken
+
+        run.checkpoint_steps[directory] = step
+        ready += checkpoints.save(directory, take,
+                                  lambda taken: write_taken(directory, taken, run.chain, parts["index"]))
+    if done:
+        ready += checkpoints.flush()  # the run ends with its last checkpoint reported
+    totals.checkpoint_stall_s += checkpoints.stall_s - stalled
+    for directory in ready:
+        run.uploading_step = run.checkpoint_steps.pop(directory)
+    return ready
 
 
 class LoopContext:
