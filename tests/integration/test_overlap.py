@@ -12,7 +12,7 @@ import torch
 from gloo_world import run_world
 from rayzip.codecs.memory import relayout_state, segment_name
 from rayzip.torch import CompressionConfig, compress
-from rayzip.torch.hook import plan_segments
+from rayzip.engine import plan_segments
 
 # ~2.3 MB of gradient in segments of whole parameters from 0.25 MiB: 4 segments, cut otherwise
 # than DDP's 0.5 MB buckets (the first of which is capped at 1 MB).
