@@ -539,7 +539,7 @@ def render_table(report: dict):
                         + (f", {budget or report.get('steps')} steps each"
                            if budget or report.get("stop_at_target") is False else ", stopping at the target"))
     for col in ("method", "to target", "vs DDP", "of ideal", "final bpb" if lm else "final acc", "step ms (comm)",
-                "MB sent", "MB pulled", "MB off node", "MB on iface", "iface/counted", "compression"):
+                "MB sent", "MB pulled", "MB off node", "MB on iface", "iface/counted", "wire reduction"):
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     for r in report["methods"]:
         if "error" in r:
@@ -574,7 +574,7 @@ def markdown_table(report: dict) -> str:
     head = ["method", "time to target", "vs DDP", "of ideal", "steps to target",
             "final val bpb" if lm else "final acc", "final vs DDP", "step ms (comm)",
             "MB pushed / worker" if pulled else "MB sent / worker"] + (["MB pulled / worker"] if pulled else []) \
-        + (["MB on rank 0's eth0"] if iface else []) + ["compression"]
+        + (["MB on rank 0's eth0"] if iface else []) + ["wire reduction"]
     controlled = any(r.get("decisions") for r in rows)
     head += ["step vs best fixed", "controller"] if controlled else []
 
