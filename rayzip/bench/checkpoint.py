@@ -389,8 +389,7 @@ def run_checkpoint_bench(spec_path: Path | None = None, steps: int = 200, repeat
             # training does (back to back, a data set's later rounds found their buffers, caches
             # and threads warm from the round before). Within a data set the compressors take
             # turns in the order of _turns: in a fixed order rayzip always followed zstd-3 and
-            # ZipNN, and its two threads coded the MLP's weights 5% slower than its one thread
-            # (a throwaway script; in shuffled orders two threads were 15 to 20% faster).
+            # ZipNN, which made its two threads look slower than its one thread.
             started, rounds = time.perf_counter(), 0
             while rounds < repeat or (rounds < MOST_ROUNDS and time.perf_counter() - started < min_seconds):
                 for *_, runners in prepared:

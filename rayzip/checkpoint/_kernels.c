@@ -1341,7 +1341,7 @@ SIMD_CLONES static double dot_product(const double *restrict a, const double *re
  * picked rows, from a subspace iteration on their Gram matrix (at most 64 rows: a small one),
  * scaled to +-127 per column. In C because LAPACK's threads, on a machine whose cores the
  * checkpoint's own threads already use, made two-thread encodes twice as slow as one. */
-#define DIRECTION_ROUNDS 12  /* rounds of subspace iteration: 8 to 40 stored the GPT's first moment within 0.005% */
+#define DIRECTION_ROUNDS 12  /* rounds of subspace iteration: more change the stored size by a hair */
 static PyObject *py_sign_directions(PyObject *self, PyObject *args) {
     Py_buffer words, picked, out;
     Py_ssize_t rows, cols;

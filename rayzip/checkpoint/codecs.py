@@ -37,7 +37,7 @@ from .transforms import (byte_planes, column_model, exponent_residual, exponent_
 __all__ = ["CODECS", "Factored", "Scaled", "StreamCodec", "choose", "choose_delta", "pack_stream", "stream_plan",
            "stream_stats", "unpack_stream"]
 
-ZSTD_LEVEL = 1  # higher levels gain < 2% on float planes at several times the time
+ZSTD_LEVEL = 1  # higher levels gain little on float planes, for several times the time
 SAMPLE = 1 << 14  # elements tried per candidate when choosing
 
 
@@ -348,7 +348,7 @@ class Factored(StreamCodec):
         or None where there is no matrix to model."""
         if shape is None or len(shape) < 2:
             return None
-        rows, cols = math.prod(int(d) for d in shape[:-1]), int(shape[-1])  # np.prod costs 5 us
+        rows, cols = math.prod(int(d) for d in shape[:-1]), int(shape[-1])  # math.prod: np.prod is slow on a short tuple
         return (rows, cols) if rows >= 2 and cols >= 2 else None
 
     def encode(self, words, base, xp, shape=None, threads=1):
@@ -389,17 +389,15 @@ class Scaled(StreamCodec):
     column_streams = 1
     host_only = True
 
-    # A matrix codes about a third slower than with planes: a saving below 0.5% (the GPT
-    # workload's weights gain 0.2 to 0.4%) does not pay for that.
+    # A matrix codes markedly slower than with planes: a small saving does not pay for that
+    # (ADR 0003, docs/adr/0003-sign-rank.md).
     margin = 0.005
 
     def __init__(self, sign_rank: int = 1):
         self.sign_rank = sign_rank
-        # A sign model of rank 4 transforms a matrix about 70% slower than rank 1 on one thread
-        # (the MLP workload's 2048 x 2048 first moment: 7.9 against 4.6 ms), so a higher rank
-        # must store the sample 0.8% smaller than the codec tried before it (rank 1). On their
-        # samples, the GPT workload's first moments gained 1.2 to 2.2% (whole matrices, 1.1
-        # to 2.2%), the MLP's largest 0.5% (the whole matrix, 0.13%).
+        # A higher sign rank transforms a matrix markedly slower than rank 1, so it must store
+        # the sample clearly smaller than the codec tried before it (rank 1): it pays on
+        # optimizer state, not on weights (ADR 0003, docs/adr/0003-sign-rank.md).
         self.extra_margin = 0.008 if sign_rank > 1 else 0.0
 
     @staticmethod
@@ -487,10 +485,9 @@ CODECS = {"raw": Raw, "planes": Planes, "prefix": Prefix, "factored": Factored, 
 # and the mantissa's top 2, and the low byte the sign, the exponent's top 2 bits (the same
 # in nearly every weight) and 5 low mantissa bits, both Huffman-coded. Within a binade near
 # a layer's scale a trained weight's density falls (a bell, not a box), so the top mantissa
-# bits are skewed given the exponent. On the GPT workload's weights that stores 0.33% less
-# than the rotation by 1 (0.8% in bf16), every layer smaller, but coding a second plane with
-# Huffman codes slows weights down by a quarter to a half (the README's checkpoint benchmark):
-# smaller, not the default.
+# bits are skewed given the exponent. That stores weights a little smaller than the rotation
+# by 1, but coding a second plane with Huffman codes slows them down: smaller, not the
+# default (ADR 0002, docs/adr/0002-rotation-by-three.md).
 WEIGHT_ROTATE = int(os.environ.get("RAYZIP_CHECKPOINT_WEIGHT_ROTATE", "1"))
 if WEIGHT_ROTATE not in (1, 3):
     raise ValueError(f"RAYZIP_CHECKPOINT_WEIGHT_ROTATE must be 1 (faster) or 3 (smaller), not {WEIGHT_ROTATE}")

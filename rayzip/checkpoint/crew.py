@@ -158,7 +158,7 @@ class _Helpers:
             # Dropped now, not when the next call comes: while this thread sleeps, the call's
             # arguments (a load's whole input, say) and its future's result would stay alive,
             # and be freed at the start of the next checkpoint, on this thread, holding the GIL
-            # while the caller waits for it (a 42 MB buffer's munmap: 3 to 8 ms).
+            # while the caller waits for it (unmapping a large buffer takes milliseconds).
             del call
 
     def _run(self, owner: Crew, future: Future, fn, args) -> None:

@@ -55,7 +55,7 @@ VERSION = 6  # 3: packs of small tensors; 4: Huffman streams of 2 MB or more cod
 READABLE_VERSIONS = (2, 3, 4, 5, 6)
 MANIFEST = "manifest.json.zst"
 PLAIN_MANIFEST = "manifest.json"  # versions 2 to 4
-MANIFEST_LEVEL = 9  # 6.6x smaller than the JSON on the GPT's 156 tensors, in 0.8 ms
+MANIFEST_LEVEL = 9  # the manifest is small: a high level costs little and stores it several times smaller
 MANIFEST_MOST_BYTES = 1 << 30  # a manifest that inflates beyond this is refused, not parsed
 DATA = "tensors.bin"
 
@@ -258,8 +258,8 @@ def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any
     # which then skip the trial encodings. Tensors too small to sample take the default
     # codec anyway. The family's first tensor in the order of submission (the largest)
     # decides, whichever thread gets there first: the bytes then do not depend on the
-    # threads. (When the first thread to arrive decided, two threads sometimes stored the GPT
-    # workload's whole checkpoint 0.6% larger than one.) Its call was queued before any
+    # threads (when the first thread to arrive decided, two threads sometimes stored a
+    # checkpoint larger than one). Its call was queued before any
     # other member's, so the others wait only for a call already running.
     family_of: dict[str, tuple | None] = {}  # filled below, before any task runs
     decided: dict[tuple, Future] = {}  # per family, the choice

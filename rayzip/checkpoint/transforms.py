@@ -97,7 +97,7 @@ def byte_planes(words, xp, base=None, rotate: int = 0, threads: int = 1):
         words = rotate_left(words, rotate)
     as_bytes = words.view(xp.uint8).reshape(-1, width)
     planes = xp.empty((width, words.size), dtype=xp.uint8)
-    for j in range(width):  # one strided column at a time: 4x faster than a transpose copy
+    for j in range(width):  # one strided column at a time: faster than a transpose copy
         planes[j] = as_bytes[:, j]
     return planes
 
@@ -215,8 +215,8 @@ SIGN_SAMPLE_ROWS = 64  # rows whose signs fix the column pattern (the C kernel t
 SCALED_MAX = 1 << 22  # rows and columns at most: the C kernel's sums are 32-bit
 SIGN_ROUNDS = 3
 SIGN_RANK_MAX = 8  # the C kernel's
-DIRECTION_ROWS = 32  # rows whose right singular vectors are the columns' factors (64 stored the
-# GPT's first moment 10 KB, 0.04%, smaller, and cost 4 times the Gram matrix)
+DIRECTION_ROWS = 32  # rows whose right singular vectors are the columns' factors (more gain
+# little, and the Gram matrix costs the square of the rows)
 
 
 def column_signs(words, rows: int, cols: int) -> np.ndarray:
