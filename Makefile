@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 SPEC ?= jobs/digits-group-topk.yaml
 
-.PHONY: setup system-deps run test test-unit bench clean
+.PHONY: setup system-deps run test test-unit docs bench clean
 
 setup: $(VENV)/.installed
 
@@ -32,6 +32,10 @@ test: system-deps setup
 # Pure functions and codecs only: the lane for daily work.
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
+
+# The documentation site, into out/site (strict: a warning or a broken link fails).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
 bench: setup
 	$(BIN)/rayzip bench codecs --json out/bench-codecs.json

@@ -38,9 +38,15 @@ class CompressionConfig:
     Args:
         codec: one of :data:`rayzip.codecs.CODECS` but ``coo``.
         density: the kept fraction of a sparsifier (topk, randomk, group_topk).
-        group_size, value_dtype, packed_indices, block, bits, keep, levels, bucket_size, seed:
-            the codec's own parameters (see its module); unset ones take its defaults, and one
-            the codec does not take is refused.
+        group_size: group top-k's group (see :mod:`rayzip.codecs.group_topk`).
+        value_dtype: the sparsifiers' value type on the wire (fp32, fp16, int8).
+        packed_indices: group top-k's offsets bit-packed.
+        block: the DCT's block side.
+        bits: the DCT's code width.
+        keep: the DCT's kept fraction of frequencies.
+        levels: QSGD's levels.
+        bucket_size: QSGD's bucket.
+        seed: random-k's and QSGD's seed.
         error_feedback: keep what the codec left out and add it to the next step's gradient.
         momentum_correction: keep SGD momentum on each worker, before compression (DGC).
         adam_correction: keep Adam's moments on each worker and send its direction.
@@ -51,6 +57,8 @@ class CompressionConfig:
         segment_mb: the segments' size (MiB of fp32, whole parameters).
         warmup_steps: the first steps go uncompressed.
         verify: self-check every step against the mean of every worker's decoded payload.
+
+    Unset codec parameters take the codec's defaults; one the codec does not take is refused.
 
     Example::
 

@@ -68,16 +68,18 @@ class GradientExchange(Knobs):
         names: the parameters' names, for messages (default ``parameter i``).
         process_group: the ranks to average over (default: the world).
         device: where residuals, payloads and the mean live.
-        momentum, adam_betas: for ``config.momentum_correction`` / ``config.adam_correction``.
+        momentum: SGD's momentum, for ``config.momentum_correction``.
+        adam_betas: Adam's betas, for ``config.adam_correction``.
         on_nonfinite: ``"raise"`` or ``"skip"`` (see the module docstring).
         grad_scaler: AMP's ``GradScaler``, whose scale the residuals then follow.
         emulation: a slower link than the real one for every send (:mod:`rayzip.comm.emulation`).
         node_key: what names this process's node for ``config.hierarchy``.
     """
 
-    def __init__(self, config: CompressionConfig, sizes: list[int], names: list[str] | None = None, process_group=None,
-                 device: torch.device | str = "cpu", momentum: float | None = None,
-                 adam_betas: tuple[float, float] | None = None, on_nonfinite: str = "raise", grad_scaler=None,
+    def __init__(self, config: CompressionConfig, sizes: list[int], names: list[str] | None = None,
+                 process_group: torch.distributed.ProcessGroup | None = None, device: torch.device | str = "cpu",
+                 momentum: float | None = None, adam_betas: tuple[float, float] | None = None,
+                 on_nonfinite: str = "raise", grad_scaler: torch.amp.GradScaler | None = None,
                  emulation: Emulation | None = None, node_key: str | None = None):
         super().__init__()
         if on_nonfinite not in NONFINITE_POLICIES:

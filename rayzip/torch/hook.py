@@ -288,8 +288,8 @@ def ddp_kwargs(config: CompressionConfig) -> dict:
 
 
 def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, config: CompressionConfig,
-             process_group=None, momentum: float | None = None, on_nonfinite: str = "raise",
-             grad_scaler=None, adam_betas: tuple[float, float] | None = None,
+             process_group: dist.ProcessGroup | None = None, momentum: float | None = None,
+             on_nonfinite: str = "raise", grad_scaler: torch.amp.GradScaler | None = None, adam_betas: tuple[float, float] | None = None,
              emulation: Emulation | None = None, node_key: str | None = None) -> GradientExchange:
     """Register rayzip's compressed comm hook on ``ddp_model``; returns its engine, whose
     knobs (``set_density``, ``propose``...) and counters (``last_step``, ``totals``) the
