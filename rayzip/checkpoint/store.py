@@ -132,17 +132,30 @@ def _dtype_name(x: Any) -> str:
 def save(directory: str | os.PathLike, state: Any, base: str | os.PathLike | None = None,
          optimizer_state: Callable[[str], bool] | None = None, delta: Callable[[str], bool] | None = None,
          absolute_base: bool = False, threads: int | None = None, allow_pickle: bool = False) -> dict:
-    """Write ``state`` to ``directory``; returns the manifest.
+    """Write ``state`` to ``directory``, losslessly compressed.
 
-    With ``base`` (a checkpoint directory), tensors present there with the same dtype and
-    shape, and for which ``delta(name)`` holds (default: all), are stored as XOR deltas
-    against it. The base is recorded by path relative to ``directory``, or absolute with
-    ``absolute_base`` (for a checkpoint that will be moved, as Ray moves reported ones).
-    ``optimizer_state(name)`` marks tensors whose codec choice should try the prefix mapping
-    first (default: names under ``optimizer``). Names are paths in the nest: ``/model/fc.weight``.
-    ``threads`` code streams in parallel (default: the usable cores, at most 8).
-    ``allow_pickle`` lets leaves that are not tensors, numbers, strings or bytes be pickled;
-    without it they raise :class:`CheckpointError` naming their path.
+    Names are paths in the nest: ``/model/fc.weight``.
+
+    Args:
+        directory: created if missing; a checkpoint there is replaced.
+        state: a nest of dicts, lists and tuples of tensors, numbers, strings and bytes.
+        base: a checkpoint directory: tensors present there with the same dtype and shape, and
+            for which ``delta(name)`` holds, are stored as XOR deltas against it.
+        optimizer_state: marks tensors whose codec choice tries the prefix mapping first
+            (default: names under ``optimizer``).
+        delta: which tensors may be stored against ``base`` (default: all).
+        absolute_base: record the base by absolute path, not relative to ``directory`` (for a
+            checkpoint that will be moved, as Ray moves reported ones).
+        threads: code streams in parallel (default: the usable cores, at most 8).
+        allow_pickle: let other leaves be pickled; without it they raise
+            :class:`CheckpointError` naming their path.
+
+    Returns:
+        The manifest.
+
+    Example::
+
+        checkpoint.save("ckpt-110", state, base="ckpt-100")
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -775,15 +788,40 @@ def _itemsize(dtype: str) -> int:
 
 
 def load(directory: str | os.PathLike, threads: int | None = None, allow_pickle: bool = False) -> Any:
-    """The state saved in ``directory``, with torch tensors on the CPU. Tensors are restored
-    on ``threads`` threads (default: the usable cores, at most 8). A pickled entry raises
-    :class:`CheckpointError` unless ``allow_pickle`` (unpickling runs code from the file)."""
+    """The state saved in ``directory``, bit for bit, with torch tensors on the CPU.
+
+    Args:
+        directory: a checkpoint directory (its base, if any, is read too).
+        threads: restore tensors on this many threads (default: the usable cores, at most 8).
+        allow_pickle: without it a pickled entry raises :class:`CheckpointError`
+            (unpickling runs code from the file).
+
+    Returns:
+        The nest that :func:`save` was given.
+
+    Raises:
+        CheckpointError: a file or tensor is damaged or missing; the message names both.
+
+    Example::
+
+        state = checkpoint.load("ckpt-110")
+    """
     manifest, tensors, objects = _load_tensors(Path(directory), threads=threads)
     return _unflatten(manifest["tree"], tensors, objects, Path(directory) / MANIFEST, allow_pickle)
 
 
 def verify(directory: str | os.PathLike) -> dict:
-    """Restore every tensor (and the base chain) and check every checksum; returns a summary."""
+    """Restore every tensor (and the base chain) and check every checksum.
+
+    Args:
+        directory: a checkpoint directory.
+
+    Returns:
+        ``{"tensors": n, "objects": n, "base": path or None}``.
+
+    Raises:
+        CheckpointError: naming the file and the tensor that failed.
+    """
     manifest, tensors, objects = _load_tensors(Path(directory))
     return {"tensors": len(tensors), "objects": len(objects), "base": (manifest.get("base") or {}).get("path")}
 

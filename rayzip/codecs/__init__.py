@@ -54,7 +54,23 @@ def codec_parameters(name: str) -> dict[str, object]:
 
 
 def get_codec(name: str, **params) -> Codec:
-    """A codec by name. Unknown names or parameters raise :class:`CodecError` naming them."""
+    """A codec by name.
+
+    Args:
+        name: one of :data:`CODECS` (``none``, ``fp16``, ``bf16``, ``topk``, ``randomk``,
+            ``group_topk``, ``qsgd``, ``dct_quant``).
+        **params: the codec's parameters (``density``, ``group_size``, ``bits``...).
+
+    Returns:
+        The codec.
+
+    Raises:
+        CodecError: an unknown name or parameter, naming it.
+
+    Example::
+
+        codec = get_codec("group_topk", density=0.01)
+    """
     cls = _lookup(name)
     allowed = codec_parameters(name)
     unknown = sorted(set(params) - set(allowed))

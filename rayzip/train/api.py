@@ -58,15 +58,29 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | Compr
                   on_nonfinite: str = "raise", grad_scaler=None,
                   **prepare_kwargs: Any) -> torch.nn.Module:
     """``ray.train.torch.prepare_model(model, **prepare_kwargs)`` with rayzip's compressed comm
-    hook on the DDP model it returns.
+    hook on the DDP model it returns. At world size 1 there is no DDP, nothing to exchange,
+    and :func:`compression_state` is None.
 
-    ``momentum``: the SGD momentum, when ``compression.momentum_correction`` (build the
-    optimizer with momentum 0 where :func:`compression_state` is not None, with this momentum
-    where it is). ``adam_betas``: Adam's betas, when ``compression.adam_correction`` (then build
-    the optimizer as ``torch.optim.SGD(params, lr, momentum=0, weight_decay=wd)`` where
-    :func:`compression_state` is not None, as AdamW where it is). ``on_nonfinite`` and
-    ``grad_scaler`` as for :func:`rayzip.torch.compress`. ``compression``: the library's config,
-    or a job spec's compression section (converted with its ``to_config``).
+    Args:
+        model: your model, inside a Ray Train worker.
+        compression: the library's config, or a job spec's compression section (converted
+            with its ``to_config``); None: plain DDP.
+        momentum: the SGD momentum, with ``compression.momentum_correction``: build the
+            optimizer with momentum 0 where :func:`compression_state` is not None, with this
+            momentum where it is.
+        adam_betas: Adam's betas, with ``compression.adam_correction``: build the optimizer as
+            ``torch.optim.SGD(params, lr, momentum=0, weight_decay=wd)`` where
+            :func:`compression_state` is not None, as AdamW where it is.
+        on_nonfinite: ``"raise"`` or ``"skip"``, as for :func:`rayzip.torch.compress`.
+        grad_scaler: AMP's ``GradScaler``, as for :func:`rayzip.torch.compress`.
+        **prepare_kwargs: passed to ``ray.train.torch.prepare_model``.
+
+    Returns:
+        The prepared model (DDP where the world has more than one rank).
+
+    Example::
+
+        model = rayzip.train.prepare_model(model, compression=CompressionConfig(codec="group_topk", density=0.01))
     """
     if isinstance(compression, CompressionSpec):
         if compression.collective == "ps":
@@ -87,8 +101,16 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | Compr
 
 
 def compression_state(model: torch.nn.Module) -> GradientExchange | None:
-    """The hook's state (``last_step``, ``set_density``, ``propose``...), or None at world size 1
-    or for a model that :func:`prepare_model` did not prepare."""
+    """The engine behind a prepared model's hook.
+
+    Args:
+        model: a model that :func:`prepare_model` returned.
+
+    Returns:
+        Its :class:`~rayzip.engine.GradientExchange` (``last_step``, ``set_density``,
+        ``propose``...), or None at world size 1 or for a model that :func:`prepare_model`
+        did not prepare.
+    """
     return getattr(model, _ATTRIBUTE, None)
 
 
@@ -137,7 +159,22 @@ def report(metrics: dict, model: torch.nn.Module | None = None, optimizer: torch
     goes on; only the snapshot (a memory copy) delays it. The checkpoint is reported to Ray
     Train at your next ``report`` (or :func:`flush`), which first waits for the write if it
     is still running: a worker lost before then resumes from the checkpoint before, never
-    from a half-written one. Call :func:`flush` after the last background report."""
+    from a half-written one. Call :func:`flush` after the last background report. Every rank
+    calls it at the same point.
+
+    Args:
+        metrics: what ``ray.train.report`` reports.
+        model: with it, a checkpoint of the model, the optimizer, ``extra`` and the
+            compression state goes with the report.
+        optimizer: saved with the model.
+        extra: numbers, strings, tensors and containers to save (your epoch, your data's
+            position), which :func:`restore` returns.
+        background: write the checkpoint on a thread while training goes on.
+
+    Example::
+
+        rayzip.train.report({"loss": loss}, model=model, optimizer=optimizer, extra={"epoch": epoch})
+    """
     global _PENDING_METRICS
     group = _group()
     ready = group.flush()
@@ -173,9 +210,22 @@ def _report(metrics: dict, ready: list[Path]) -> None:
 
 def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
             checkpoint: ray.train.Checkpoint | None = None) -> dict:
-    """Load the latest checkpoint (``ray.train.get_checkpoint()`` unless given) into ``model``,
-    ``optimizer`` and the compression state; returns the ``extra`` saved with it, or {} when
-    there is none. Every rank calls it."""
+    """Load the latest checkpoint into ``model``, ``optimizer`` and the compression state,
+    re-sharding error feedback when the world size changed. Every rank calls it.
+
+    Args:
+        model: the prepared model.
+        optimizer: restored where the checkpoint has one.
+        checkpoint: default ``ray.train.get_checkpoint()``.
+
+    Returns:
+        The ``extra`` saved with the checkpoint, or {} when there is none.
+
+    Example::
+
+        saved = rayzip.train.restore(model, optimizer)
+        start_epoch = saved.get("epoch", -1) + 1
+    """
     checkpoint = checkpoint if checkpoint is not None else ray.train.get_checkpoint()
     if checkpoint is None:
         return {}
