@@ -13,6 +13,7 @@ Usage::
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 from .base import Codec, CodecError, Field, NonFiniteError, Payload, WireOverflowError
 from .cast import BFloat16, Float16, NoCompression
@@ -53,7 +54,7 @@ def codec_parameters(name: str) -> dict[str, object]:
             if p.name != "self"}
 
 
-def get_codec(name: str, **params) -> Codec:
+def get_codec(name: str, **params: Any) -> Codec:
     """A codec by name.
 
     Args:

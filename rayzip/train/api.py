@@ -55,7 +55,7 @@ _ATTRIBUTE = "_rayzip_compression_state"
 
 def prepare_model(model: torch.nn.Module, compression: CompressionConfig | CompressionSpec | None = None, *,
                   momentum: float | None = None, adam_betas: tuple[float, float] | None = None,
-                  on_nonfinite: str = "raise", grad_scaler=None,
+                  on_nonfinite: str = "raise", grad_scaler: torch.amp.GradScaler | None = None,
                   **prepare_kwargs: Any) -> torch.nn.Module:
     """``ray.train.torch.prepare_model(model, **prepare_kwargs)`` with rayzip's compressed comm
     hook on the DDP model it returns. At world size 1 there is no DDP, nothing to exchange,
