@@ -47,12 +47,45 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"rayzip tests: {_clock(time.perf_counter() - _STARTED)} (min:s) in all; by lane: {spent}")
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    """One real local Ray per test module (2 CPUs). Workers import helper modules in tests/
-    (poisoned_data, user_loops) by name, through PYTHONPATH."""
-    import ray
+class _SharedRay:
+    """A real local Ray (2 CPUs) kept from one test to the next while they all want one:
+    starting it costs seconds each module would pay again. A test that does not ask for it
+    (its own cluster, a benchmark's, no Ray at all) gets a machine without it, since an idle
+    Ray's daemons take CPU from what that test times. Workers import helper modules in tests/
+    (poisoned_data, user_loops, links) by name, through PYTHONPATH; metrics are reported every
+    second, for the adaptive tests that read them through Prometheus."""
 
-    ray.init(address="local", num_cpus=2, runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}})
-    yield
-    ray.shutdown()
+    up = False
+
+    def start(self) -> None:
+        import ray
+
+        if not self.up:
+            ray.init(address="local", num_cpus=2, _system_config={"metrics_report_interval_ms": 1000},
+                     runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}})
+            self.up = True
+
+    def stop(self) -> None:
+        import ray
+
+        if self.up:
+            ray.shutdown()
+            self.up = False
+
+
+_RAY = _SharedRay()
+
+
+def pytest_runtest_setup(item):
+    if "local_ray" not in item.fixturenames:
+        _RAY.stop()
+
+
+def pytest_sessionfinish(session):
+    _RAY.stop()
+
+
+@pytest.fixture
+def local_ray():
+    """The shared local Ray (see :class:`_SharedRay`)."""
+    _RAY.start()

@@ -23,7 +23,7 @@ from rayzip.train.faults import Faults
 
 from links import FileLink
 from own_processes import free_port
-from paths import ROOT, TESTS
+from paths import ROOT
 
 PROMETHEUS = shutil.which("prometheus")
 
@@ -53,14 +53,12 @@ def evaluate_dashboard(url: str, job: str) -> dict[str, list]:
     return out
 
 
-@pytest.fixture(scope="module")
-def ray_with_fast_metrics(tmp_path_factory):
-    link = tmp_path_factory.mktemp("link") / "rate"
+@pytest.fixture
+def ray_with_fast_metrics(local_ray, tmp_path):
+    """The shared Ray (it reports metrics every second) and the file the emulated link reads."""
+    link = tmp_path / "rate"
     link.write_text("0")
-    ray.init(address="local", num_cpus=2, _system_config={"metrics_report_interval_ms": 1000},
-             runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}})  # the workers import links
-    yield link
-    ray.shutdown()
+    return link
 
 
 @pytest.fixture
