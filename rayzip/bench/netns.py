@@ -233,7 +233,7 @@ class NetnsCluster:
     def run_in_head(self, cmd: list[str], on_poll=None, timeout: float | None = None,
                     **kwargs) -> subprocess.CompletedProcess:
         """Run ``cmd`` in the head's namespace; ``on_poll(proc)`` is called every 0.5 s while
-        it runs (to change the links mid-run), and may set attributes on the result."""
+        it runs (to change the links mid-run)."""
         kwargs.setdefault("env", self.env(RAY_ADDRESS=self.address))
         full = ["ip", "netns", "exec", self.head_ns, *cmd]
         if on_poll is None:
