@@ -202,172 +202,182 @@ def encode(state: Any, base: str | os.PathLike | None = None,
 
 def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any],
             relative_to: Path | None, threads: int | None, allow_pickle: bool = False) -> dict:
-    tensors: dict[str, Any] = {}
-    objects: dict[str, bytes] = {}
-    tree = _flatten(state, "", tensors, objects, allow_pickle)
-    is_optimizer = optimizer_state or (lambda name: name.startswith("/optimizer"))
-    base_tensors, base_ref = ({}, None)
-    wants_delta = delta or (lambda name: True)
-    if base is not None:
-        where = Path(base).resolve()
-        checksum = read_manifest(where)["checksum"]
-        base_tensors = _base_words(where, checksum, {n for n in tensors if wants_delta(n)})
-        base_ref = {"path": str(where) if relative_to is None else os.path.relpath(where, relative_to),
-                    "checksum": checksum}
-    entries = {}
-    packs: list[dict | None] = []
-    offset = 0
-    workers = threads_for(threads)
+    return _Encoder(state, base, optimizer_state, delta, write, relative_to, threads, allow_pickle).run()
 
-    def put(blob, nbytes: int, coding: str, digest: str) -> dict:
-        nonlocal offset
-        write(blob)
-        stream = {"offset": offset, "stored": len(blob), "nbytes": nbytes, "coding": coding, "xxh3": digest}
-        offset += len(blob)
+
+class _Encoder:
+    """One checkpoint's encoding: each tensor's codec choice and transform, and then each of its
+    streams, are tasks for the crew of threads (the kernels, zstd and xxhash release the GIL);
+    this thread writes the results, in order, and runs queued tasks while it waits for one.
+    With as many busy threads as cores, a transform does not preempt the coding of the streams
+    before it. A window bounds how many tensors are in flight. Small tensors are packed (see
+    :meth:`prepare_pack`); one alone of its kind is coded in a batch with others of that size,
+    one task per batch."""
+
+    def __init__(self, state: Any, base, optimizer_state, delta, write: Callable[[Any], Any],
+                 relative_to: Path | None, threads: int | None, allow_pickle: bool):
+        self.tensors: dict[str, Any] = {}
+        self.objects: dict[str, bytes] = {}
+        self.tree = _flatten(state, "", self.tensors, self.objects, allow_pickle)
+        self.is_optimizer = optimizer_state or (lambda name: name.startswith("/optimizer"))
+        self.wants_delta = delta or (lambda name: True)
+        self.base_tensors, self.base_ref = {}, None
+        if base is not None:
+            where = Path(base).resolve()
+            checksum = read_manifest(where)["checksum"]
+            self.base_tensors = _base_words(where, checksum, {n for n in self.tensors if self.wants_delta(n)})
+            self.base_ref = {"path": str(where) if relative_to is None else os.path.relpath(where, relative_to),
+                             "checksum": checksum}
+        self.write, self.threads, self.workers = write, threads, threads_for(threads)
+        self.entries: dict[str, dict] = {}
+        self.packs: list[dict | None] = []
+        self.members: dict[str, dict] = {}
+        self.pending: deque = deque()
+        self.offset = 0
+        # A model's layers repeat: the codec chosen for the largest tensor of a family (same
+        # dtype, delta or not, weights or optimizer state, matrix or not, and the last part of
+        # the name: "weight" of "/model/blocks.0.mlp.weight", "exp_avg_sq") serves the others,
+        # which then skip the trial encodings. Tensors too small to sample take the default
+        # codec anyway. The family's first tensor in the order of submission (the largest)
+        # decides, whichever thread gets there first: the bytes then do not depend on the
+        # threads (when the first thread to arrive decided, two threads sometimes stored a
+        # checkpoint larger than one). Its call was queued before any other member's, so the
+        # others wait only for a call already running.
+        self.family_of: dict[str, tuple | None] = {}  # filled by run(), before any task runs
+        self.decided: dict[tuple, Future] = {}  # per family, the choice
+        self.leaders: dict[tuple, str] = {}  # per family, the tensor that makes it
+
+    def put(self, blob, nbytes: int, coding: str, digest: str) -> dict:
+        self.write(blob)
+        stream = {"offset": self.offset, "stored": len(blob), "nbytes": nbytes, "coding": coding, "xxh3": digest}
+        self.offset += len(blob)
         return stream
 
-    # Each tensor's codec choice and transform, and then each of its streams, are tasks for
-    # the crew of threads (the kernels, zstd and xxhash release the GIL); this thread writes
-    # the results, in order, and runs queued tasks while it waits for one. With as many busy
-    # threads as cores, a transform does not preempt the coding of the streams before it. A
-    # window bounds how many tensors are in flight.
-    # Small tensors are packed (below); one alone of its kind is coded in a batch with others
-    # of that size, one task per batch.
-    def base_of(name: str) -> Any:
+    def base_of(self, name: str) -> Any:
         """The base's words for a tensor stored as a delta, else None."""
-        tensor, base_words = tensors[name], base_tensors.get(name)
+        tensor, base_words = self.tensors[name], self.base_tensors.get(name)
         if (base_words is not None and base_words[1] == _dtype_name(tensor)
-                and tuple(base_words[2]) == tuple(tensor.shape) and wants_delta(name)):
+                and tuple(base_words[2]) == tuple(tensor.shape) and self.wants_delta(name)):
             return base_words[0]
         return None
 
-    def prepare(name: str, submit: Callable[..., Pending]) -> tuple[dict, list[Pending], Pending]:
-        tensor = tensors[name]
+    def prepare(self, name: str, submit: Callable[..., Pending]) -> tuple[dict, list[Pending], Pending]:
+        tensor = self.tensors[name]
         words, xp = tensor_words(tensor)
         words_hash = submit(_hash, asnumpy(words))  # first: another thread checksums while this one codes
         dtype = _dtype_name(tensor)
-        base_words = base_of(name)
+        base_words = self.base_of(name)
         prior = xp.asarray(base_words) if base_words is not None else None
-        codec, against_base = choose_for_family(name, words, prior, dtype, xp, tuple(tensor.shape))
+        codec, against_base = self.choose_for_family(name, words, prior, dtype, xp, tuple(tensor.shape))
         prior = prior if against_base else None
-        is_delta = prior is not None
-        streams, params = codec.encode(words, prior, xp, shape=tuple(tensor.shape), threads=workers)
+        streams, params = codec.encode(words, prior, xp, shape=tuple(tensor.shape), threads=self.workers)
         entry = {"dtype": dtype, "shape": list(tensor.shape), "codec": codec.name, "params": params,
-                 "delta": is_delta}
-        return entry, pack_tasks(streams, submit), words_hash
+                 "delta": prior is not None}
+        return entry, self.pack_tasks(streams, submit), words_hash
 
-    def pack_tasks(streams: list, submit: Callable[..., Pending]) -> list[Pending]:
+    def pack_tasks(self, streams: list, submit: Callable[..., Pending]) -> list[Pending]:
         """Each stream's packing. The coded ones are submitted first, so that they start while
         this thread checksums the ones stored raw: done here, a checksum costs less than a
-        task's hand-off, which holds the GIL (two threads queued on it over the GPT's 450
-        streams)."""
+        task's hand-off, which holds the GIL."""
         plans = [stream_plan(stream) for stream in streams]
         raw = [plan is not None and plan[0] == "raw" for plan in plans]
-        return _coded_first(raw, lambda k: (completed if raw[k] else submit)(_pack, streams[k], workers, plans[k]))
+        return _coded_first(raw, lambda k: (completed if raw[k] else submit)(_pack, streams[k], self.workers,
+                                                                              plans[k]))
 
-    # A model's layers repeat: the codec chosen for the largest tensor of a family (same
-    # dtype, delta or not, weights or optimizer state, matrix or not, and the last part of
-    # the name: "weight" of "/model/blocks.0.mlp.weight", "exp_avg_sq") serves the others,
-    # which then skip the trial encodings. Tensors too small to sample take the default
-    # codec anyway. The family's first tensor in the order of submission (the largest)
-    # decides, whichever thread gets there first: the bytes then do not depend on the
-    # threads (when the first thread to arrive decided, two threads sometimes stored a
-    # checkpoint larger than one). Its call was queued before any
-    # other member's, so the others wait only for a call already running.
-    family_of: dict[str, tuple | None] = {}  # filled below, before any task runs
-    decided: dict[tuple, Future] = {}  # per family, the choice
-    leaders: dict[tuple, str] = {}  # per family, the tensor that makes it
-
-    def family(name: str) -> tuple | None:
+    def family(self, name: str) -> tuple | None:
         """The key of the family whose codec choice ``name`` takes; None if too small to sample."""
-        tensor, shape = tensors[name], tuple(tensors[name].shape)
+        tensor, shape = self.tensors[name], tuple(self.tensors[name].shape)
         if math.prod(shape) <= SAMPLE:
             return None
-        return (_dtype_name(tensor), base_of(name) is not None, bool(is_optimizer(name)),
+        return (_dtype_name(tensor), self.base_of(name) is not None, bool(self.is_optimizer(name)),
                 Factored.matrix(shape) is not None, _last_part(name), _on_host(tensor))  # host-only codecs
 
-    def choose_for_family(name: str, words, prior, dtype: str, xp, shape: tuple[int, ...]):
+    def choose_for_family(self, name: str, words, prior, dtype: str, xp, shape: tuple[int, ...]):
         """``(codec, whether to code against the base)``; False where there is none."""
-        key = family_of[name]
+        key = self.family_of[name]
         if key is None:
-            return choose_for(words, prior, dtype, xp, is_optimizer(name), shape)
-        if leaders[key] == name:
+            return choose_for(words, prior, dtype, xp, self.is_optimizer(name), shape)
+        if self.leaders[key] == name:
             try:
-                decided[key].set_result(choose_for(words, prior, dtype, xp, is_optimizer(name), shape))
+                self.decided[key].set_result(choose_for(words, prior, dtype, xp, self.is_optimizer(name), shape))
             except BaseException as exc:
-                decided[key].set_exception(exc)
-        return decided[key].result()
+                self.decided[key].set_exception(exc)
+        return self.decided[key].result()
 
-    def prepare_batch(names: list[str]) -> list[tuple[dict, list[Pending], Pending]]:
-        return [prepare(name, completed) for name in names]
+    def prepare_batch(self, names: list[str]) -> list[tuple[dict, list[Pending], Pending]]:
+        return [self.prepare(name, completed) for name in names]
 
-    # Small tensors of one kind (dtype, delta or not, weights or optimizer state) are coded
-    # together, as one pack of their words in manifest order: a model's hundreds of biases
-    # and norms then cost one codec choice, a few streams and their checksums, not that
-    # much each. Each member keeps its own entry, with its place in the pack and the
-    # checksum of its words.
-    def prepare_pack(index: int, names: list[str], submit: Callable[..., Pending]):
-        parts = [tensor_words(tensors[name])[0] for name in names]
-        dtype, words = _dtype_name(tensors[names[0]]), np.concatenate(parts)
-        priors = [base_of(name) for name in names]
+    def prepare_pack(self, index: int, names: list[str], submit: Callable[..., Pending]):
+        """Small tensors of one kind (dtype, delta or not, weights or optimizer state) coded
+        together, as one pack of their words in manifest order: a model's hundreds of biases and
+        norms then cost one codec choice, a few streams and their checksums, not that much
+        each. Each member keeps its own entry, with its place in the pack and the checksum of
+        its words."""
+        parts = [tensor_words(self.tensors[name])[0] for name in names]
+        dtype, words = _dtype_name(self.tensors[names[0]]), np.concatenate(parts)
+        priors = [self.base_of(name) for name in names]
         prior = np.concatenate([np.asarray(p) for p in priors]) if priors[0] is not None else None
-        codec, against_base = choose_for(words, prior, dtype, np, is_optimizer(names[0]))
+        codec, against_base = choose_for(words, prior, dtype, np, self.is_optimizer(names[0]))
         prior = prior if against_base else None
         streams, params = codec.encode(words, prior, np)
         start = 0
         for name, part in zip(names, parts):
-            members[name] = {"dtype": dtype, "shape": list(tensors[name].shape), "codec": "packed", "params": {},
-                             "delta": prior is not None, "pack": [index, start], "streams": [], "xxh3": _hash(part)}
+            self.members[name] = {"dtype": dtype, "shape": list(self.tensors[name].shape), "codec": "packed",
+                                  "params": {}, "delta": prior is not None, "pack": [index, start], "streams": [],
+                                  "xxh3": _hash(part)}
             start += part.size
         entry = {"dtype": dtype, "count": int(words.size), "codec": codec.name, "params": params,
                  "delta": prior is not None, "members": names}
-        return [(entry, pack_tasks(streams, submit), completed(_hash, words))]
+        return [(entry, self.pack_tasks(streams, submit), completed(_hash, words))]
 
-    members: dict[str, dict] = {}
-    pending: deque = deque()
-
-    def drain(keep: int) -> None:
-        while len(pending) > keep:
-            keep_entry, prepared = pending.popleft()
+    def drain(self, pool: Crew, keep: int) -> None:
+        """Write the results of all but ``keep`` tensors in flight, in order."""
+        while len(self.pending) > keep:
+            keep_entry, prepared = self.pending.popleft()
             for store_entry, (entry, futures, words_hash) in zip(keep_entry, pool.result(prepared)):
-                entry["streams"] = [put(*pool.result(future)) for future in futures]
+                entry["streams"] = [self.put(*pool.result(future)) for future in futures]
                 entry["xxh3"] = pool.result(words_hash)
                 store_entry(entry)
 
-    def into_entries(name: str) -> Callable[[dict], None]:
-        return lambda entry: entries.__setitem__(name, entry)
+    def into_entries(self, name: str) -> Callable[[dict], None]:
+        return lambda entry: self.entries.__setitem__(name, entry)
 
-    def into_packs(index: int) -> Callable[[dict], None]:
-        return lambda entry: packs.__setitem__(index, entry)
+    def into_packs(self, index: int) -> Callable[[dict], None]:
+        return lambda entry: self.packs.__setitem__(index, entry)
 
-    groups = _pack_groups(tensors, lambda name: (base_of(name) is not None, bool(is_optimizer(name))))
-    packed = {name for names in groups for name in names}
-    alone = {name: int(tensor.nbytes) for name, tensor in tensors.items() if name not in packed}
-    batches = _batches(alone)
-    for name in (name for names in batches for name in names):
-        family_of[name] = key = family(name)
-        if key is not None and key not in leaders:
-            leaders[key], decided[key] = name, Future()
-    # The packs, then the largest tensors first, so that the threads end on small ones together.
-    with Crew(threads) as pool:
-        for index, names in enumerate(groups):
-            packs.append(None)
-            pending.append(([into_packs(index)], pool.submit(prepare_pack, index, names, pool.submit)))
-            drain(keep=2 * pool.workers)
-        for names in batches:
-            if tensors[names[0]].nbytes >= SMALL_TENSOR_BYTES:  # alone in its batch
-                pending.append(([into_entries(names[0])],
-                                pool.submit(lambda name=names[0]: [prepare(name, pool.submit)])))
-            else:
-                pending.append(([into_entries(name) for name in names], pool.submit(prepare_batch, names)))
-            drain(keep=2 * pool.workers)
-        drain(keep=0)
-    entries.update(members)
-    entries = {name: entries[name] for name in tensors}  # the manifest lists them as the state does
-    for name, blob in objects.items():
-        entries[name] = {"pickle": True, "streams": [put(blob, len(blob), "raw", _hash(blob))]}
-    return {"format": FORMAT, "version": VERSION, "base": base_ref, "data": DATA, "data_bytes": offset,
-            "checksum": _whole(_stream_hashes(entries, packs)), "tree": tree, "tensors": entries, "packs": packs}
+    def run(self) -> dict:
+        """Code every tensor and object; the manifest."""
+        tensors = self.tensors
+        groups = _pack_groups(tensors, lambda name: (self.base_of(name) is not None, bool(self.is_optimizer(name))))
+        packed = {name for names in groups for name in names}
+        batches = _batches({name: int(tensor.nbytes) for name, tensor in tensors.items() if name not in packed})
+        for name in (name for names in batches for name in names):
+            self.family_of[name] = key = self.family(name)
+            if key is not None and key not in self.leaders:
+                self.leaders[key], self.decided[key] = name, Future()
+        # The packs, then the largest tensors first, so that the threads end on small ones together.
+        with Crew(self.threads) as pool:
+            for index, names in enumerate(groups):
+                self.packs.append(None)
+                self.pending.append(([self.into_packs(index)],
+                                     pool.submit(self.prepare_pack, index, names, pool.submit)))
+                self.drain(pool, keep=2 * pool.workers)
+            for names in batches:
+                if tensors[names[0]].nbytes >= SMALL_TENSOR_BYTES:  # alone in its batch
+                    self.pending.append(([self.into_entries(names[0])],
+                                         pool.submit(lambda name=names[0]: [self.prepare(name, pool.submit)])))
+                else:
+                    self.pending.append(([self.into_entries(name) for name in names],
+                                         pool.submit(self.prepare_batch, names)))
+                self.drain(pool, keep=2 * pool.workers)
+            self.drain(pool, keep=0)
+        entries = {**self.entries, **self.members}
+        entries = {name: entries[name] for name in tensors}  # the manifest lists them as the state does
+        for name, blob in self.objects.items():
+            entries[name] = {"pickle": True, "streams": [self.put(blob, len(blob), "raw", _hash(blob))]}
+        return {"format": FORMAT, "version": VERSION, "base": self.base_ref, "data": DATA, "data_bytes": self.offset,
+                "checksum": _whole(_stream_hashes(entries, self.packs)), "tree": self.tree, "tensors": entries,
+                "packs": self.packs}
 
 
 def choose_for(words, prior, dtype: str, xp, optimizer_state: bool, shape: tuple[int, ...] | None = None):
@@ -578,12 +588,37 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
         raise CheckpointError(f"{data_path}: {len(data)} bytes, the manifest records {manifest['data_bytes']} "
                               f"(truncated or appended); first tensor affected: "
                               f"{_first_beyond(manifest, len(data))}")
-    packs = manifest.get("packs") or []
-    workers = threads_for(threads)
-    needs_base = any(e.get("delta") for e in manifest["tensors"].values())
-    base = _load_tensors(base_dir, words_only=True, threads=threads) if base_dir is not None and needs_base else {}
+    decoder = _Decoder(manifest, data, data_path, base_dir, words_only, threads)
+    decoder.run(names)
+    if names is None and _whole(_stream_hashes(manifest["tensors"], decoder.packs)) != manifest["checksum"]:
+        raise CheckpointError(f"{data_path.parent / MANIFEST}: the stream checksums do not add up to its whole "
+                              f"checksum {manifest['checksum']} (the manifest was edited)")
+    if words_only:
+        return decoder.tensors
+    return manifest, decoder.tensors, decoder.objects
 
-    def named(name: str, fn: Callable, *args, what: str | None = None) -> Any:
+
+class _Decoder:
+    """One checkpoint's restoring. Large tensors are restored as a task per stream, then one
+    joining them, so that two threads share one large tensor; small ones in batches, a task
+    each. Hashing, Huffman decoding and the transforms release the GIL. No task waits for
+    another: this thread submits each join once its streams are in. With threads, the largest
+    tensors' streams are submitted first, coded before raw, as they take longest; with one,
+    every call runs as it is submitted, packs first. Results are taken in manifest order, so
+    the first bad tensor in that order is the one an error names."""
+
+    def __init__(self, manifest: dict, data: memoryview | _Pieces, data_path: Path, base_dir: Path | None,
+                 words_only: bool, threads: int | None):
+        self.manifest, self.data, self.data_path, self.base_dir = manifest, data, data_path, base_dir
+        self.words_only, self.threads, self.workers = words_only, threads, threads_for(threads)
+        self.packs = manifest.get("packs") or []
+        needs_base = any(e.get("delta") for e in manifest["tensors"].values())
+        self.base = (_load_tensors(base_dir, words_only=True, threads=threads)
+                     if base_dir is not None and needs_base else {})
+        self.tensors: dict[str, Any] = {}
+        self.objects: dict[str, bytes] = {}
+
+    def named(self, name: str, fn: Callable, *args, what: str | None = None) -> Any:
         """``fn(*args)``, any failure of a decoder on bad input raised as a CheckpointError
         naming the tensor (or ``what``: a pack's tensors)."""
         try:
@@ -591,45 +626,47 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
         except CheckpointError:
             raise
         except Exception as exc:  # a stream or manifest entry that its decoder cannot take
-            raise CheckpointError(f"{data_path}: {what or f'tensor {name!r}'}: cannot be restored "
+            raise CheckpointError(f"{self.data_path}: {what or f'tensor {name!r}'}: cannot be restored "
                                   f"({type(exc).__name__}: {exc})") from None
 
-    def unpack(name: str, entry: dict, s: dict, what: str | None = None) -> np.ndarray:
+    def unpack(self, name: str, entry: dict, s: dict, what: str | None = None) -> np.ndarray:
         """One stream's bytes, checked against its checksum and size."""
         what = what or f"tensor {name!r}"
-        blob = data[s["offset"]: s["offset"] + s["stored"]]
+        blob = self.data[s["offset"]: s["offset"] + s["stored"]]
         if _hash(blob) != s["xxh3"]:
-            raise CheckpointError(f"{data_path}: {what}: stored bytes fail their checksum (corrupt)")
+            raise CheckpointError(f"{self.data_path}: {what}: stored bytes fail their checksum (corrupt)")
         try:
-            stream = unpack_stream(blob, s["coding"], s["nbytes"], workers)
+            stream = unpack_stream(blob, s["coding"], s["nbytes"], self.workers)
         except Exception as exc:
-            raise CheckpointError(f"{data_path}: {what}: cannot decompress ({exc})") from None
+            raise CheckpointError(f"{self.data_path}: {what}: cannot decompress ({exc})") from None
         if not entry.get("pickle") and s["nbytes"] > _most_stream_bytes(entry):
-            raise CheckpointError(f"{data_path}: {what}: a stream of {s['nbytes']} bytes is "
+            raise CheckpointError(f"{self.data_path}: {what}: a stream of {s['nbytes']} bytes is "
                                   "larger than the tensor could need")
         return stream
 
-    def restore_pack(index: int) -> dict[str, np.ndarray]:
+    def based(self, names: list[str]) -> list[np.ndarray]:
+        """The base's words of each of ``names``, stored against it."""
+        missing = [name for name in names if name not in self.base]
+        if missing:
+            raise CheckpointError(f"{self.data_path}: tensor {missing[0]!r} is a delta, but base {self.base_dir} "
+                                  "does not hold it")
+        return [self.base[name][0] for name in names]
+
+    def restore_pack(self, index: int) -> dict[str, np.ndarray]:
         """{member: its words} of one pack, each checked against its own checksum."""
-        pack = packs[index]
+        pack, data_path = self.packs[index], self.data_path
         names = list(pack["members"])
         what = _pack_label(names)
         dtype, count = pack["dtype"], int(pack["count"])
-        streams = [unpack(names[0], pack, s, what) for s in pack["streams"]]
-        prior = None
-        if pack["delta"]:
-            missing = [name for name in names if name not in base]
-            if missing:
-                raise CheckpointError(f"{data_path}: tensor {missing[0]!r} is a delta, but base {base_dir} "
-                                      "does not hold it")
-            prior = np.concatenate([base[name][0] for name in names])
-        words = named(names[0], CODECS[pack["codec"]]().decode, streams, pack["params"], count,
-                      WORD_DTYPES[_itemsize(dtype)], prior, np, what=what)
+        streams = [self.unpack(names[0], pack, s, what) for s in pack["streams"]]
+        prior = np.concatenate(self.based(names)) if pack["delta"] else None
+        words = self.named(names[0], CODECS[pack["codec"]]().decode, streams, pack["params"], count,
+                           WORD_DTYPES[_itemsize(dtype)], prior, np, what=what)
         if words.size != count or _hash(words) != pack["xxh3"]:
             raise CheckpointError(f"{data_path}: {what}: restored words fail their checksum")
         restored = {}
         for name in names:
-            entry = manifest["tensors"][name]
+            entry = self.manifest["tensors"][name]
             size = int(np.prod(entry["shape"], dtype=np.int64))
             where, start = entry["pack"]
             if where != index or entry["dtype"] != dtype or not 0 <= start <= count - size:
@@ -640,98 +677,85 @@ def _decode(manifest: dict, data: memoryview | _Pieces, data_path: Path, base_di
             restored[name] = part
         return restored
 
-    def join(name: str, entry: dict, streams: list) -> Any:
+    def join(self, name: str, entry: dict, streams: list) -> Any:
         """The tensor's words from its streams, or a pickled object's bytes."""
         if entry.get("pickle"):
             return streams[0].tobytes()
         dtype, shape = entry["dtype"], tuple(entry["shape"])
         count = int(np.prod(shape, dtype=np.int64))
-        prior = None
-        if entry["delta"]:
-            if name not in base:
-                raise CheckpointError(f"{data_path}: tensor {name!r} is a delta, but base {base_dir} does not hold it")
-            prior = base[name][0]
+        prior = self.based([name])[0] if entry["delta"] else None
         codec = CODECS[entry["codec"]]()
-        words = codec.decode(streams, entry["params"], count, WORD_DTYPES[_itemsize(dtype)], prior, np, workers)
+        words = codec.decode(streams, entry["params"], count, WORD_DTYPES[_itemsize(dtype)], prior, np, self.workers)
         if words.size != count or _hash(words) != entry["xxh3"]:
-            raise CheckpointError(f"{data_path}: tensor {name!r}: restored words fail their checksum")
+            raise CheckpointError(f"{self.data_path}: tensor {name!r}: restored words fail their checksum")
         return words
 
-    def restore_batch(batch: list[tuple[str, dict]]) -> list:
-        return [named(name, lambda: join(name, entry, [unpack(name, entry, s) for s in entry["streams"]]))
+    def restore_batch(self, batch: list[tuple[str, dict]]) -> list:
+        return [self.named(name, lambda n=name, e=entry: self.join(n, e, [self.unpack(n, e, s) for s in e["streams"]]))
                 for name, entry in batch]
 
-    # Large tensors are restored as a task per stream, then one joining them, so that two
-    # threads share one large tensor; small ones in batches, a task each. Hashing, Huffman
-    # decoding and the transforms release the GIL. No task waits for another: this thread
-    # submits each join once its streams are in. With threads, the largest tensors' streams
-    # are submitted first, coded before raw, as they take longest (the MLP's one large matrix
-    # had waited for its small tensors' tasks); with one, every call runs as it is submitted,
-    # packs first. Results are taken in manifest order, so the first bad tensor in that order
-    # is the one an error names.
-    tensors, objects = {}, {}
-
-    def keep(name: str, entry: dict, words: np.ndarray) -> None:
+    def keep(self, name: str, entry: dict, words: np.ndarray) -> None:
         dtype, shape = entry["dtype"], tuple(entry["shape"])
-        tensors[name] = (words, dtype, shape) if words_only else words_to_tensor(words, dtype, shape)
+        self.tensors[name] = (words, dtype, shape) if self.words_only else words_to_tensor(words, dtype, shape)
 
-    def submit_streams(pool: Crew, name: str, entry: dict) -> list[Pending]:
+    def submit_streams(self, pool: Crew, name: str, entry: dict) -> list[Pending]:
         streams = entry.get("streams", [])
         return _coded_first([_stored_raw(s) for s in streams],
-                            lambda k: pool.submit(named, name, unpack, name, entry, streams[k]))
+                            lambda k: pool.submit(self.named, name, self.unpack, name, entry, streams[k]))
 
-    wanted = [(name, entry) for name, entry in manifest["tensors"].items() if names is None or name in names]
-    in_packs = {name: entry["pack"] for name, entry in wanted if "pack" in entry}
-    wanted = [(name, entry) for name, entry in wanted if name not in in_packs]
-    batches = _in_order_batches(wanted)
-    large = [i for i, batch in enumerate(batches)
-             if len(batch) == 1 and _entry_bytes(batch[0][1]) >= SMALL_TENSOR_BYTES]
-    with Crew(threads) as pool:
-        started: dict[int, Any] = {}  # per batch, its streams' futures (a large tensor) or its task's
-        if pool.workers > 1:
-            for i in sorted(large, key=lambda i: -_entry_bytes(batches[i][0][1])):
-                started[i] = submit_streams(pool, *batches[i][0])
-        pack_work = {}
+    def submit_packs(self, pool: Crew, in_packs: dict[str, Any]) -> dict[int, Pending]:
+        work = {}
         for name, where in in_packs.items():
             index = where[0] if isinstance(where, list) and where and isinstance(where[0], int) else None
-            if index is None or not 0 <= index < len(packs):
-                raise CheckpointError(f"{data_path}: tensor {name!r}: its pack {where!r} is not in the manifest")
-            if index not in pack_work:
+            if index is None or not 0 <= index < len(self.packs):
+                raise CheckpointError(f"{self.data_path}: tensor {name!r}: its pack {where!r} is not in the manifest")
+            if index not in work:
                 what = f"pack {index} (with tensor {name!r})"
-                pack_work[index] = pool.submit(lambda n=name, i=index, w=what: named(n, restore_pack, i, what=w))
-        for i, batch in enumerate(batches):
-            if i not in started:
-                started[i] = submit_streams(pool, *batch[0]) if i in large else pool.submit(restore_batch, batch)
-        submitted = [(batch, started[i]) for i, batch in enumerate(batches)]
-        joined: list[tuple[list, Pending]] = []
-        for batch, work in submitted:
-            if isinstance(work, list):
-                name, entry = batch[0]
-                try:
-                    streams = [pool.result(future) for future in work]
-                except CheckpointError:
-                    for _, earlier in joined:  # a tensor before this one may be bad too
-                        pool.result(earlier)
-                    raise
-                work = pool.submit(lambda n=name, e=entry, st=streams: [named(n, join, n, e, st)])
-            joined.append((batch, work))
-        for batch, work in joined:
-            for (name, entry), restored in zip(batch, pool.result(work)):
-                if entry.get("pickle"):
-                    objects[name] = restored
-                else:
-                    keep(name, entry, restored)
-        for name, where in in_packs.items():
-            restored = pool.result(pack_work[where[0]]).get(name)
-            if restored is None:
-                raise CheckpointError(f"{data_path}: tensor {name!r}: not among the members of its pack {where[0]}")
-            keep(name, manifest["tensors"][name], restored)
-    if names is None and _whole(_stream_hashes(manifest["tensors"], packs)) != manifest["checksum"]:
-        raise CheckpointError(f"{data_path.parent / MANIFEST}: the stream checksums do not add up to its whole "
-                              f"checksum {manifest['checksum']} (the manifest was edited)")
-    if words_only:
-        return tensors
-    return manifest, tensors, objects
+                work[index] = pool.submit(lambda n=name, i=index, w=what: self.named(n, self.restore_pack, i, what=w))
+        return work
+
+    def run(self, names: set[str] | None) -> None:
+        wanted = [(name, entry) for name, entry in self.manifest["tensors"].items() if names is None or name in names]
+        in_packs = {name: entry["pack"] for name, entry in wanted if "pack" in entry}
+        wanted = [(name, entry) for name, entry in wanted if name not in in_packs]
+        batches = _in_order_batches(wanted)
+        large = [i for i, batch in enumerate(batches)
+                 if len(batch) == 1 and _entry_bytes(batch[0][1]) >= SMALL_TENSOR_BYTES]
+        with Crew(self.threads) as pool:
+            started: dict[int, Any] = {}  # per batch, its streams' futures (a large tensor) or its task's
+            if pool.workers > 1:
+                for i in sorted(large, key=lambda i: -_entry_bytes(batches[i][0][1])):
+                    started[i] = self.submit_streams(pool, *batches[i][0])
+            pack_work = self.submit_packs(pool, in_packs)
+            for i, batch in enumerate(batches):
+                if i not in started:
+                    started[i] = (self.submit_streams(pool, *batch[0]) if i in large
+                                  else pool.submit(self.restore_batch, batch))
+            joined: list[tuple[list, Pending]] = []
+            for i, batch in enumerate(batches):
+                work = started[i]
+                if isinstance(work, list):
+                    name, entry = batch[0]
+                    try:
+                        streams = [pool.result(future) for future in work]
+                    except CheckpointError:
+                        for _, earlier in joined:  # a tensor before this one may be bad too
+                            pool.result(earlier)
+                        raise
+                    work = pool.submit(lambda n=name, e=entry, st=streams: [self.named(n, self.join, n, e, st)])
+                joined.append((batch, work))
+            for batch, work in joined:
+                for (name, entry), restored in zip(batch, pool.result(work)):
+                    if entry.get("pickle"):
+                        self.objects[name] = restored
+                    else:
+                        self.keep(name, entry, restored)
+            for name, where in in_packs.items():
+                restored = pool.result(pack_work[where[0]]).get(name)
+                if restored is None:
+                    raise CheckpointError(f"{self.data_path}: tensor {name!r}: not among the members of its "
+                                          f"pack {where[0]}")
+                self.keep(name, self.manifest["tensors"][name], restored)
 
 
 def _coded_first(raw: list[bool], start: Callable[[int], Pending]) -> list[Pending]:
