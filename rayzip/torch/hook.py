@@ -42,13 +42,11 @@ import torch.distributed as dist
 from .. import cuda
 from ..comm import ring_allreduce_bytes
 from ..comm.emulation import Emulation
-from ..engine import GradientExchange, NonFiniteError, StepStats
+from ..engine import CompressionConfig, GradientExchange, NonFiniteError
 from ..xp import keep_freed_memory
-from ..engine.config import CompressionConfig
 from .dense import DenseSteps
 
-__all__ = ["DDPHookState", "GradientExchange", "NonFiniteError", "StepStats", "compress", "compressed_hook",
-           "ddp_kwargs"]
+__all__ = ["DDPHookState", "compress", "compressed_hook", "ddp_kwargs"]
 
 
 class DDPHookState:
