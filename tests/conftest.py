@@ -66,9 +66,9 @@ class _SharedRay:
             self.up = True
 
     def stop(self) -> None:
-        import ray
+        if self.up:  # import ray only where it was started: the GPU machine has no Ray
+            import ray
 
-        if self.up:
             ray.shutdown()
             self.up = False
 
