@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
 import threading
 import time
 import uuid
@@ -28,6 +27,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from .adaptive import controller_name, start_controller
+from .progress import Progress
 from .ps import shard_names, shard_report, start_shards, stop_shards
 from .spec import JobSpec, check_allowed_modules
 from .train.faults import Faults
@@ -39,66 +39,6 @@ __all__ = ["ProgressActor", "TrainingFailed", "run_job", "summarize"]
 class TrainingFailed(RuntimeError):
     """Every rank stopped together on an error that a retry would only repeat (a non-finite
     gradient under ``training.on_nonfinite: raise``, or ranks that disagree)."""
-
-
-class Progress:
-    """Rank 0 posts each step's metrics here (as :data:`ProgressActor`); the driver polls it
-    for the progress bar."""
-
-    def __init__(self):
-        self.latest: dict | None = None
-        self.failure: dict | None = None
-        self.history: list[dict] = []  # one entry per evaluation: the accuracy-over-time curve
-        self.restarts = {"steps_run": 0, "restarts": 0, "steps_redone": 0, "resumes": []}
-        # Rank 0's loss at each step of this attempt, and the earlier attempt's at the steps a
-        # resume redoes: an exact resume repeats them bit for bit.
-        self.losses: dict[int, float] = {}
-        self.before: dict[int, float] = {}
-        self.replayed = {"steps": 0, "identical": 0, "first_difference": None}
-
-    def update(self, metrics: dict) -> None:
-        step = metrics["step"]
-        # A new rank-0 process, or a step at or before the last one seen, means a new worker
-        # group: it resumed from a checkpoint (or, in parameter-server mode, where the shards are).
-        if self.latest is not None and (step <= self.latest["step"] or metrics.get("pid") != self.latest.get("pid")):
-            self.restarts["restarts"] += 1
-            self.restarts["steps_redone"] += max(0, self.latest["step"] - step + 1)
-            self.restarts["resumes"].append({"last_step": self.latest["step"], "resumed_at": step})
-            self.history = [h for h in self.history if h["step"] < step]
-            # Steps an earlier attempt reached and the last did not stay comparable too.
-            self.before.update({s: v for s, v in self.losses.items() if s >= step})
-            self.losses = {s: v for s, v in self.losses.items() if s < step}
-        self.restarts["steps_run"] += 1
-        self.latest = metrics
-        loss = metrics.get("loss")
-        if loss is not None:
-            self.losses[step] = loss
-            if step in self.before:
-                first = self.before.pop(step)
-                self.replayed["steps"] += 1
-                if struct.pack("<d", first) == struct.pack("<d", loss):
-                    self.replayed["identical"] += 1
-                elif self.replayed["first_difference"] is None:
-                    self.replayed["first_difference"] = step
-        if metrics.get("evaluated"):
-            self.history.append({k: metrics.get(k) for k in ("step", "train_s", "elapsed_s", "test_accuracy", "val_loss",
-                                                                   "loss", "local_every")})
-
-    def get(self) -> dict | None:
-        return self.latest
-
-    def fail(self, step: int, message: str) -> None:
-        """Every rank stopped together at ``step`` (rayzip.train.loop)."""
-        self.failure = {"step": step, "message": message}
-
-    def get_failure(self) -> dict | None:
-        return self.failure
-
-    def get_history(self) -> list[dict]:
-        return self.history
-
-    def get_restarts(self) -> dict:
-        return {**self.restarts, "resumes": list(self.restarts["resumes"]), "replayed": dict(self.replayed)}
 
 
 ProgressActor = ray.remote(num_cpus=0)(Progress)

@@ -3,7 +3,7 @@ it redid exactly."""
 
 from __future__ import annotations
 
-from rayzip.runner import Progress
+from rayzip.progress import Progress
 
 
 def _run(progress: Progress, pid: int, steps: range, loss) -> None:

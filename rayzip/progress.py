@@ -1,0 +1,73 @@
+"""The driver's view of a run: rank 0 posts each step's metrics to a :class:`Progress` actor,
+and the driver polls it for the progress bar, the restarts and the exact-replay check.
+
+It sits in a module of its own that imports nothing but the standard library, because Ray
+starts the actor in a fresh process that imports the class's module: from ``rayzip.runner``,
+that process would import torch and Ray Train first, several seconds of CPU on every run.
+"""
+
+from __future__ import annotations
+
+import struct
+
+__all__ = ["Progress"]
+
+
+class Progress:
+    """Rank 0 posts each step's metrics here (the runner's ``ProgressActor``); the driver polls it
+    for the progress bar."""
+
+    def __init__(self):
+        self.latest: dict | None = None
+        self.failure: dict | None = None
+        self.history: list[dict] = []  # one entry per evaluation: the accuracy-over-time curve
+        self.restarts = {"steps_run": 0, "restarts": 0, "steps_redone": 0, "resumes": []}
+        # Rank 0's loss at each step of this attempt, and the earlier attempt's at the steps a
+        # resume redoes: an exact resume repeats them bit for bit.
+        self.losses: dict[int, float] = {}
+        self.before: dict[int, float] = {}
+        self.replayed = {"steps": 0, "identical": 0, "first_difference": None}
+
+    def update(self, metrics: dict) -> None:
+        step = metrics["step"]
+        # A new rank-0 process, or a step at or before the last one seen, means a new worker
+        # group: it resumed from a checkpoint (or, in parameter-server mode, where the shards are).
+        if self.latest is not None and (step <= self.latest["step"] or metrics.get("pid") != self.latest.get("pid")):
+            self.restarts["restarts"] += 1
+            self.restarts["steps_redone"] += max(0, self.latest["step"] - step + 1)
+            self.restarts["resumes"].append({"last_step": self.latest["step"], "resumed_at": step})
+            self.history = [h for h in self.history if h["step"] < step]
+            # Steps an earlier attempt reached and the last did not stay comparable too.
+            self.before.update({s: v for s, v in self.losses.items() if s >= step})
+            self.losses = {s: v for s, v in self.losses.items() if s < step}
+        self.restarts["steps_run"] += 1
+        self.latest = metrics
+        loss = metrics.get("loss")
+        if loss is not None:
+            self.losses[step] = loss
+            if step in self.before:
+                first = self.before.pop(step)
+                self.replayed["steps"] += 1
+                if struct.pack("<d", first) == struct.pack("<d", loss):
+                    self.replayed["identical"] += 1
+                elif self.replayed["first_difference"] is None:
+                    self.replayed["first_difference"] = step
+        if metrics.get("evaluated"):
+            self.history.append({k: metrics.get(k) for k in ("step", "train_s", "elapsed_s", "test_accuracy", "val_loss",
+                                                                   "loss", "local_every")})
+
+    def get(self) -> dict | None:
+        return self.latest
+
+    def fail(self, step: int, message: str) -> None:
+        """Every rank stopped together at ``step`` (rayzip.train.loop)."""
+        self.failure = {"step": step, "message": message}
+
+    def get_failure(self) -> dict | None:
+        return self.failure
+
+    def get_history(self) -> list[dict]:
+        return self.history
+
+    def get_restarts(self) -> dict:
+        return {**self.restarts, "resumes": list(self.restarts["resumes"]), "replayed": dict(self.replayed)}
