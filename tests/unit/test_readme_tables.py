@@ -50,3 +50,16 @@ def test_bench_table_prints_the_markdown_and_refuses_other_files(tmp_path):
     other.write_text('{"rows": []}')
     result = CliRunner().invoke(app, ["bench", "table", str(other)])
     assert result.exit_code == 2 and "not a `rayzip bench cluster` or `bench collectives` report" in result.output
+
+
+def test_every_benchmark_json_names_its_commit_and_date():
+    missing = [p.name for p in sorted((ROOT / "docs").glob("*.json"))
+               if not {"commit", "date"} <= set(json.loads(p.read_text()))]
+    assert not missing, f"without commit and date (rerun the page's command): {missing}"
+
+
+def test_every_file_under_docs_is_referenced_by_a_page():
+    pages = "".join((ROOT / page).read_text() for page in (*PAGES, "mkdocs.yml"))
+    unreferenced = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").rglob("*"))
+                    if p.is_file() and p.suffix != ".md" and p.name not in pages]
+    assert not unreferenced, f"delete them, or cite them from a page: {unreferenced}"
