@@ -34,24 +34,24 @@ Example::
 
 from __future__ import annotations
 
-import bisect
 import time
 
 import torch
 
-from ..codecs import NonFiniteError, WireOverflowError, get_codec
+from ..codecs import NonFiniteError, WireOverflowError
 from ..codecs.base import find_nonfinite
 from ..codecs.kernels import all_finite
-from ..codecs.memory import relayout_state, segment_name
+from ..codecs.memory import segment_name
 from ..comm import AllReduce, Transport, make_communicator, ring_allreduce_bytes
 from ..comm.control import ControlWord, RankDisagreement, agree, bad_key, encode_mode
 from ..comm.emulation import Emulation
 from ..comm.hierarchy import build_hierarchy
 from ..xp import as_array, to_torch
 from .config import CompressionConfig
+from .encoder import SegmentEncoder
 from .knobs import Knobs
-from .stats import TOTALS, StepStats, plan_segments
-from .verify import verify_average
+from .stats import TOTALS, FlatLayout, StepStats, plan_segments
+from .verify import verify_segment
 
 __all__ = ["GradientExchange", "NONFINITE_POLICIES"]
 
@@ -74,56 +74,69 @@ class GradientExchange(Knobs):
         grad_scaler: AMP's ``GradScaler``, whose scale the residuals then follow.
         emulation: a slower link than the real one for every send (:mod:`rayzip.comm.emulation`).
         node_key: what names this process's node for ``config.hierarchy``.
+        control_group: the ranks that agree on the control word (default: ``process_group``).
+            A sharded model's replicas average over a group of their own, while every rank
+            of the model must stop, skip or raise at the same step: there it is the world.
     """
 
     def __init__(self, config: CompressionConfig, sizes: list[int], names: list[str] | None = None,
                  process_group: torch.distributed.ProcessGroup | None = None, device: torch.device | str = "cpu",
                  momentum: float | None = None, adam_betas: tuple[float, float] | None = None,
                  on_nonfinite: str = "raise", grad_scaler: torch.amp.GradScaler | None = None,
-                 emulation: Emulation | None = None, node_key: str | None = None):
+                 emulation: Emulation | None = None, node_key: str | None = None,
+                 control_group: torch.distributed.ProcessGroup | None = None):
         super().__init__()
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}")
         sizes = [int(n) for n in sizes]
         if not sizes:
             raise ValueError("no trainable parameters: nothing to compress")
-        self.config, self.on_nonfinite, self.grad_scaler = config, on_nonfinite, grad_scaler
+        self.config, self.on_nonfinite = config, on_nonfinite
         self._twin = dict(sizes=sizes, names=names, process_group=process_group, device=device, momentum=momentum,
-                          adam_betas=adam_betas, emulation=emulation, node_key=node_key)  # for dry_run
+                          adam_betas=adam_betas, emulation=emulation, node_key=node_key,
+                          control_group=control_group)  # for dry_run
         self.link_probe = None  # the timed DDP broadcast of the model, where the caller timed it (rayzip.train.probe)
         # What the codec sees (its groups, its top k) depends on the segments alone, never on
         # how an adapter delivers the gradient (DDP buckets differ between a job's first step
         # and the rest), so a restarted job repeats the uninterrupted one exactly. Segments
         # run from the last parameter to the first, the order in which backward produces them.
-        self.starts = [0]
-        for n in sizes:
-            self.starts.append(self.starts[-1] + n)
-        self.numel = self.starts[-1]
-        self.names = list(names) if names else [f"parameter {i}" for i in range(len(sizes))]
+        self.layout = FlatLayout(sizes, names)
+        self.numel = self.layout.numel
         self.segments = plan_segments(sizes, int(config.segment_mb * 2**20) // 4)
         self.segment_names = [segment_name(lo, hi, self.numel) for lo, hi in self.segments]
         self.rank, self.world = torch.distributed.get_rank(process_group), torch.distributed.get_world_size(process_group)
         self.transport = Transport(process_group, device=device, emulation=emulation)
+        # The control word's ranks: bad gradients and failures are named by their rank there.
+        self.control = self.transport if control_group is None else Transport(control_group, device=device,
+                                                                                emulation=emulation)
+        self.control_rank, self.control_world = self.control.rank, self.control.world
         # With a hierarchy, each node's leader exchanges its node's sum with the other
         # leaders; the other workers exchange nothing across nodes but the control word.
         self.hierarchy = build_hierarchy(config.hierarchy, process_group, key=node_key, device=device,
                                          emulation=emulation)
+        if control_group is not None and self.hierarchy is not None:
+            raise ValueError("a control group of its own and a node hierarchy do not combine")
         self._exchanging = self.transport if self.hierarchy is None else self.hierarchy.leaders
-        self.codec = config.build_codec(rank=self.rank)
-        self.memory = config.build_memory(momentum, adam_betas)
+        self.encoder = SegmentEncoder(config, self.rank, momentum, adam_betas, grad_scaler)
         self.communicator = self._communicator()
-        self.dense_codec = get_codec("none")  # warm-up and compression-off steps
         self.dense = AllReduce(self._exchanging) if self._exchanging is not None else None
         self.drained = False  # every rank's memory was averaged by a dense step (rayzip.torch.dense)
         self.step = 0
-        self._loss_scale: float | None = None  # the scale the residuals are in (AMP)
         self.current = StepStats(density=self.codec.density)
         self.last_step: StepStats | None = None
         self.totals = {"steps": 0, "skipped": 0, **dict.fromkeys(TOTALS, 0)}
 
     @property
     def density(self) -> float | None:
-        return self.codec.density
+        return self.encoder.density
+
+    @property
+    def codec(self):
+        return self.encoder.codec
+
+    @property
+    def memory(self):
+        return self.encoder.memory
 
     def dry_run(self, repeats: int = 2) -> StepStats:
         """A compressed exchange of a seeded random gradient, at the density in force, through
@@ -153,7 +166,7 @@ class GradientExchange(Knobs):
     def _apply_density(self, density: float) -> None:
         """Swap in the codec at ``density``, keeping its state (a seeded codec's call count);
         ``collective: auto`` weighs its choice again at the new density."""
-        self.codec = self.codec.with_density(density)
+        self.encoder.set_density(density)
         self.communicator = self._communicator()
 
     # --- steps ------------------------------------------------------------------------------
@@ -202,7 +215,7 @@ class GradientExchange(Knobs):
         transports = self._transports()
         before = [(t.bytes_sent, t.network_s, t.hops) for t in transports]
         local_before = self.hierarchy.bytes_sent if self.hierarchy is not None else 0
-        self.follow_loss_scale()
+        self.encoder.follow_loss_scale()
         snapshot = self.memory.snapshot()
         reason = None
         # A pipeline of two: segment k's payload is on the wire while segment k+1 is encoded
@@ -246,9 +259,10 @@ class GradientExchange(Knobs):
 
     def _transports(self) -> list[Transport]:
         """Every transport this rank sends on, each counted once."""
+        extra = [] if self.control is self.transport else [self.control]
         if self.hierarchy is None:
-            return [self.transport]
-        return [t for t in (self.transport, self.hierarchy.local, self.hierarchy.leaders) if t is not None]
+            return [self.transport, *extra]
+        return [t for t in (self.transport, self.hierarchy.local, self.hierarchy.leaders) if t is not None] + extra
 
     @staticmethod
     def _finish_segment(finish, lo: int, hi: int, out: torch.Tensor) -> str | None:
@@ -262,7 +276,8 @@ class GradientExchange(Knobs):
         """(a call that finishes this segment, giving (its average, None) or (None, why every
         rank skips the step)), or (None, why every rank skips the step) when it cannot start."""
         stats = self.current
-        communicator, codec = (self.communicator, self.codec) if stats.compressed else (self.dense, self.dense_codec)
+        communicator = self.communicator if stats.compressed else self.dense
+        codec = self.encoder.codec_for(stats.compressed)
         hierarchy = self.hierarchy
         payload, bad, failure = None, 0, None
         try:
@@ -270,14 +285,14 @@ class GradientExchange(Knobs):
                 # Each worker checks its own gradient, so that a bad one is named, not the
                 # node's sum; the leader then encodes the sum only if every part is finite.
                 found = find_nonfinite(*as_array(grad.reshape(-1)))
-                bad = bad_key(self.rank, self.world, offset + found[1]) if found else 0
+                bad = bad_key(self.control_rank, self.control_world, offset + found[1]) if found else 0
                 grad = hierarchy.node_share(grad)
                 bad = hierarchy.first_bad(bad)
             if bad == 0 and communicator is not None and (hierarchy is None or hierarchy.nodes > 1):
                 # through the memory also when dense: it sends what error feedback held back
-                payload = self.memory.encode(codec, name, grad, communicator.input_scale)
+                payload = self.encoder.encode(name, grad, stats.compressed, communicator.input_scale)
         except NonFiniteError as exc:  # every codec checks its input; fp16 also its wire type
-            bad = bad_key(self.rank, self.world, offset + (exc.first_index or 0),
+            bad = bad_key(self.control_rank, self.control_world, offset + (exc.first_index or 0),
                           overflow=isinstance(exc, WireOverflowError))
         except Exception as exc:  # raised here alone, it would leave the others waiting
             failure = exc
@@ -286,7 +301,7 @@ class GradientExchange(Knobs):
             rank, index, overflow = agreed.bad
             what = (f"overflows the {codec.value_dtype or codec.name} wire type" if overflow
                     else "is not finite")
-            return None, f"rank {rank}'s gradient {what} at {self.where(index)}"
+            return None, f"rank {rank}'s gradient {what} at {self.layout.where(index)}"
         stats.dense_bytes += ring_allreduce_bytes(4 * grad.numel(), self.world)
         stats.numel += grad.numel()
         stats.buckets.append(grad.numel())
@@ -300,14 +315,7 @@ class GradientExchange(Knobs):
             average = hierarchy.broadcast(average.to(torch.float32).contiguous())
         result = _checked(average, communicator, codec)
         if self.config.verify and result[1] is None:
-            documented = control
-            if payload is not None:
-                err = verify_average(communicator, codec, payload, average)
-                stats.verify_max_abs_err = max(stats.verify_max_abs_err or 0.0, err)
-                documented += communicator.documented_bytes(codec, payload)
-            if hierarchy is not None:
-                documented += hierarchy.documented_bytes(grad.numel())
-            stats.verify_documented_bytes = (stats.verify_documented_bytes or 0) + documented
+            verify_segment(stats, communicator, codec, payload, average, control, hierarchy, grad.numel())
         return lambda: result, None
 
     def agree(self, bad: int = 0, failure: Exception | None = None):
@@ -318,11 +326,11 @@ class GradientExchange(Knobs):
         stop, proposal = self._take_requests()
         word = ControlWord(step=self.step, density=float(self.density or 0.0),
                            mode=encode_mode(self.enabled, stats.compressed, self.codec.value_dtype),
-                           bad=bad, failed=self.world - self.rank if failure is not None else 0,
+                           bad=bad, failed=self.control_world - self.control_rank if failure is not None else 0,
                            stop=int(stop), proposal=proposal)
-        control_before = self.transport.bytes_sent
-        agreed = agree(self.transport, word)
-        control = self.transport.bytes_sent - control_before
+        control_before = self.control.bytes_sent
+        agreed = agree(self.control, word)
+        control = self.control.bytes_sent - control_before
         stats.control_bytes += control
         if failure is not None:
             raise failure
@@ -342,22 +350,6 @@ class GradientExchange(Knobs):
         self.current.adopted = proposal
         self.compress_at(proposal[1])
 
-    def follow_loss_scale(self) -> None:
-        """Keep residuals in the units of the gradient: AMP scales it by the loss scale."""
-        if self.grad_scaler is None or not self.grad_scaler.is_enabled():
-            return
-        scale = float(self.grad_scaler.get_scale())
-        if self._loss_scale is not None and scale != self._loss_scale:
-            self.memory.rescale(scale / self._loss_scale)
-        self._loss_scale = scale
-
-    def where(self, index: int) -> str:
-        """'parameter NAME, element j' for a flat index of the gradient."""
-        i = bisect.bisect_right(self.starts, index) - 1
-        if 0 <= i < len(self.names):
-            return f"{self.names[i]} (parameter {i} of the model), element {index - self.starts[i]}"
-        return f"flat element {index}"
-
     # --- checkpoints ------------------------------------------------------------------------
     @property
     def holders(self) -> dict[int, tuple[int, int]]:
@@ -371,9 +363,8 @@ class GradientExchange(Knobs):
         return {ranks[0]: (k, len(groups)) for k, ranks in enumerate(groups)}
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "enabled": self.enabled, "density": self.density,
-                "memory": self.memory.state_dict(), "codec": self.codec.state_dict(),
-                "loss_scale": self._loss_scale, "totals": dict(self.totals), "drained": self.drained}
+        return {"step": self.step, "enabled": self.enabled, "density": self.density, **self.encoder.state_dict(),
+                "totals": dict(self.totals), "drained": self.drained}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; residuals and velocities land on this engine's device,
@@ -382,10 +373,7 @@ class GradientExchange(Knobs):
         density = state.get("density", state.get("ratio"))  # "ratio": checkpoints before the rename
         if density is not None and self.codec.density is not None:
             self._apply_density(density)
-        memory = relayout_state(state["memory"], self.segments, self.numel)
-        self.memory.load_state_dict(memory, like=torch.empty(0, device=self.transport.device))
-        self.codec.load_state_dict(state["codec"])
-        self._loss_scale = state.get("loss_scale")
+        self.encoder.load_state_dict(state, self.segments, self.numel, like=torch.empty(0, device=self.transport.device))
         self.totals.update(state.get("totals", {}))
         self.drained = bool(state.get("drained", False))
 

@@ -1,11 +1,13 @@
-"""What the engine counts: one step's statistics, the running totals, and the segments a flat
-gradient is cut into."""
+"""What the engine counts: one step's statistics, the running totals, where each parameter
+lies in the flat gradient, and the segments the flat gradient is cut into."""
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
+from itertools import accumulate
 
-__all__ = ["StepStats", "TOTALS", "plan_segments"]
+__all__ = ["FlatLayout", "StepStats", "TOTALS", "plan_segments"]
 
 # The running totals a state_dict keeps: StepStats fields summed over the steps.
 TOTALS = ("bytes_sent", "local_bytes", "dense_bytes", "comm_s", "busy_s", "network_s")
@@ -59,3 +61,23 @@ def plan_segments(sizes: list[int], cap: int) -> list[tuple[int, int]]:
             segments.append((starts[i], hi))
             hi, held = starts[i], 0
     return segments
+
+
+class FlatLayout:
+    """Where each parameter lies in the flat gradient: its start, and its name for messages.
+
+    >>> FlatLayout([3, 4], ["w", "b"]).where(5)
+    'b (parameter 1 of the model), element 2'
+    """
+
+    def __init__(self, sizes: list[int], names: list[str] | None = None):
+        self.starts = list(accumulate(sizes, initial=0))
+        self.numel = self.starts[-1]
+        self.names = list(names) if names else [f"parameter {i}" for i in range(len(sizes))]
+
+    def where(self, index: int) -> str:
+        """'parameter NAME, element j' for a flat index of the gradient."""
+        i = bisect.bisect_right(self.starts, index) - 1
+        if 0 <= i < len(self.names):
+            return f"{self.names[i]} (parameter {i} of the model), element {index - self.starts[i]}"
+        return f"flat element {index}"

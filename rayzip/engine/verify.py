@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from ..xp import to_torch
 
-__all__ = ["verify_average"]
+__all__ = ["verify_average", "verify_segment"]
 
 
 def verify_average(communicator, codec, payload, average: torch.Tensor) -> float:
@@ -21,3 +21,19 @@ def verify_average(communicator, codec, payload, average: torch.Tensor) -> float
     reference = torch.stack(everyone).mean(dim=0)
     got = average.float().to(reference.device)
     return float((got - reference).abs().max()) if got.numel() else 0.0
+
+
+def verify_segment(stats, communicator, codec, payload, average: torch.Tensor, control: int, hierarchy,
+                   numel: int) -> None:
+    """Record one segment's self-check in ``stats`` (a :class:`~rayzip.engine.StepStats`): the
+    largest error of ``average`` against every rank's decoded payload, and the bytes the
+    collectives' documented formulas give (the control word's ``control`` included), which
+    the counted bytes must equal."""
+    documented = control
+    if payload is not None:
+        err = verify_average(communicator, codec, payload, average)
+        stats.verify_max_abs_err = max(stats.verify_max_abs_err or 0.0, err)
+        documented += communicator.documented_bytes(codec, payload)
+    if hierarchy is not None:
+        documented += hierarchy.documented_bytes(numel)
+    stats.verify_documented_bytes = (stats.verify_documented_bytes or 0) + documented

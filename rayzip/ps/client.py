@@ -1,8 +1,8 @@
 """A worker's side of parameter-server mode: push compressed gradients, pull parameters.
 
 The flattened gradient (parameters in model order) is cut into the shards' slices. Each
-slice goes through the Memory role (error feedback, or momentum correction) and the codec,
-and its wire bytes travel to the shard as a numpy buffer in one actor call (Ray moves
+slice is a segment of the engine's :class:`~rayzip.engine.SegmentEncoder` (error feedback,
+or momentum correction, and the codec), as a segment of an allreduce would be; its wire bytes travel to the shard as a numpy buffer in one actor call (Ray moves
 buffers over 100 KB through the object store without pickling them). The pull for the next
 step is issued at once behind the push; the worker waits once, for all shards. Bytes are
 counted from the payloads: ``bytes_sent`` is what was pushed, ``bytes_received`` what
@@ -29,9 +29,9 @@ import numpy as np
 import ray
 import torch
 
-from ..codecs import NonFiniteError, get_codec
+from ..codecs import NonFiniteError
 from ..spec import JobSpec
-from ..engine import StepStats
+from ..engine import SegmentEncoder, StepStats
 from ..xp import asnumpy
 from .pull import decode_pull, message_nbytes
 from .shard import merge_optimizer_states, slice_optimizer_state
@@ -70,7 +70,8 @@ def set_flat_parameters(model: torch.nn.Module, flat: np.ndarray) -> None:
 
 
 class ParameterServerClient:
-    """One worker's connection to the shards: codec, memory, its copy of each slice, counters."""
+    """One worker's connection to the shards: the engine's encoder (codec and memory), its copy
+    of each slice, counters."""
 
     # Ranks whose error feedback a checkpoint re-shards on a resize: none. After a resize a
     # worker reloads its own part only where it held the shards' step; else its residuals
@@ -80,9 +81,7 @@ class ParameterServerClient:
     def __init__(self, shard_names: list[str], spec: JobSpec, rank: int, world: int, momentum: float | None = None):
         self.shards = [ray.get_actor(name) for name in shard_names]
         self.spec, self.rank, self.world = spec, rank, world
-        self.codec = spec.compression.build_codec(rank=rank)
-        self.dense_codec = get_codec("none")  # warm-up steps
-        self.memory = spec.compression.build_memory(momentum)
+        self.encoder = SegmentEncoder(spec.compression, rank, momentum)
         self.generation: str | None = None
         self.bounds: list[tuple[int, int]] = []
         self.copies: list[np.ndarray | None] = [None] * len(self.shards)
@@ -135,14 +134,14 @@ class ParameterServerClient:
         """Push this step's gradient, pull the parameters for the next step into ``model``."""
         start = time.perf_counter()
         compressed = step >= self.spec.compression.warmup_steps
-        codec = self.codec if compressed else self.dense_codec
+        codec = self.encoder.codec_for(compressed)
         grad = flat_gradient(model)
         stats = StepStats(step=step, compressed=compressed, density=codec.density,
                           numel=grad.numel(), dense_bytes=4 * grad.numel(), buckets=[b - a for a, b in self.bounds])
         pushes = []
         for index, (shard, (a, b)) in enumerate(zip(self.shards, self.bounds)):
             try:
-                payload = self.memory.encode(codec, f"shard{index}", grad[a:b])
+                payload = self.encoder.encode(f"shard{index}", grad[a:b], compressed)
             except NonFiniteError as exc:
                 first = exc.first_index
                 where = f" (flat element {a + first} of the model)" if first is not None else ""
@@ -195,10 +194,8 @@ class ParameterServerClient:
                 "step": min(s["step"] for s in states)}
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "memory": self.memory.state_dict(), "codec": self.codec.state_dict(),
-                "totals": dict(self.totals)}
+        return {"step": self.step, **self.encoder.state_dict(), "totals": dict(self.totals)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.memory.load_state_dict(state["memory"])
-        self.codec.load_state_dict(state["codec"])
+        self.encoder.load_state_dict(state)
         self.totals.update(state.get("totals", {}))

@@ -60,7 +60,7 @@ class DDPHookState:
 
     def __init__(self, exchange: GradientExchange, parameters: list[torch.Tensor]):
         self.exchange = exchange
-        starts = exchange.starts
+        starts = exchange.layout.starts
         self._offsets = {id(p): (starts[i], p.numel()) for i, p in enumerate(parameters)}
         self._segment_of = {id(p): next(k for k, (lo, hi) in enumerate(exchange.segments) if lo <= starts[i] < hi)
                             for i, p in enumerate(parameters) if p.numel()}
@@ -145,7 +145,7 @@ class DDPHookState:
     def _start_bucketwise(self, device: torch.device) -> None:
         transport = self.exchange.transport
         self._sent_before = (transport.bytes_sent, transport.hops)
-        self.exchange.follow_loss_scale()
+        self.exchange.encoder.follow_loss_scale()
         try:
             self.dense_steps.start(device)
         except Exception as exc:  # raised by _finish_step, once DDP has its futures
@@ -181,7 +181,7 @@ class DDPHookState:
             # The sum is the same on every rank, so is its first bad element: all skip alike.
             try:
                 exchange.fail_step(f"step {exchange.step}: the averaged gradient is not finite at "
-                                   f"{exchange.where(bad)} (compression off: some rank's gradient was not "
+                                   f"{exchange.layout.where(bad)} (compression off: some rank's gradient was not "
                                    "finite, or the sum overflowed)")
             except NonFiniteError as exc:
                 self._failure = exc
