@@ -362,6 +362,27 @@ class LocalStepsSpec(_Strict):
                                              "checkpoints and the last step still synchronize in full.")
 
 
+class ShardingSpec(_Strict):
+    """FSDP2 sharding: ``fsdp`` shards the model over every worker; ``hsdp`` shards it over
+    each node's workers (``shard_size``), dense inside the node, and averages each shard
+    across nodes through ``compression``'s codec and error feedback (rayzip.torch.fsdp).
+    With ``codec: none`` under ``hsdp``, FSDP2's own HSDP all-reduces between nodes."""
+
+    enabled: bool = False
+    mode: Literal["fsdp", "hsdp"] = Field("hsdp", description="fsdp: one shard group of every worker; hsdp: "
+                                                            "shard groups of shard_size workers, replicated.")
+    shard_size: Optional[int] = Field(None, ge=1, description="hsdp: workers per shard group (default: the "
+                                                              "workers per node).")
+    blocks: list[str] = Field([], description="Class names of the modules sharded one by one (default: the "
+                                              "entries of every ModuleList, else the model's children).")
+
+    def to_config(self):
+        """The library's :class:`rayzip.torch.fsdp.ShardingConfig`."""
+        from .torch.fsdp import ShardingConfig  # FSDP2's import, only where a job shards
+
+        return ShardingConfig(mode=self.mode, shard_size=self.shard_size, blocks=tuple(self.blocks))
+
+
 class ParameterServerSpec(_Strict):
     """Parameter-server mode (``compression.collective: ps``): shard actors on CPUs hold the
     parameters and their optimizer state; workers push compressed gradients and pull parameters."""
@@ -442,6 +463,7 @@ class JobSpec(_Strict):
     adaptive: AdaptiveSpec = AdaptiveSpec()
     ps: ParameterServerSpec = ParameterServerSpec()
     local_steps: LocalStepsSpec = LocalStepsSpec()
+    sharding: ShardingSpec = ShardingSpec()
 
     @field_validator("ps")
     @classmethod
@@ -482,6 +504,21 @@ class JobSpec(_Strict):
         if self.compression.collective == "ps" and self.training.grad_clip_norm is not None:
             raise ValueError("training.grad_clip_norm clips the workers' averaged gradient; with collective ps "
                              "the shards average it")
+        return self
+
+    @model_validator(mode="after")
+    def _sharding_fits(self):
+        if not self.sharding.enabled:
+            return self
+        c = self.compression
+        others = [what for what, on in (("compression.collective: ps", c.collective == "ps"),
+                                        ("local_steps", self.local_steps.enabled),
+                                        ("compression.torch_hook", c.torch_hook is not None),
+                                        ("compression.hierarchy: node", c.hierarchy == "node"),
+                                        ("adaptive", self.adaptive.enabled),
+                                        ("compression.adam_correction", c.adam_correction)) if on]
+        if others:
+            raise ValueError(f"sharding does not run with {', '.join(others)} yet")
         return self
 
     @model_validator(mode="after")

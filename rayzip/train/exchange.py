@@ -7,7 +7,9 @@
 * :class:`LocalStepsExchange`: no DDP; H local steps, then a compressed outer update
   (:mod:`rayzip.torch.local_steps`);
 * :class:`LocalStepsServerExchange`: no DDP; H local steps, then a compressed push of the
-  pseudo-gradient to the shards, whose outer optimizer applies it, and a pull.
+  pseudo-gradient to the shards, whose outer optimizer applies it, and a pull;
+* :class:`ShardedModelExchange`: FSDP2 inside a node, each shard averaged across nodes
+  through rayzip's engine (:mod:`rayzip.torch.fsdp`), or FSDP2's own HSDP without a codec.
 
 A loop drives every mode the same way::
 
@@ -52,7 +54,7 @@ from .probe import prepare_timed
 from .records import Traffic, traffic_of
 
 __all__ = ["DenseExchange", "Exchange", "HookExchange", "LocalStepsExchange", "LocalStepsServerExchange",
-           "ParameterServerExchange",
+           "ParameterServerExchange", "ShardedModelExchange",
            "TorchHookExchange", "build_exchange", "compute_time", "restore_collective"]
 
 
@@ -92,6 +94,10 @@ class Exchange:
         # Only the optimizer's step, in apply(), changes the parameters and its state: a
         # background checkpoint may copy them while the next forward and backward run.
         self.only_step_changes_weights = optimizer is not None
+
+    # Whether weights() is a collective every rank must call (a sharded model gathers its
+    # shards); otherwise rank 0 alone calls it.
+    collective_weights = False
 
     @property
     def ddp(self) -> bool:
@@ -411,6 +417,78 @@ class _LocalState:
               f"{self.rank % old_world}'s inner optimizer; error feedback re-sharded")
 
 
+class ShardedModelExchange(Exchange):
+    """FSDP2: the model's parameters, gradients and optimizer state are sharded over each
+    node's workers; with ``state`` (a :class:`rayzip.torch.fsdp.ShardedExchange`) each shard's
+    gradient is averaged across nodes by rayzip's engine, else FSDP2 does it (``fsdp``, or
+    FSDP2's own HSDP). Checkpoints hold the full model and optimizer, gathered to rank 0, so a
+    restart on another world size reshards them."""
+
+    name = "fsdp"
+    collective_weights = True
+
+    def __init__(self, *args, nodes: int, shard_world: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.nodes, self.shard_world = nodes, shard_world
+        # A checkpoint gathers host copies of the full state at once (weights()): there are
+        # no copies of the optimizer's own tensors to defer to the writer.
+        self.only_step_changes_weights = False
+
+    def begin_step(self, step: int, last: bool) -> None:
+        if self.state is not None and last:
+            self.state.request_stop()
+
+    def skipped(self, step: int) -> bool:
+        if self.state is not None:
+            return bool(self.state.last_step.skipped)
+        # Each rank holds its own shards' gradients: every rank takes the worst look.
+        name = nonfinite_gradient(self.model)
+        flag = torch.tensor([0.0 if name is None else 1.0], device=next(self.model.parameters()).device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self.spec.training.on_nonfinite == "raise":
+            where = f"the gradient of {name}" if name is not None else "another rank's gradient shard"
+            raise NonFiniteError(f"step {step}: {where} is not finite (rank {self.rank}'s view)")
+        return bool(flag.item())
+
+    def traffic(self, step_s: float) -> Traffic:
+        """Bytes between nodes, against a dense exchange of the same shards between nodes:
+        rayzip's engine counts them; FSDP2's own all-reduce by the ring formula."""
+        if self.state is not None:
+            return traffic_of(self.state.last_step)
+        between = ring_allreduce_bytes(4 * self.numel // self.shard_world, self.nodes) if self.nodes > 1 else 0
+        return Traffic(bytes_sent=between, dense_bytes=between, comm_s=0.0, busy_s=0.0, network_s=0.0,
+                       comm_source="none", bytes_source="formula")
+
+    def weights(self) -> tuple[dict, dict]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        return get_state_dict(self.model, self.optimizer,
+                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def restore(self, checkpoint, chain: DeltaChain | None = None) -> tuple[int, dict | None]:
+        """The full model and optimizer, resharded to this world; each rank's residuals where
+        the world size is the same (a shard's residual belongs to its layout)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        if checkpoint is None:
+            return 0, None
+        with checkpoint.as_directory() as path:
+            path = Path(path)
+            trainer = load_checkpoint(path / "trainer")
+            if chain is not None:
+                chain.history = list(trainer.get("chain", []))
+            torch.set_rng_state(trainer["torch_rng"])
+            set_state_dict(self.model, self.optimizer, model_state_dict=trainer["model"],
+                           optim_state_dict=trainer["optimizer"], options=StateDictOptions(full_state_dict=True))
+            if self.state is not None:
+                own = path / f"rank{self.rank}"
+                if int(trainer["world_size"]) == self.world and own.exists():
+                    self.state.load_state_dict(load_checkpoint(own)["hook"])
+                else:
+                    self.state.start_at(trainer["step"] + 1)
+        return trainer["step"] + 1, trainer
+
+
 def node_id() -> str:
     """This worker's Ray node: what groups workers by node for the hierarchy (namespaced nodes
     of one machine share its host name)."""
@@ -423,6 +501,8 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
     1) and wrap it in the exchange its spec asks for, with its optimizer. ``emulation``: a
     slower link for rayzip's own exchanges (:mod:`rayzip.comm.emulation`)."""
     comp, training = spec.compression, spec.training
+    if spec.sharding.enabled:
+        return _sharded(spec, model, rank, world, emulation)
     if spec.local_steps.enabled and comp.collective == "ps":
         model = ray.train.torch.prepare_model(model, parallel_strategy=None)
         client = ParameterServerClient(ps_shards, spec, rank, world)
@@ -476,3 +556,34 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
     # At world size 1 there is no hook, so momentum stays in the optimizer.
     return DenseExchange(spec, model, rank, world, build_optimizer(training, model.parameters()))
 
+
+
+def _sharded(spec: JobSpec, model: torch.nn.Module, rank: int, world: int, emulation: Emulation | None) -> Exchange:
+    """FSDP2 on this worker's device, the shards' exchange between nodes (rayzip's engine when
+    there is a codec, FSDP2's own HSDP without one)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ..torch.fsdp import blocks, compress_sharded, shard_model
+
+    comp, training, sharding = spec.compression, spec.training, spec.sharding.to_config()
+    model = model.to(ray.train.torch.get_device())
+    per_node = ray.train.get_context().get_local_world_size()
+    shard_world = world if sharding.mode == "fsdp" else min(world, sharding.shard_size or per_node)
+    nodes = world // shard_world
+    device_type = next(model.parameters()).device.type
+    state = None
+    if nodes > 1 and comp.codec == "none" and not comp.verify:
+        mesh = init_device_mesh(device_type, (nodes, shard_world), mesh_dim_names=("replicate", "shard"))
+        for block in blocks(model, sharding.blocks):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model, replicate = shard_model(model, sharding, per_node, device_type)
+        if replicate is not None:
+            state = compress_sharded(model, comp.to_config(), replicate,
+                                     momentum=training.momentum if comp.momentum_correction else None,
+                                     on_nonfinite=training.on_nonfinite, emulation=emulation)
+    optimizer = build_optimizer(training, model.parameters(), momentum_elsewhere=comp.momentum_correction)
+    return ShardedModelExchange(spec, model, rank, world, optimizer, state=state, nodes=nodes,
+                                shard_world=shard_world)

@@ -267,7 +267,11 @@ def _checkpoint(spec: JobSpec, task: Task, exchange: Exchange, run: _Run, step: 
         parts: dict = {}
 
         def take(copy) -> Parts:
-            taken, parts["index"] = step_parts(exchange.rank, exchange.world, step, lambda: exchange.weights(),
+            weights = exchange.weights
+            if exchange.collective_weights:  # a sharded model: every rank takes part in gathering it
+                gathered = exchange.weights()
+                weights = lambda: gathered  # noqa: E731
+            taken, parts["index"] = step_parts(exchange.rank, exchange.world, step, weights,
                                                exchange.state, totals,
                                                {"data": task.data_state(step + 1), "metric": run.metric}, copy)
             return taken

@@ -21,7 +21,8 @@ else echo "host C kernels NOT built (the numpy/torch paths run on the host):"; t
 if want tests; then
   echo "=== GPU tests: every codec and kernel against the host's, two ranks on one GPU over gloo"
   timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs -W error::pytest.PytestUnraisableExceptionWarning \
-    tests/integration/test_gpu.py tests/integration/test_gpu_ranks.py tests/unit/test_cuda_seam.py > "$OUT/pytest-gpu.log" 2>&1
+    tests/integration/test_gpu.py tests/integration/test_gpu_ranks.py tests/integration/test_gpu_fsdp.py \
+    tests/unit/test_cuda_seam.py > "$OUT/pytest-gpu.log" 2>&1
   echo "pytest exit $?"; grep -E "passed|failed|error" "$OUT/pytest-gpu.log" | tail -3
   grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -20
 fi
