@@ -407,7 +407,8 @@ def bench_table(report_json: Path = typer.Argument(..., help="A `bench cluster` 
                                                                "--json report."),
                 part: Optional[str] = typer.Option(None, help="A second table of the report (stall: a "
                                                              "checkpoint report's stall table; threads: its "
-                                                             "default threads over one thread).")):
+                                                             "default threads over one thread; headline: a "
+                                                             "cluster report's narrow table).")):
     """Print a benchmark report as the Markdown table the README shows (generated from the JSON).
 
     Example: rayzip bench table docs/bench-codecs.json

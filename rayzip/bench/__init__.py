@@ -12,7 +12,8 @@ def markdown_table(report: dict, part: str | None = None) -> str | None:
     """A ``bench cluster``, ``scaling``, ``collectives``, ``codecs`` or ``checkpoint`` report as
     the Markdown table the README shows (generated from the JSON, never typed); None for
     other reports, or for a ``part`` the report does not have (``stall``: a checkpoint
-    report's stall table; ``threads``: its speed on its default threads over one thread)."""
+    report's stall table; ``threads``: its speed on its default threads over one thread;
+    ``headline``: a cluster report's narrow table for the README and the home page)."""
     if part is not None:
         if part == "stall" and report.get("stall"):
             from .checkpoint import stall_markdown_table
@@ -22,6 +23,10 @@ def markdown_table(report: dict, part: str | None = None) -> str | None:
             from .checkpoint import threads_markdown_table
 
             return threads_markdown_table(report)
+        if part == "headline" and "methods" in report:
+            from .cluster import headline_markdown_table
+
+            return headline_markdown_table(report)
         return None
     if "codecs" in report and "memcpy_gbps" in report:
         from .codecs import markdown_table as codecs_table

@@ -596,6 +596,22 @@ def markdown_table(report: dict) -> str:
     return _markdown(head, report["methods"], cells)
 
 
+def headline_markdown_table(report: dict) -> str:
+    """The cluster report's headline columns, narrow enough for the README: time to target,
+    its speed-up, the final quality, the step and the bytes."""
+    lm = report.get("metric") == "val_loss"
+    head = ["method", "time to target", "vs DDP", "final val bpb" if lm else "final acc", "step ms",
+            "MB sent / worker", "wire reduction"]
+
+    def cells(r: dict) -> list[str]:
+        return [r["name"], f"{r['time_to_target_s']:.1f} s" if r.get("time_to_target_s") else "not reached",
+                _number(r.get("speedup_vs_dense") or None, "{:.2f}×"),
+                f"{r.get('final_metric', r.get('final_accuracy')):.4f}", f"{r['step_s'] * 1e3:.0f}",
+                f"{_network(r) / 1e6:.1f}", _number(r.get("wire_reduction") or None, "{:.1f}×")]
+
+    return _markdown(head, report["methods"], cells)
+
+
 def _mb(nbytes) -> str:
     return _number(None if nbytes is None else nbytes / 1e6, "{:.1f}")
 
