@@ -18,12 +18,12 @@ def _spec(name: str, compression: dict) -> JobSpec:
         "name": name,
         "model": {"name": "gpt", "layers": 2, "width": 64, "heads": 4, "context": 32},
         "dataset": {"name": "python-stdlib", "max_bytes": 200_000, "eval_windows": 16},
-        "training": {"loop": "language_model", "steps": 30, "batch_size": 8, "optimizer": "adamw", "lr": 0.003,
+        "training": {"loop": "language_model", "steps": 20, "batch_size": 8, "optimizer": "adamw", "lr": 0.003,
                      "betas": [0.9, 0.95], "grad_clip_norm": 1.0, "eval_every": 10},
         "scaling": {"min_workers": 4, "max_workers": 4, "cpus_per_worker": 0.5, "max_failures": 2},
         "compression": compression,
         "sharding": {"enabled": True, "mode": "hsdp", "shard_size": 2},
-        "checkpoint": {"every_steps": 10, "background": False},
+        "checkpoint": {"every_steps": 5, "background": False},
     })
 
 
@@ -39,7 +39,7 @@ def test_hsdp_with_compressed_shards_between_nodes_resumes_a_killed_worker_exact
     summary = run_job(_spec("hsdp-killed", {"codec": "group_topk", "density": 0.05}), storage_path=str(tmp_path),
                       on_progress=kill_once)
     assert killed and summary["restarts"] == 1, (killed, summary["resumes"])
-    assert summary["steps"] == 30 and summary["world_size"] == 4
+    assert summary["steps"] == 20 and summary["world_size"] == 4
     (resume,) = summary["resumes"]
     assert resume["resumed_at"] == killed["reported"] + 1, (resume, killed)
     # Weights, AdamW's moments (gathered whole, resharded on load), each rank's residuals and
