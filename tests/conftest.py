@@ -19,6 +19,9 @@ LANES = ("unit", "integration", "system")
 # default: the tests' many short runs would each wait for it. Inherited by every Ray the
 # tests start.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# Ray Train starts a preemption watcher actor (a process of its own) with every run; no test
+# preempts a node, and on 2 cores each such process costs every run seconds of CPU.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 _STARTED = time.perf_counter()
 _SPENT = dict.fromkeys(LANES, 0.0)  # seconds of setup, call and teardown, by lane
 
