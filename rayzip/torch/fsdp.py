@@ -44,7 +44,8 @@ from .. import cuda
 from ..comm.emulation import Emulation
 from ..engine import CompressionConfig, GradientExchange, StepStats
 
-__all__ = ["ShardedExchange", "ShardingConfig", "blocks", "compress_sharded", "hsdp_mesh", "shard_model"]
+__all__ = ["ShardedExchange", "ShardingConfig", "blocks", "compress_sharded", "hsdp_mesh", "shard_group_size",
+           "shard_model"]
 
 _SUMMED = ("bytes_sent", "local_bytes", "bytes_received", "dense_bytes", "control_bytes", "comm_s", "busy_s",
            "network_s", "numel", "hops")
@@ -92,8 +93,15 @@ def blocks(model: torch.nn.Module, names: tuple[str, ...] = ()) -> list[torch.nn
     return [m for m in model.children() if any(True for _ in m.parameters())]
 
 
+def shard_group_size(sharding: ShardingConfig, world: int, ranks_per_node: int) -> int:
+    """Ranks per shard group: the world under ``fsdp``; under ``hsdp``, ``shard_size`` or the
+    ranks per node, at most the world."""
+    return world if sharding.mode == "fsdp" else min(world, sharding.shard_size or ranks_per_node)
+
+
 def shard_model(model: torch.nn.Module, sharding: ShardingConfig, ranks_per_node: int,
-                device_type: str | None = None) -> tuple[torch.nn.Module, dist.ProcessGroup | None]:
+                device_type: str | None = None,
+                native_hsdp: bool = False) -> tuple[torch.nn.Module, dist.ProcessGroup | None]:
     """Apply ``fully_shard`` to ``model``'s blocks and to ``model``; returns the model and,
     under ``hsdp`` with more than one shard group, the replicate group for
     :func:`compress_sharded` (None under ``fsdp``, or with one group). Every rank calls it.
@@ -103,20 +111,21 @@ def shard_model(model: torch.nn.Module, sharding: ShardingConfig, ranks_per_node
         sharding: the :class:`ShardingConfig`.
         ranks_per_node: the default shard group size under ``hsdp``.
         device_type: ``"cuda"`` or ``"cpu"`` (default: the model's).
+        native_hsdp: shard over a 2-D mesh, so that FSDP2 itself all-reduces each shard
+            between groups, densely (the baseline); no replicate group is returned.
     """
     from torch.distributed.fsdp import fully_shard
 
     device_type = device_type or next(model.parameters()).device.type
     world = dist.get_world_size()
+    size = shard_group_size(sharding, world, ranks_per_node)
     replicate = None
-    if sharding.mode == "fsdp":
-        mesh = init_device_mesh(device_type, (world,))
+    if size == world:
+        mesh = init_device_mesh(device_type, (world,))  # one shard group: no replicas to average
+    elif native_hsdp:
+        mesh = init_device_mesh(device_type, (world // size, size), mesh_dim_names=("replicate", "shard"))
     else:
-        size = sharding.shard_size or ranks_per_node
-        if size >= world:
-            mesh = init_device_mesh(device_type, (world,))  # one shard group: no replicas to average
-        else:
-            mesh, replicate = hsdp_mesh(size, device_type)
+        mesh, replicate = hsdp_mesh(size, device_type)
     for block in blocks(model, sharding.blocks):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -99,13 +99,14 @@ def write_parts(directory: Path, rank: int, world: int, trainer: Callable[[], di
     write_taken(directory, take_parts(rank, world, trainer, state), chain, index)
 
 
-def load_trainer(path: Path, model: torch.nn.Module, chain: DeltaChain | None = None) -> dict:
-    """Rank 0's part, applied to the model, the RNG and the delta chain's history; a corrupt
-    file raises, naming file and tensor."""
+def load_trainer(path: Path, model: torch.nn.Module | None, chain: DeltaChain | None = None) -> dict:
+    """Rank 0's part, applied to the model (unless None: a sharded model loads it itself), the
+    RNG and the delta chain's history; a corrupt file raises, naming file and tensor."""
     trainer = load_checkpoint(path / "trainer")
     if chain is not None:
         chain.history = list(trainer.get("chain", []))
-    unwrap(model).load_state_dict(trainer["model"])
+    if model is not None:
+        unwrap(model).load_state_dict(trainer["model"])
     torch.set_rng_state(trainer["torch_rng"])
     return trainer
 

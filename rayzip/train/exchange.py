@@ -474,10 +474,7 @@ class ShardedModelExchange(Exchange):
             return 0, None
         with checkpoint.as_directory() as path:
             path = Path(path)
-            trainer = load_checkpoint(path / "trainer")
-            if chain is not None:
-                chain.history = list(trainer.get("chain", []))
-            torch.set_rng_state(trainer["torch_rng"])
+            trainer = load_trainer(path, None, chain)  # the model is loaded whole, then resharded
             set_state_dict(self.model, self.optimizer, model_state_dict=trainer["model"],
                            optim_state_dict=trainer["optimizer"], options=StateDictOptions(full_state_dict=True))
             if self.state is not None:
@@ -561,29 +558,18 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
 def _sharded(spec: JobSpec, model: torch.nn.Module, rank: int, world: int, emulation: Emulation | None) -> Exchange:
     """FSDP2 on this worker's device, the shards' exchange between nodes (rayzip's engine when
     there is a codec, FSDP2's own HSDP without one)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from ..torch.fsdp import blocks, compress_sharded, shard_model
+    from ..torch.fsdp import compress_sharded, shard_group_size, shard_model
 
     comp, training, sharding = spec.compression, spec.training, spec.sharding.to_config()
     model = model.to(ray.train.torch.get_device())
     per_node = ray.train.get_context().get_local_world_size()
-    shard_world = world if sharding.mode == "fsdp" else min(world, sharding.shard_size or per_node)
-    nodes = world // shard_world
-    device_type = next(model.parameters()).device.type
+    shard_world = shard_group_size(sharding, world, per_node)
+    model, replicate = shard_model(model, sharding, per_node, native_hsdp=comp.codec == "none" and not comp.verify)
     state = None
-    if nodes > 1 and comp.codec == "none" and not comp.verify:
-        mesh = init_device_mesh(device_type, (nodes, shard_world), mesh_dim_names=("replicate", "shard"))
-        for block in blocks(model, sharding.blocks):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    else:
-        model, replicate = shard_model(model, sharding, per_node, device_type)
-        if replicate is not None:
-            state = compress_sharded(model, comp.to_config(), replicate,
-                                     momentum=training.momentum if comp.momentum_correction else None,
-                                     on_nonfinite=training.on_nonfinite, emulation=emulation)
+    if replicate is not None:
+        state = compress_sharded(model, comp.to_config(), replicate,
+                                 momentum=training.momentum if comp.momentum_correction else None,
+                                 on_nonfinite=training.on_nonfinite, emulation=emulation)
     optimizer = build_optimizer(training, model.parameters(), momentum_elsewhere=comp.momentum_correction)
-    return ShardedModelExchange(spec, model, rank, world, optimizer, state=state, nodes=nodes,
+    return ShardedModelExchange(spec, model, rank, world, optimizer, state=state, nodes=world // shard_world,
                                 shard_world=shard_world)
