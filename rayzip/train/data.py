@@ -6,6 +6,9 @@ identical on every worker (seeded), so each worker can cut its own shard.
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,10 +28,20 @@ def _split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int):
 
 def digits(spec: DatasetSpec, seed: int):
     """scikit-learn's 8x8 digits (1797 images, shipped inside the package), scaled to [0, 1]."""
-    from sklearn.datasets import load_digits
+    data = _digits_table()
+    return _split(data[:, :-1].astype(np.float32) / 16.0, data[:, -1].astype(np.int64), spec.test_fraction, seed)
 
-    data = load_digits()
-    return _split(data.data.astype(np.float32) / 16.0, data.target, spec.test_fraction, seed)
+
+def _digits_table() -> np.ndarray:
+    """The file that ``sklearn.datasets.load_digits`` parses (rows of 64 pixels and a label),
+    read without importing scikit-learn: that import (scipy and more) costs every worker
+    seconds of CPU at start-up, more than the rest of a short job."""
+    package = importlib.util.find_spec("sklearn")
+    if package is None or not package.submodule_search_locations:
+        raise ModuleNotFoundError("the digits dataset ships with scikit-learn: pip install scikit-learn")
+    path = Path(package.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    with gzip.open(path, "rt") as lines:
+        return np.loadtxt(lines, delimiter=",")
 
 
 def synthetic(spec: DatasetSpec, seed: int):

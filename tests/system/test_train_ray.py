@@ -1,11 +1,10 @@
 """A real 2-worker TorchTrainer on a local Ray, with the sparse ring (issue 3). A killed
-worker's exact resume through Ray Train is tests/system/test_language_model.py's."""
+worker's exact resume through Ray Train is tests/system/test_language_model.py's; a NaN on
+one rank stopping every rank without retries is tests/system/test_ps.py's through Ray Train
+(the loop's stop is the same for every collective) and tests/integration/test_agreement.py's
+through the hook's ranks."""
 
 from __future__ import annotations
-
-import time
-
-import pytest
 
 from rayzip.runner import run_job
 from rayzip.spec import JobSpec
@@ -38,21 +37,3 @@ def test_two_worker_ring_training_verifies_counts_and_reaches_target(local_ray, 
     numel = (64 * 128 + 128) + (128 * 10 + 10)
     assert summary["dense_bytes_per_worker"] == summary["steps"] * (2 * 1 * 4 * numel // 2)
 
-
-def test_a_nan_on_one_rank_stops_every_rank_at_that_step_without_retries(local_ray, tmp_path):
-    from rayzip.runner import TrainingFailed
-
-    spec = JobSpec.model_validate({
-        "name": "nan-one-rank",
-        "model": {"name": "mlp", "hidden": [64]},
-        "dataset": {"name": "poisoned_data:digits_with_a_nan_shard"},  # rank 1's examples are NaN
-        "training": {"steps": 50, "batch_size": 32, "eval_every": 10, "on_nonfinite": "raise"},
-        "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 3},
-        "compression": {"codec": "group_topk", "density": 0.05},
-        "checkpoint": {"every_steps": 0},
-    })
-    started = time.perf_counter()
-    with pytest.raises(TrainingFailed, match=r"training stopped at step 0: NonFiniteError: step 0: rank 1's "
-                                             r"gradient is not finite at 0\.weight"):
-        run_job(spec, storage_path=str(tmp_path))
-    print(f"2 Ray Train workers, NaN on rank 1: failed together in {time.perf_counter() - started:.1f} s")
