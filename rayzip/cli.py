@@ -408,7 +408,8 @@ def bench_table(report_json: Path = typer.Argument(..., help="A `bench cluster` 
                 part: Optional[str] = typer.Option(None, help="A second table of the report (stall: a "
                                                              "checkpoint report's stall table; threads: its "
                                                              "default threads over one thread; headline: a "
-                                                             "cluster report's narrow table).")):
+                                                             "cluster report's narrow table; memory: a "
+                                                             "sharded-checkpoint report's bytes per rank).")):
     """Print a benchmark report as the Markdown table the README shows (generated from the JSON).
 
     Example: rayzip bench table docs/bench-codecs.json
@@ -454,6 +455,42 @@ def bench_scaling(
     chosen, spec_path = _cluster_bench_inputs(methods, spec)
     report = _run_cluster(lambda log: run_scaling_bench(chosen, counts, bandwidth, spec_path, steps, log=log))
     console.print(render_scaling_table(report))
+    _write_report(report, json_path)
+
+
+@bench_app.command("sharded-checkpoint")
+def bench_sharded_checkpoint(
+    workers: int = typer.Option(4, min=1, help="Gloo ranks on this machine."),
+    steps: int = typer.Option(30, min=1, help="AdamW steps of the GPT before the checkpoint."),
+    rounds: int = typer.Option(3, min=1, help="Interleaved rounds, each saving and loading with every writer; "
+                                              "rows give the medians of the slowest rank."),
+    shard_size: Optional[int] = typer.Option(None, help="HSDP shard groups of this many ranks (default: FSDP "
+                                                        "over every rank)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+):
+    """A sharded model's checkpoint through torch.distributed.checkpoint: rayzip's storage layer
+    against torch's FileSystemWriter (bytes, save and load seconds), ZipNN's ratio on the same
+    pieces, and each rank's parameter, gradient and optimizer bytes against DDP's.
+
+    Example: rayzip bench sharded-checkpoint --json out/bench-sharded-checkpoint.json
+    """
+    from .bench.sharded_checkpoint import render_table, run_sharded_checkpoint_bench
+
+    try:
+        import zipnn  # noqa: F401
+    except ImportError:
+        console.print("[red]error:[/red] the ZipNN baseline needs `pip install zipnn`", highlight=False)
+        raise typer.Exit(2)
+    try:
+        report = run_sharded_checkpoint_bench(workers, steps, rounds, shard_size,
+                                              log=lambda line: console.print(line, highlight=False))
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2)
+    console.print(render_table(report))
+    console.print(f"ratio rayzip / ZipNN: {report['rayzip_over_zipnn_ratio']:.3f}; save rayzip / torch: "
+                  f"{report['save_s_rayzip_over_torch']:.3f}; load: {report['load_s_rayzip_over_torch']:.3f}; "
+                  f"rank 0 holds {report['held_over_ddp']:.3f}x DDP's bytes", highlight=False)
     _write_report(report, json_path)
 
 

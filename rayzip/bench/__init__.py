@@ -9,11 +9,13 @@ __all__ = ["markdown_table", "provenance", "write_json"]
 
 
 def markdown_table(report: dict, part: str | None = None) -> str | None:
-    """A ``bench cluster``, ``scaling``, ``collectives``, ``codecs`` or ``checkpoint`` report as
+    """A ``bench cluster``, ``scaling``, ``collectives``, ``codecs``, ``checkpoint`` or
+    ``sharded-checkpoint`` report as
     the Markdown table the README shows (generated from the JSON, never typed); None for
     other reports, or for a ``part`` the report does not have (``stall``: a checkpoint
     report's stall table; ``threads``: its speed on its default threads over one thread;
-    ``headline``: a cluster report's narrow table for the README and the home page)."""
+    ``headline``: a cluster report's narrow table for the README and the home page;
+    ``memory``: a sharded-checkpoint report's bytes held per rank)."""
     if part is not None:
         if part == "stall" and report.get("stall"):
             from .checkpoint import stall_markdown_table
@@ -23,6 +25,10 @@ def markdown_table(report: dict, part: str | None = None) -> str | None:
             from .checkpoint import threads_markdown_table
 
             return threads_markdown_table(report)
+        if part == "memory" and report.get("bench") == "sharded-checkpoint":
+            from .sharded_checkpoint import memory_markdown_table
+
+            return memory_markdown_table(report)
         if part == "headline" and "methods" in report:
             from .cluster import headline_markdown_table
 
@@ -44,6 +50,10 @@ def markdown_table(report: dict, part: str | None = None) -> str | None:
         from .cluster import scaling_markdown_table
 
         return scaling_markdown_table(report)
+    if report.get("bench") == "sharded-checkpoint":
+        from .sharded_checkpoint import markdown_table as sharded_table
+
+        return sharded_table(report)
     if "results" in report and "comparisons" in report:
         from .checkpoint import markdown_table as checkpoint_table
 

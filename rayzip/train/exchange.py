@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..adaptive.every import EveryTuner
 from ..checkpoint import DeltaChain
 from ..checkpoint import load as load_checkpoint
+from ..checkpoint.dcp import CompressedStorageReader, CompressedStorageWriter
 from ..codecs.memory import reshard_state
 from ..codecs import NonFiniteError
 from ..comm import ring_allreduce_bytes
@@ -95,9 +96,14 @@ class Exchange:
         # background checkpoint may copy them while the next forward and backward run.
         self.only_step_changes_weights = optimizer is not None
 
-    # Whether weights() is a collective every rank must call (a sharded model gathers its
-    # shards); otherwise rank 0 alone calls it.
-    collective_weights = False
+    # Whether every rank writes its own shards of the model and optimizer (save_shards, a
+    # collective) while weights() returns nothing; otherwise rank 0 writes weights() whole.
+    sharded_weights = False
+
+    def save_shards(self, directory: Path) -> None:
+        """Write this rank's shards of the model and optimizer into the checkpoint ``directory``
+        (every rank calls it at the same step); only where :attr:`sharded_weights`."""
+        raise NotImplementedError(f"{type(self).__name__} writes its weights whole")
 
     @property
     def ddp(self) -> bool:
@@ -421,17 +427,20 @@ class ShardedModelExchange(Exchange):
     """FSDP2: the model's parameters, gradients and optimizer state are sharded over each
     node's workers; with ``state`` (a :class:`rayzip.torch.fsdp.ShardedExchange`) each shard's
     gradient is averaged across nodes by rayzip's engine, else FSDP2 does it (``fsdp``, or
-    FSDP2's own HSDP). Checkpoints hold the full model and optimizer, gathered to rank 0, so a
-    restart on another world size reshards them."""
+    FSDP2's own HSDP). Checkpoints go through ``torch.distributed.checkpoint``: every rank
+    writes its own shards, compressed by rayzip's codec (:mod:`rayzip.checkpoint.dcp`), with
+    no gather; DCP's planner reshards them on load, so a restart on another world size
+    resumes."""
 
     name = "fsdp"
-    collective_weights = True
+    sharded_weights = True
+    SHARDS = "shards"  # the checkpoint's folder for DCP: .metadata and __<rank>/
 
     def __init__(self, *args, nodes: int, shard_world: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.nodes, self.shard_world = nodes, shard_world
-        # A checkpoint gathers host copies of the full state at once (weights()): there are
-        # no copies of the optimizer's own tensors to defer to the writer.
+        # The shards are written at the step itself (save_shards): there are no copies of the
+        # optimizer's own tensors to defer to a background writer.
         self.only_step_changes_weights = False
 
     def begin_step(self, step: int, last: bool) -> None:
@@ -460,23 +469,36 @@ class ShardedModelExchange(Exchange):
                        comm_source="none", bytes_source="formula")
 
     def weights(self) -> tuple[dict, dict]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        return {}, {}  # in save_shards' folder
 
-        return get_state_dict(self.model, self.optimizer,
-                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    def _sharded_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        # This rank's shards as DTensors, no gather (and AdamW's state created if not yet).
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def save_shards(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._sharded_state(), storage_writer=CompressedStorageWriter(directory / self.SHARDS))
 
     def restore(self, checkpoint, chain: DeltaChain | None = None) -> tuple[int, dict | None]:
-        """The full model and optimizer, resharded to this world; each rank's residuals where
-        the world size is the same (a shard's residual belongs to its layout)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        """The model's and optimizer's shards, resharded to this world by DCP's planner; each
+        rank's residuals where the world size is the same (a shard's residual belongs to its
+        layout)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         if checkpoint is None:
             return 0, None
         with checkpoint.as_directory() as path:
             path = Path(path)
-            trainer = load_trainer(path, None, chain)  # the model is loaded whole, then resharded
-            set_state_dict(self.model, self.optimizer, model_state_dict=trainer["model"],
-                           optim_state_dict=trainer["optimizer"], options=StateDictOptions(full_state_dict=True))
+            trainer = load_trainer(path, None, chain)  # the step, data position, RNG; no weights
+            state = self._sharded_state()
+            dcp.load(state, storage_reader=CompressedStorageReader(path / self.SHARDS))
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
             if self.state is not None:
                 own = path / f"rank{self.rank}"
                 if int(trainer["world_size"]) == self.world and own.exists():

@@ -267,11 +267,9 @@ def _checkpoint(spec: JobSpec, task: Task, exchange: Exchange, run: _Run, step: 
         parts: dict = {}
 
         def take(copy) -> Parts:
-            weights = exchange.weights
-            if exchange.collective_weights:  # a sharded model: every rank takes part in gathering it
-                gathered = exchange.weights()
-                weights = lambda: gathered  # noqa: E731
-            taken, parts["index"] = step_parts(exchange.rank, exchange.world, step, weights,
+            if exchange.sharded_weights:  # every rank writes its own shards, now (a collective)
+                exchange.save_shards(directory)
+            taken, parts["index"] = step_parts(exchange.rank, exchange.world, step, exchange.weights,
                                                exchange.state, totals,
                                                {"data": task.data_state(step + 1), "metric": run.metric}, copy)
             return taken

@@ -1,14 +1,16 @@
 """Sharded models under `rayzip run` on a local Ray (issue 47): the GPT with FSDP2 over two
 "nodes" of two workers each (``sharding.shard_size: 2``), each shard's gradient averaged
 between the nodes through group top-k with error feedback, and a killed worker resumed from
-the last checkpoint exactly: the full model and optimizer gathered to rank 0, resharded on
-load, and every rank's residuals."""
+the last checkpoint exactly: every rank's shards of the model and AdamW written through
+torch.distributed.checkpoint (rayzip's codec as its storage layer), and its residuals."""
 
 from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
+from rayzip import checkpoint
 from rayzip.runner import run_job
 from rayzip.spec import JobSpec
 
@@ -40,10 +42,14 @@ def test_hsdp_with_compressed_shards_between_nodes_resumes_a_killed_worker_exact
                       on_progress=kill_once)
     assert killed and summary["restarts"] == 1, (killed, summary["resumes"])
     assert summary["steps"] == 20 and summary["world_size"] == 4
+    shards = Path(summary["checkpoint"]) / "shards"
+    assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0", "__1", "__2", "__3"]
+    trainer = checkpoint.load(Path(summary["checkpoint"]) / "trainer")
+    assert trainer["model"] == {} and trainer["optimizer"] == {}  # nothing gathered to rank 0
     (resume,) = summary["resumes"]
     assert resume["resumed_at"] == killed["reported"] + 1, (resume, killed)
-    # Weights, AdamW's moments (gathered whole, resharded on load), each rank's residuals and
-    # the data position came back: every redone step repeated rank 0's loss bit for bit.
+    # Weights, AdamW's moments (each rank's DCP shards), each rank's residuals and the data
+    # position came back: every redone step repeated rank 0's loss bit for bit.
     replayed = summary["replayed"]
     assert replayed["steps"] >= 3 and replayed["identical"] == replayed["steps"], replayed
     # Group top-k at 5% between the nodes, against FSDP2's dense exchange of the same shards.

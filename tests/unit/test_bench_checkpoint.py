@@ -116,3 +116,8 @@ def test_each_compressor_follows_its_neighbours_as_often_as_it_precedes_them():
     assert follows[("rayzip", "rayzip-1t")] > 0
     assert {tuple(_turns(names, r)) for r in range(2 * len(names))} == {
         tuple(names[s:] + names[:s])[::d] for s in range(len(names)) for d in (1, -1)}
+
+
+def test_bench_sharded_checkpoint_refuses_a_shard_size_that_does_not_divide_the_ranks():
+    result = CliRunner().invoke(app, ["bench", "sharded-checkpoint", "--workers", "4", "--shard-size", "3"])
+    assert result.exit_code == 2 and "--shard-size 3 must divide --workers 4" in result.output, result.output

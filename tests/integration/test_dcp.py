@@ -1,0 +1,153 @@
+"""Sharded checkpoints through torch.distributed.checkpoint with rayzip's codec as the storage
+layer (issue 47): four gloo ranks save an FSDP2 model and its AdamW state, each rank its own
+compressed pieces; two or four ranks load them, DCP's planner resharding."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from gloo_world import run_world
+
+SAVED_AT = 4
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # odd sizes: FSDP2 pads dimension 0 of each parameter to a multiple of the world
+    return torch.nn.Sequential(torch.nn.Linear(13, 62), torch.nn.ReLU(), torch.nn.Linear(62, 29), torch.nn.ReLU(),
+                               torch.nn.Linear(29, 5))
+
+
+def _sharded(world: int, blank: bool):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    if blank:  # a restart's model: nothing of the saved run's weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _full(model, optimizer) -> dict:
+    """The whole state, gathered: what a resume must reproduce bit for bit."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer,
+                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": model_state, "optim": optim_state}
+
+
+def _save_rank(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from rayzip.checkpoint.dcp import CompressedStorageWriter
+
+    model, optimizer = _sharded(world, blank=False)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(SAVED_AT):
+        x, y = torch.randn(16, 13, generator=gen), torch.randint(0, 5, (16,), generator=gen)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)  # this rank's shards, no gather
+    dcp.save({"model": model_state, "optim": optim_state}, storage_writer=CompressedStorageWriter(path, threads=1))
+    return _full(model, optimizer)
+
+
+def _load_rank(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from rayzip.checkpoint import CheckpointError
+    from rayzip.checkpoint.dcp import CompressedStorageReader
+
+    model, optimizer = _sharded(world, blank=True)
+    model_state, optim_state = get_state_dict(model, optimizer)  # also creates AdamW's state to load into
+    state = {"model": model_state, "optim": optim_state}
+    try:
+        dcp.load(state, storage_reader=CompressedStorageReader(path, threads=1))
+    except CheckpointException as exc:  # DCP gathers every rank's failure and raises it on every rank
+        return {"error": f"{type(exc).__name__}: {exc}", "checkpoint_error": CheckpointError.__name__ in str(exc)}
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _full(model, optimizer)
+
+
+def _assert_same(a, b, where=""):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}/{i}")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        bits = lambda t: t.reshape(-1).view(torch.uint8) if t.is_floating_point() else t  # noqa: E731
+        assert torch.equal(bits(a), bits(b)), where  # bit for bit
+    else:
+        assert a == b, where
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dcp") / "step4"
+    full = run_world(_save_rank, 4, str(path), timeout_s=120)[0]
+    return path, full
+
+
+def test_each_rank_writes_its_own_compressed_pieces_and_metadata_maps_them(saved):
+    from rayzip.checkpoint import verify
+    from rayzip.checkpoint.dcp import stored_bytes
+
+    path, _ = saved
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0", "__1", "__2", "__3"]
+    for rank in range(4):
+        assert verify(path / f"__{rank}")["tensors"] > 0  # every rank holds pieces of the model and of AdamW
+    sizes = stored_bytes(path)
+    assert 0 < sizes["stored_bytes"] < sizes["raw_bytes"]
+    print(f"DCP through rayzip, 4 ranks: {sizes['raw_bytes']} raw bytes stored in {sizes['stored_bytes']}")
+
+
+@pytest.mark.parametrize("world", [4, 2])
+def test_loading_on_the_same_or_fewer_ranks_gives_the_saved_state_bit_for_bit(saved, world):
+    path, full = saved
+    results = run_world(_load_rank, world, str(path), timeout_s=120)
+    assert not any("error" in r for r in results), results
+    _assert_same(full, results[0])  # the state gathered to rank 0 (cpu_offload: to rank 0 only)
+    assert int(full["optim"]["state"]["0.weight"]["step"]) == SAVED_AT
+
+
+def test_a_damaged_piece_fails_the_load_on_every_rank_naming_the_file_and_the_piece(saved, tmp_path):
+    import shutil
+
+    path, _ = saved
+    damaged = tmp_path / "damaged"
+    shutil.copytree(path, damaged)
+    data = damaged / "__2" / "tensors.bin"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data.write_bytes(bytes(raw))
+    results = run_world(_load_rank, 4, str(damaged), timeout_s=120)
+    for result in results:
+        assert "error" in result and result["checkpoint_error"], result
+        # the file, and the piece: AdamW's second moment of a layer, at its offset
+        assert f"{os.sep}__2{os.sep}tensors.bin: tensor '/optim.state." in result["error"], result["error"]
+
+
+def test_a_folder_without_metadata_is_refused_by_name(tmp_path):
+    from rayzip.checkpoint import CheckpointError
+    from rayzip.checkpoint.dcp import CompressedStorageReader
+
+    with pytest.raises(CheckpointError, match=r"\.metadata: missing"):
+        CompressedStorageReader(tmp_path).read_metadata()
