@@ -21,9 +21,10 @@ def digits_loop(config: dict, ctx) -> None:
                                                   torch.nn.Linear(config["hidden"], 10)))
     optimizer = ctx.build_optimizer(model.parameters())
     start = ctx.restore(model, optimizer).get("step", -1) + 1
-    gen = torch.Generator().manual_seed(ctx.rank)
+    every = config.get("checkpoint_every")
     for step in range(start, config["steps"]):
         ctx.telemetry.begin_step()
+        gen = torch.Generator().manual_seed(1000 * step + ctx.rank)  # a step's batch, in any attempt
         idx = mine[torch.randint(0, len(mine), (32,), generator=gen)]
         for group in optimizer.param_groups:
             group["lr"] = ctx.learning_rate(step, config["steps"])
@@ -32,6 +33,8 @@ def digits_loop(config: dict, ctx) -> None:
         loss.backward()
         optimizer.step()
         record = ctx.telemetry.end_step(step, float(loss))
+        if every and (step + 1) % every == 0 and step + 1 < config["steps"]:
+            ctx.report({"step": step, "loss": float(loss)}, model=model, optimizer=optimizer, extra={"step": step})
         if step + 1 == config["steps"]:
             with torch.no_grad():
                 accuracy = float((model(x_test).argmax(1) == y_test).float().mean())

@@ -184,6 +184,7 @@ class ShardedExchange:
         self._seen: set[int] = set()
         self._snapshots: list | None = None
         self.last_step: StepStats | None = None
+        self.link_probe = None  # no timed start-up sync: the adaptive controller does not run on shards yet
 
     # --- the hook -----------------------------------------------------------------------------
     def _hook(self, index: int, reduce_output: torch.Tensor) -> None:

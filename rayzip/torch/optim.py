@@ -58,11 +58,14 @@ def fused_where_possible(cls: type[torch.optim.Optimizer], params, **settings) -
     On CPU torch's default is a loop of per-tensor ops (AdamW over the 7.25M-parameter GPT:
     14.2 ms a step against 4.7 ms fused, one thread). Torch's default where the fused kernel
     cannot take the parameters (sparse or integer tensors, other devices, torch before 2.4 on
-    CPU)."""
+    CPU), and for a sharded model's DTensors: some fused kernels (SGD's) have no sharding rule,
+    which only the first step would find."""
+    from torch.distributed.tensor import DTensor
+
     params = list(params)
     tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
     if tensors and all(p.is_floating_point() and p.layout == torch.strided and p.device.type in ("cpu", "cuda")
-                       for p in tensors):
+                       and not isinstance(p, DTensor) for p in tensors):
         try:
             return cls(params, fused=True, **settings)
         except RuntimeError:  # this torch has no fused kernel for these parameters

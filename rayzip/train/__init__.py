@@ -13,7 +13,7 @@ from importlib import import_module
 # Every name is loaded when first asked for: the API and the loop import Ray Train, and the
 # package's other modules (checkpoints, the GPT, the text data) are used where Ray is not.
 _WHERE = {"CompressionConfig": "api", "compression_state": "api", "flush": "api", "prepare_model": "api",
-          "report": "api", "restore": "api", "save_checkpoint": "api", "StepRecord": "records", "Totals": "records",
+          "report": "api", "restore": "api", "save_checkpoint": "api", "ShardingConfig": "api", "StepRecord": "records", "Totals": "records",
           "Traffic": "records", "Telemetry": "telemetry", "LoopContext": "loop", "Faults": "faults"}
 
 
@@ -25,5 +25,5 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["CompressionConfig", "Faults", "LoopContext", "StepRecord", "Telemetry", "Totals", "Traffic", "compression_state",
+__all__ = ["CompressionConfig", "Faults", "LoopContext", "ShardingConfig", "StepRecord", "Telemetry", "Totals", "Traffic", "compression_state",
            "flush", "prepare_model", "report", "restore", "save_checkpoint"]

@@ -36,24 +36,27 @@ from typing import Any
 import ray.train
 import ray.train.torch
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from ..spec import CompressionSpec
+from ..spec import CompressionSpec, ShardingSpec
 from ..engine.config import CompressionConfig
 from ..engine import GradientExchange
+from ..torch.fsdp import ShardedExchange, ShardingConfig, compress_sharded, shard_model
 from ..torch.hook import compress, ddp_kwargs
-from .checkpoints import (GroupCheckpoints, load_optimizer, load_trainer, restore_hook, take_parts, unwrap,
-                          write_parts, write_taken)
+from .checkpoints import (GroupCheckpoints, load_optimizer, load_shards, load_trainer, restore_hook,
+                          restore_sharded_hook, save_shards, take_parts, unwrap, write_parts, write_taken)
 from .exchange import node_id
 from .probe import prepare_timed
 
-__all__ = ["CompressionConfig", "compression_state", "flush", "prepare_model", "report", "restore",
+__all__ = ["CompressionConfig", "ShardingConfig", "compression_state", "flush", "prepare_model", "report", "restore",
            "save_checkpoint"]
 
 _ATTRIBUTE = "_rayzip_compression_state"
 
 
 def prepare_model(model: torch.nn.Module, compression: CompressionConfig | CompressionSpec | None = None, *,
+                  sharding: ShardingConfig | ShardingSpec | None = None,
                   momentum: float | None = None, adam_betas: tuple[float, float] | None = None,
                   on_nonfinite: str = "raise", grad_scaler: torch.amp.GradScaler | None = None,
                   **prepare_kwargs: Any) -> torch.nn.Module:
@@ -65,6 +68,12 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | Compr
         model: your model, inside a Ray Train worker.
         compression: the library's config, or a job spec's compression section (converted
             with its ``to_config``); None: plain DDP.
+        sharding: shard the model with FSDP2 instead of DDP
+            (:class:`rayzip.torch.fsdp.ShardingConfig`, or a job spec's ``sharding`` section):
+            under ``hsdp`` each shard group is a node's workers by default, and ``compression``
+            averages each gradient shard between the groups (without a codec, FSDP2's own
+            HSDP does, densely); :func:`report` and :func:`restore` then write and read each
+            rank's shards through ``torch.distributed.checkpoint``.
         momentum: the SGD momentum, with ``compression.momentum_correction``: build the
             optimizer with momentum 0 where :func:`compression_state` is not None, with this
             momentum where it is.
@@ -82,11 +91,15 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | Compr
 
         model = rayzip.train.prepare_model(model, compression=CompressionConfig(codec="group_topk", density=0.01))
     """
+    if isinstance(sharding, ShardingSpec):
+        sharding = sharding.to_config() if sharding.enabled else None
     if isinstance(compression, CompressionSpec):
         if compression.collective == "ps":
             raise ValueError("collective ps runs parameter-server shards, which `rayzip run` starts; "
                              "in your own loop, choose auto, ring, allreduce or allgather")
         compression = compression.to_config()
+    if sharding is not None:
+        return _prepare_sharded(model, compression, sharding, momentum, adam_betas, on_nonfinite, grad_scaler)
     if compression is not None and "parallel_strategy_kwargs" not in prepare_kwargs:
         prepare_kwargs["parallel_strategy_kwargs"] = ddp_kwargs(compression)
     prepared, probe = prepare_timed(model, **prepare_kwargs)
@@ -100,7 +113,28 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | Compr
     return prepared
 
 
-def compression_state(model: torch.nn.Module) -> GradientExchange | None:
+def _prepare_sharded(model: torch.nn.Module, compression: CompressionConfig | None, sharding: ShardingConfig,
+                     momentum: float | None, adam_betas: tuple[float, float] | None, on_nonfinite: str,
+                     grad_scaler: torch.amp.GradScaler | None) -> torch.nn.Module:
+    if grad_scaler is not None or (compression is not None and compression.adam_correction):
+        raise ValueError("a sharded model takes no grad_scaler or adam_correction yet")
+    context = ray.train.get_context()
+    model = model.to(ray.train.torch.get_device())
+    codec = compression is not None and compression.codec != "none"
+    model, replicate = shard_model(model, sharding, context.get_local_world_size(), native_hsdp=not codec)
+    state = None
+    if replicate is not None:
+        state = compress_sharded(model, compression, replicate, on_nonfinite=on_nonfinite,
+                                 momentum=momentum if compression.momentum_correction else None)
+    object.__setattr__(model, _ATTRIBUTE, state)
+    return model
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def compression_state(model: torch.nn.Module) -> GradientExchange | ShardedExchange | None:
     """The engine behind a prepared model's hook.
 
     Args:
@@ -108,8 +142,9 @@ def compression_state(model: torch.nn.Module) -> GradientExchange | None:
 
     Returns:
         Its :class:`~rayzip.engine.GradientExchange` (``last_step``, ``set_density``,
-        ``propose``...), or None at world size 1 or for a model that :func:`prepare_model`
-        did not prepare.
+        ``propose``...), a sharded model's :class:`~rayzip.torch.fsdp.ShardedExchange`, or
+        None at world size 1, for a sharded model with nothing to exchange between shard
+        groups, or for a model that :func:`prepare_model` did not prepare.
     """
     return getattr(model, _ATTRIBUTE, None)
 
@@ -118,6 +153,9 @@ def _trainer_part(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     state = compression_state(model)
 
     def trainer() -> dict:
+        if _is_sharded(model):  # every rank's shards are in save_shards' folder
+            return {"model": {}, "optimizer": None, "step": state.step - 1 if state is not None else -1,
+                    "extra": dict(extra or {})}
         return {"model": unwrap(model).state_dict(),
                 "optimizer": optimizer.state_dict() if optimizer is not None else None,
                 "step": state.step - 1 if state is not None else -1, "extra": dict(extra or {})}
@@ -133,6 +171,8 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
     directory = Path(directory)
     context = ray.train.get_context()
     trainer, state = _trainer_part(model, optimizer, extra)
+    if _is_sharded(model):
+        save_shards(directory, model, optimizer)
     write_parts(directory, context.get_world_rank(), context.get_world_size(), trainer, state)
     return directory
 
@@ -184,10 +224,13 @@ def report(metrics: dict, model: torch.nn.Module | None = None, optimizer: torch
         directory = Path(tempfile.mkdtemp(prefix="rayzip-ckpt-"))
         context = ray.train.get_context()
         trainer, state = _trainer_part(model, optimizer, extra)
-        ready += group.save(directory,
-                            lambda copy: take_parts(context.get_world_rank(), context.get_world_size(), trainer,
-                                                    state, copy),
-                            lambda parts: write_taken(directory, parts), background=background)
+
+        def take(copy):
+            if _is_sharded(model):  # every rank writes its shards now (a collective)
+                save_shards(directory, model, optimizer)
+            return take_parts(context.get_world_rank(), context.get_world_size(), trainer, state, copy)
+
+        ready += group.save(directory, take, lambda parts: write_taken(directory, parts), background=background)
     _report(metrics, ready)
 
 
@@ -232,10 +275,16 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     context = ray.train.get_context()
     with checkpoint.as_directory() as path:
         path = Path(path)
+        state = compression_state(model)
+        if _is_sharded(model):
+            trainer = load_trainer(path, None)
+            load_shards(path, model, optimizer)
+            if state is not None:
+                restore_sharded_hook(path, context.get_world_rank(), context.get_world_size(), trainer, state)
+            return dict(trainer.get("extra") or {})
         trainer = load_trainer(path, model)
         if optimizer is not None and trainer.get("optimizer") is not None:
             load_optimizer(optimizer, trainer["optimizer"])
-        state = compression_state(model)
         if state is not None:
             restore_hook(path, context.get_world_rank(), context.get_world_size(), trainer, state)
     return dict(trainer.get("extra") or {})

@@ -26,11 +26,14 @@ from ..checkpoint import DeltaChain
 from ..checkpoint.background import BackgroundWriter, Deferred, SnapshotBuffers, snapshot
 from ..checkpoint import load as load_checkpoint
 from ..checkpoint import save as save_checkpoint
+from ..checkpoint.dcp import CompressedStorageReader, CompressedStorageWriter
 from ..codecs.memory import reshard_state
 from ..torch.optim import load_optimizer
 
-__all__ = ["GroupCheckpoints", "Parts", "holder_parts", "load_optimizer", "load_trainer", "restore_hook", "take_parts", "unwrap",
-           "write_parts", "write_taken"]
+__all__ = ["GroupCheckpoints", "Parts", "holder_parts", "load_optimizer", "load_shards", "load_trainer", "restore_hook",
+           "restore_sharded_hook", "save_shards", "take_parts", "unwrap", "write_parts", "write_taken"]
+
+SHARDS = "shards"  # a sharded model's folder in a checkpoint: DCP's .metadata and __<rank>/
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -155,6 +158,50 @@ def restore_hook(path: Path, rank: int, world: int, trainer: dict, state) -> Non
         print(f"rayzip: rank {rank}: world size {old_world} -> {world}: error feedback re-sharded from "
               f"rank(s) {sorted(parts) or 'none'}")
     state.step = trainer["step"] + 1
+
+
+def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    # This rank's shards as DTensors, no gather (AdamW's state is created if not yet).
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def save_shards(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Every rank writes its own shards of an FSDP2 ``model`` and its ``optimizer`` into the
+    checkpoint ``directory``, through ``torch.distributed.checkpoint`` with rayzip's codec as
+    the storage layer (:mod:`rayzip.checkpoint.dcp`). A collective: every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_sharded_state(model, optimizer), storage_writer=CompressedStorageWriter(directory / SHARDS))
+
+
+def load_shards(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """:func:`save_shards`' checkpoint into ``model`` and ``optimizer`` on this world, which
+    DCP's planner reshards to (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    state = _sharded_state(model, optimizer)
+    dcp.load(state, storage_reader=CompressedStorageReader(path / SHARDS))
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def restore_sharded_hook(path: Path, rank: int, world: int, trainer: dict, state) -> None:
+    """A sharded exchange's state (:class:`rayzip.torch.fsdp.ShardedExchange`): this rank's
+    own where the world size is the same; otherwise its residuals start afresh at the
+    checkpoint's step (a shard's residual belongs to its layout)."""
+    own = path / f"rank{rank}"
+    if int(trainer["world_size"]) == world and own.exists():
+        state.load_state_dict(load_checkpoint(own)["hook"])
+    else:
+        state.start_at(trainer["step"] + 1)
 
 
 class GroupCheckpoints:

@@ -39,7 +39,6 @@ from torch.nn.parallel import DistributedDataParallel
 from ..adaptive.every import EveryTuner
 from ..checkpoint import DeltaChain
 from ..checkpoint import load as load_checkpoint
-from ..checkpoint.dcp import CompressedStorageReader, CompressedStorageWriter
 from ..codecs.memory import reshard_state
 from ..codecs import NonFiniteError
 from ..comm import ring_allreduce_bytes
@@ -50,7 +49,8 @@ from ..torch import compress, ddp_kwargs
 from ..torch.baselines import register_torch_hook
 from ..torch.local_steps import LocalSteps
 from ..torch.optim import build_optimizer
-from .checkpoints import load_optimizer, load_trainer, restore_hook, unwrap
+from .checkpoints import (load_optimizer, load_shards, load_trainer, restore_hook, restore_sharded_hook, save_shards,
+                          unwrap)
 from .probe import prepare_timed
 from .records import Traffic, traffic_of
 
@@ -434,7 +434,6 @@ class ShardedModelExchange(Exchange):
 
     name = "fsdp"
     sharded_weights = True
-    SHARDS = "shards"  # the checkpoint's folder for DCP: .metadata and __<rank>/
 
     def __init__(self, *args, nodes: int, shard_world: int, **kwargs):
         super().__init__(*args, **kwargs)
@@ -471,40 +470,21 @@ class ShardedModelExchange(Exchange):
     def weights(self) -> tuple[dict, dict]:
         return {}, {}  # in save_shards' folder
 
-    def _sharded_state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        # This rank's shards as DTensors, no gather (and AdamW's state created if not yet).
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optimizer": optimizer_state}
-
     def save_shards(self, directory: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(self._sharded_state(), storage_writer=CompressedStorageWriter(directory / self.SHARDS))
+        save_shards(directory, self.model, self.optimizer)
 
     def restore(self, checkpoint, chain: DeltaChain | None = None) -> tuple[int, dict | None]:
         """The model's and optimizer's shards, resharded to this world by DCP's planner; each
         rank's residuals where the world size is the same (a shard's residual belongs to its
         layout)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
         if checkpoint is None:
             return 0, None
         with checkpoint.as_directory() as path:
             path = Path(path)
             trainer = load_trainer(path, None, chain)  # the step, data position, RNG; no weights
-            state = self._sharded_state()
-            dcp.load(state, storage_reader=CompressedStorageReader(path / self.SHARDS))
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"])
+            load_shards(path, self.model, self.optimizer)
             if self.state is not None:
-                own = path / f"rank{self.rank}"
-                if int(trainer["world_size"]) == self.world and own.exists():
-                    self.state.load_state_dict(load_checkpoint(own)["hook"])
-                else:
-                    self.state.start_at(trainer["step"] + 1)
+                restore_sharded_hook(path, self.rank, self.world, trainer, self.state)
         return trainer["step"] + 1, trainer
 
 

@@ -310,10 +310,11 @@ class LoopContext:
         self._progress = ray.get_actor(config["progress"]) if config.get("progress") and self.rank == 0 else None
 
     def prepare_model(self, model: torch.nn.Module, **prepare_kwargs: Any) -> torch.nn.Module:
-        """:func:`rayzip.train.prepare_model` with the spec's compression section."""
+        """:func:`rayzip.train.prepare_model` with the spec's compression and sharding sections."""
         from .api import prepare_model
 
-        self.model = prepare_model(model, compression=self.spec.compression, on_nonfinite=self.spec.training.on_nonfinite,
+        self.model = prepare_model(model, compression=self.spec.compression, sharding=self.spec.sharding,
+                                   on_nonfinite=self.spec.training.on_nonfinite,
                                    momentum=self.spec.training.momentum if self.spec.compression.momentum_correction
                                    else None, adam_betas=tuple(self.spec.training.betas), **prepare_kwargs)
         return self.model
