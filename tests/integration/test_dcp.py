@@ -1,6 +1,6 @@
 """Sharded checkpoints through torch.distributed.checkpoint with rayzip's codec as the storage
 layer (issue 47): four gloo ranks save an FSDP2 model and its AdamW state, each rank its own
-compressed pieces; two or four ranks load them, DCP's planner resharding."""
+compressed pieces; two ranks load them, DCP's planner resharding."""
 
 from __future__ import annotations
 
@@ -119,10 +119,11 @@ def test_each_rank_writes_its_own_compressed_pieces_and_metadata_maps_them(saved
     print(f"DCP through rayzip, 4 ranks: {sizes['raw_bytes']} raw bytes stored in {sizes['stored_bytes']}")
 
 
-@pytest.mark.parametrize("world", [4, 2])
-def test_loading_on_the_same_or_fewer_ranks_gives_the_saved_state_bit_for_bit(saved, world):
+def test_loading_on_fewer_ranks_gives_the_saved_state_bit_for_bit(saved):
+    """Four ranks' shards resharded onto two (a resume on the same world size is
+    tests/system/test_sharding.py's, through Ray Train)."""
     path, full = saved
-    results = run_world(_load_rank, world, str(path), timeout_s=120)
+    results = run_world(_load_rank, 2, str(path), timeout_s=120)
     assert not any("error" in r for r in results), results
     _assert_same(full, results[0])  # the state gathered to rank 0 (cpu_offload: to rank 0 only)
     assert int(full["optim"]["state"]["0.weight"]["step"]) == SAVED_AT
@@ -138,7 +139,7 @@ def test_a_damaged_piece_fails_the_load_on_every_rank_naming_the_file_and_the_pi
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     data.write_bytes(bytes(raw))
-    results = run_world(_load_rank, 4, str(damaged), timeout_s=120)
+    results = run_world(_load_rank, 2, str(damaged), timeout_s=120)
     for result in results:
         assert "error" in result and result["checkpoint_error"], result
         # the file, and the piece: AdamW's second moment of a layer, at its offset
