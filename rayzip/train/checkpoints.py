@@ -31,7 +31,8 @@ from ..codecs.memory import reshard_state
 from ..torch.optim import load_optimizer
 
 __all__ = ["GroupCheckpoints", "Parts", "holder_parts", "load_optimizer", "load_shards", "load_trainer", "restore_hook",
-           "restore_sharded_hook", "save_shards", "take_parts", "unwrap", "write_parts", "write_taken"]
+           "restore_sharded_hook", "save_shards", "take_parts", "take_shards", "unwrap", "write_parts", "write_shards",
+           "write_taken"]
 
 SHARDS = "shards"  # a sharded model's folder in a checkpoint: DCP's .metadata and __<rank>/
 
@@ -170,13 +171,44 @@ def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     return {"model": model_state, "optimizer": optimizer_state}
 
 
-def save_shards(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Every rank writes its own shards of an FSDP2 ``model`` and its ``optimizer`` into the
-    checkpoint ``directory``, through ``torch.distributed.checkpoint`` with rayzip's codec as
-    the storage layer (:mod:`rayzip.checkpoint.dcp`). A collective: every rank calls it."""
+def _host_copy(nest: Any) -> Any:
+    """``nest`` with every tensor copied to host memory, a DTensor as a DTensor over a copy of
+    its own shard: a snapshot that later steps cannot change, written while they run."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(nest, DTensor):
+        local = nest.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, nest.device_mesh, nest.placements, run_check=False, shape=nest.shape,
+                                  stride=nest.stride())
+    if isinstance(nest, torch.Tensor):
+        return nest.detach().to("cpu", copy=True)
+    if isinstance(nest, dict):
+        return {key: _host_copy(value) for key, value in nest.items()}
+    if isinstance(nest, (list, tuple)):
+        return type(nest)(_host_copy(value) for value in nest)
+    return nest
+
+
+def take_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, copy: bool) -> dict:
+    """This rank's shards of an FSDP2 ``model`` and its ``optimizer``: host copies with
+    ``copy`` (for a write while training goes on), else the live tensors (for a write now)."""
+    state = _sharded_state(model, optimizer)
+    return _host_copy(state) if copy else state
+
+
+def write_shards(directory: Path, shards: dict, process_group: dist.ProcessGroup | None = None) -> None:
+    """Every rank writes its shards (:func:`take_shards`) into the checkpoint ``directory``,
+    through ``torch.distributed.checkpoint`` with rayzip's codec as the storage layer
+    (:mod:`rayzip.checkpoint.dcp`). A collective over ``process_group`` (default: the world):
+    every rank calls it, on a thread of its own if the group is its own."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_sharded_state(model, optimizer), storage_writer=CompressedStorageWriter(directory / SHARDS))
+    dcp.save(shards, storage_writer=CompressedStorageWriter(directory / SHARDS), process_group=process_group)
+
+
+def save_shards(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """:func:`take_shards` and :func:`write_shards` now, over the world."""
+    write_shards(directory, take_shards(model, optimizer, copy=False))
 
 
 def load_shards(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

@@ -49,8 +49,8 @@ from ..torch import compress, ddp_kwargs
 from ..torch.baselines import register_torch_hook
 from ..torch.local_steps import LocalSteps
 from ..torch.optim import build_optimizer
-from .checkpoints import (load_optimizer, load_shards, load_trainer, restore_hook, restore_sharded_hook, save_shards,
-                          unwrap)
+from .checkpoints import (load_optimizer, load_shards, load_trainer, restore_hook, restore_sharded_hook, take_shards,
+                          unwrap, write_shards)
 from .probe import prepare_timed
 from .records import Traffic, traffic_of
 
@@ -96,13 +96,19 @@ class Exchange:
         # background checkpoint may copy them while the next forward and backward run.
         self.only_step_changes_weights = optimizer is not None
 
-    # Whether every rank writes its own shards of the model and optimizer (save_shards, a
-    # collective) while weights() returns nothing; otherwise rank 0 writes weights() whole.
+    # Whether every rank writes its own shards of the model and optimizer (take_shards, then
+    # write_shards, a collective) while weights() returns nothing; otherwise rank 0 writes
+    # weights() whole.
     sharded_weights = False
 
-    def save_shards(self, directory: Path) -> None:
-        """Write this rank's shards of the model and optimizer into the checkpoint ``directory``
-        (every rank calls it at the same step); only where :attr:`sharded_weights`."""
+    def take_shards(self, copy: bool) -> dict:
+        """This rank's shards of the model and optimizer: host copies with ``copy``, else the
+        live tensors; only where :attr:`sharded_weights`."""
+        raise NotImplementedError(f"{type(self).__name__} writes its weights whole")
+
+    def write_shards(self, directory: Path, shards: dict) -> None:
+        """Write :meth:`take_shards`' result into the checkpoint ``directory``: every rank, in
+        the same order, on the training thread or the background writer's."""
         raise NotImplementedError(f"{type(self).__name__} writes its weights whole")
 
     @property
@@ -438,9 +444,12 @@ class ShardedModelExchange(Exchange):
     def __init__(self, *args, nodes: int, shard_world: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.nodes, self.shard_world = nodes, shard_world
-        # The shards are written at the step itself (save_shards): there are no copies of the
-        # optimizer's own tensors to defer to a background writer.
+        # Checkpoints take host copies of the shards at once (take_shards): there are no
+        # copies of the optimizer's own tensors to defer to the writer.
         self.only_step_changes_weights = False
+        # DCP's planning is a collective: on the background writer's thread it needs a group
+        # of its own, apart from the training's (every rank builds the exchange alike).
+        self.checkpoint_group = dist.new_group(backend="gloo") if self.world > 1 else None
 
     def begin_step(self, step: int, last: bool) -> None:
         if self.state is not None and last:
@@ -468,10 +477,13 @@ class ShardedModelExchange(Exchange):
                        comm_source="none", bytes_source="formula")
 
     def weights(self) -> tuple[dict, dict]:
-        return {}, {}  # in save_shards' folder
+        return {}, {}  # in write_shards' folder
 
-    def save_shards(self, directory: Path) -> None:
-        save_shards(directory, self.model, self.optimizer)
+    def take_shards(self, copy: bool) -> dict:
+        return take_shards(self.model, self.optimizer, copy)
+
+    def write_shards(self, directory: Path, shards: dict) -> None:
+        write_shards(directory, shards, self.checkpoint_group)
 
     def restore(self, checkpoint, chain: DeltaChain | None = None) -> tuple[int, dict | None]:
         """The model's and optimizer's shards, resharded to this world by DCP's planner; each

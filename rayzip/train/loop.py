@@ -267,16 +267,20 @@ def _checkpoint(spec: JobSpec, task: Task, exchange: Exchange, run: _Run, step: 
         parts: dict = {}
 
         def take(copy) -> Parts:
-            if exchange.sharded_weights:  # every rank writes its own shards, now (a collective)
-                exchange.save_shards(directory)
+            if exchange.sharded_weights:  # this rank's shards: host copies for a write in the background
+                parts["shards"] = exchange.take_shards(copy is not None)
             taken, parts["index"] = step_parts(exchange.rank, exchange.world, step, exchange.weights,
                                                exchange.state, totals,
                                                {"data": task.data_state(step + 1), "metric": run.metric}, copy)
             return taken
 
         run.checkpoint_steps[directory] = step
-        ready += checkpoints.save(directory, take,
-                                  lambda taken: write_taken(directory, taken, run.chain, parts["index"]))
+        def write(taken: Parts) -> None:
+            if "shards" in parts:  # every rank's own shards, through DCP (a collective)
+                exchange.write_shards(directory, parts.pop("shards"))
+            write_taken(directory, taken, run.chain, parts["index"])
+
+        ready += checkpoints.save(directory, take, write)
     if done:
         ready += checkpoints.flush()  # the run ends with its last checkpoint reported
     totals.checkpoint_stall_s += checkpoints.stall_s - stalled

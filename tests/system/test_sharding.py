@@ -2,7 +2,8 @@
 "nodes" of two workers each (``sharding.shard_size: 2``), each shard's gradient averaged
 between the nodes through group top-k with error feedback, and a killed worker resumed from
 the last checkpoint exactly: every rank's shards of the model and AdamW written through
-torch.distributed.checkpoint (rayzip's codec as its storage layer), and its residuals."""
+torch.distributed.checkpoint (rayzip's codec as its storage layer) in the background while
+training goes on, and its residuals."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _spec(name: str, compression: dict) -> JobSpec:
         "scaling": {"min_workers": 4, "max_workers": 4, "cpus_per_worker": 0.5, "max_failures": 2},
         "compression": compression,
         "sharding": {"enabled": True, "mode": "hsdp", "shard_size": 2},
-        "checkpoint": {"every_steps": 5, "background": False},
+        "checkpoint": {"every_steps": 5},  # in the background: the shards' host copies, DCP on its own group
     })
 
 
@@ -47,11 +48,15 @@ def test_hsdp_with_compressed_shards_between_nodes_resumes_a_killed_worker_exact
     trainer = checkpoint.load(Path(summary["checkpoint"]) / "trainer")
     assert trainer["model"] == {} and trainer["optimizer"] == {}  # nothing gathered to rank 0
     (resume,) = summary["resumes"]
-    assert resume["resumed_at"] == killed["reported"] + 1, (resume, killed)
+    # From a checkpoint step, never older than the one reported before the kill (a write in
+    # flight then may have been reported since).
+    assert killed["reported"] + 1 <= resume["resumed_at"] <= killed["step"] + 1, (resume, killed)
+    assert resume["resumed_at"] % 5 == 0, resume
     # Weights, AdamW's moments (each rank's DCP shards), each rank's residuals and the data
     # position came back: every redone step repeated rank 0's loss bit for bit.
     replayed = summary["replayed"]
-    assert replayed["steps"] >= 3 and replayed["identical"] == replayed["steps"], replayed
+    assert replayed["steps"] >= 1 and replayed["identical"] == replayed["steps"], replayed
+    print(f"killed at step {killed['step']}, resumed at {resume['resumed_at']}, {replayed['steps']} steps replayed")
     # Group top-k at 5% between the nodes, against FSDP2's dense exchange of the same shards.
     assert summary["wire_reduction"] > 8 and summary["bytes_source"] == "counted", summary["wire_reduction"]
     # It learns: byte-level uniform is 8 bits per byte.
