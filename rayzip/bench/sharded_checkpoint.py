@@ -26,7 +26,9 @@ WRITERS = ("rayzip", "torch")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t  # a DTensor's own shard
 
 
 def _leaves(nest):

@@ -44,8 +44,8 @@ from ..engine.config import CompressionConfig
 from ..engine import GradientExchange
 from ..torch.fsdp import ShardedExchange, ShardingConfig, compress_sharded, shard_model
 from ..torch.hook import compress, ddp_kwargs
-from .checkpoints import (GroupCheckpoints, load_optimizer, load_shards, load_trainer, restore_hook,
-                          restore_sharded_hook, save_shards, take_parts, unwrap, write_parts, write_taken)
+from .checkpoints import (GroupCheckpoints, load_optimizer, load_trainer, restore_hook, restore_shards, save_shards,
+                          take_parts, unwrap, write_parts, write_taken)
 from .exchange import node_id
 from .probe import prepare_timed
 
@@ -153,11 +153,9 @@ def _trainer_part(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     state = compression_state(model)
 
     def trainer() -> dict:
-        if _is_sharded(model):  # every rank's shards are in save_shards' folder
-            return {"model": {}, "optimizer": None, "step": state.step - 1 if state is not None else -1,
-                    "extra": dict(extra or {})}
-        return {"model": unwrap(model).state_dict(),
-                "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        sharded = _is_sharded(model)  # every rank's shards go to save_shards' folder instead
+        return {"model": {} if sharded else unwrap(model).state_dict(),
+                "optimizer": optimizer.state_dict() if optimizer is not None and not sharded else None,
                 "step": state.step - 1 if state is not None else -1, "extra": dict(extra or {})}
 
     return trainer, state
@@ -277,10 +275,7 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         path = Path(path)
         state = compression_state(model)
         if _is_sharded(model):
-            trainer = load_trainer(path, None)
-            load_shards(path, model, optimizer)
-            if state is not None:
-                restore_sharded_hook(path, context.get_world_rank(), context.get_world_size(), trainer, state)
+            trainer = restore_shards(path, context.get_world_rank(), context.get_world_size(), model, optimizer, state)
             return dict(trainer.get("extra") or {})
         trainer = load_trainer(path, model)
         if optimizer is not None and trainer.get("optimizer") is not None:

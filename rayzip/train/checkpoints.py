@@ -31,7 +31,7 @@ from ..codecs.memory import reshard_state
 from ..torch.optim import load_optimizer
 
 __all__ = ["GroupCheckpoints", "Parts", "holder_parts", "load_optimizer", "load_shards", "load_trainer", "restore_hook",
-           "restore_sharded_hook", "save_shards", "take_parts", "take_shards", "unwrap", "write_parts", "write_shards",
+           "restore_shards", "save_shards", "take_parts", "take_shards", "unwrap", "write_parts", "write_shards",
            "write_taken"]
 
 SHARDS = "shards"  # a sharded model's folder in a checkpoint: DCP's .metadata and __<rank>/
@@ -225,15 +225,23 @@ def load_shards(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
-def restore_sharded_hook(path: Path, rank: int, world: int, trainer: dict, state) -> None:
-    """A sharded exchange's state (:class:`rayzip.torch.fsdp.ShardedExchange`): this rank's
-    own where the world size is the same; otherwise its residuals start afresh at the
-    checkpoint's step (a shard's residual belongs to its layout)."""
-    own = path / f"rank{rank}"
-    if int(trainer["world_size"]) == world and own.exists():
-        state.load_state_dict(load_checkpoint(own)["hook"])
-    else:
-        state.start_at(trainer["step"] + 1)
+def restore_shards(path: Path, rank: int, world: int, model: torch.nn.Module,
+                   optimizer: torch.optim.Optimizer | None, state, chain: DeltaChain | None = None) -> dict:
+    """A sharded model's checkpoint at ``path`` (a collective): rank 0's part (the step, the
+    data position, the RNG; no weights), the model's and optimizer's shards resharded to this
+    world (:func:`load_shards`), and the exchange's state (``state``, a
+    :class:`rayzip.torch.fsdp.ShardedExchange`, or None): this rank's own where the world size
+    is the same, else its residuals start afresh at the checkpoint's step (a shard's residual
+    belongs to its layout). Returns rank 0's part."""
+    trainer = load_trainer(path, None, chain)
+    load_shards(path, model, optimizer)
+    if state is not None:
+        own = path / f"rank{rank}"
+        if int(trainer["world_size"]) == world and own.exists():
+            state.load_state_dict(load_checkpoint(own)["hook"])
+        else:
+            state.start_at(trainer["step"] + 1)
+    return trainer
 
 
 class GroupCheckpoints:

@@ -49,8 +49,8 @@ from ..torch import compress, ddp_kwargs
 from ..torch.baselines import register_torch_hook
 from ..torch.local_steps import LocalSteps
 from ..torch.optim import build_optimizer
-from .checkpoints import (load_optimizer, load_shards, load_trainer, restore_hook, restore_sharded_hook, take_shards,
-                          unwrap, write_shards)
+from .checkpoints import (load_optimizer, load_trainer, restore_hook, restore_shards, take_shards, unwrap,
+                          write_shards)
 from .probe import prepare_timed
 from .records import Traffic, traffic_of
 
@@ -492,11 +492,8 @@ class ShardedModelExchange(Exchange):
         if checkpoint is None:
             return 0, None
         with checkpoint.as_directory() as path:
-            path = Path(path)
-            trainer = load_trainer(path, None, chain)  # the step, data position, RNG; no weights
-            load_shards(path, self.model, self.optimizer)
-            if self.state is not None:
-                restore_sharded_hook(path, self.rank, self.world, trainer, self.state)
+            trainer = restore_shards(Path(path), self.rank, self.world, self.model, self.optimizer, self.state,
+                                     chain)
         return trainer["step"] + 1, trainer
 
 

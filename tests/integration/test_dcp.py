@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from bits import assert_same_bits
 from gloo_world import run_world
 
 SAVED_AT = 4
@@ -82,23 +83,6 @@ def _load_rank(rank, world, path):
     return _full(model, optimizer)
 
 
-def _assert_same(a, b, where=""):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}/{i}")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        bits = lambda t: t.reshape(-1).view(torch.uint8) if t.is_floating_point() else t  # noqa: E731
-        assert torch.equal(bits(a), bits(b)), where  # bit for bit
-    else:
-        assert a == b, where
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     path = tmp_path_factory.mktemp("dcp") / "step4"
@@ -125,7 +109,7 @@ def test_loading_on_fewer_ranks_gives_the_saved_state_bit_for_bit(saved):
     path, full = saved
     results = run_world(_load_rank, 2, str(path), timeout_s=120)
     assert not any("error" in r for r in results), results
-    _assert_same(full, results[0])  # the state gathered to rank 0 (cpu_offload: to rank 0 only)
+    assert_same_bits(results[0], full)  # the state gathered to rank 0 (cpu_offload: to rank 0 only)
     assert int(full["optim"]["state"]["0.weight"]["step"]) == SAVED_AT
 
 

@@ -13,6 +13,7 @@ import torch
 import xxhash
 from typer.testing import CliRunner
 
+from bits import assert_same_bits
 from rayzip import checkpoint
 from rayzip.checkpoint import CheckpointError
 from rayzip.checkpoint import store as store_module
@@ -105,23 +106,6 @@ def _refresh_checksums(manifest: dict, data: bytes) -> None:
     manifest["checksum"] = store_module._whole(store_module._stream_hashes(manifest["tensors"], manifest["packs"]))
 
 
-def _assert_same_bits(got, want, path: str = "") -> None:
-    """``got`` is ``want``, every tensor bit for bit, every key and scalar equal."""
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and got.keys() == want.keys(), (path, got.keys(), want.keys())
-        for key in want:
-            _assert_same_bits(got[key], want[key], f"{path}/{key}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
-        for i, (g, w) in enumerate(zip(got, want)):
-            _assert_same_bits(g, w, f"{path}/{i}")
-    elif isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape, path
-        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)), path
-    else:
-        assert got == want, (path, got, want)
-
-
 def _streams(manifest: dict) -> list[dict]:
     """Every stream: the tensors' own, and the packs' that hold the small ones together."""
     return [s for e in [*manifest["tensors"].values(), *manifest["packs"]] for s in e["streams"]]
@@ -183,7 +167,7 @@ def test_fuzzed_streams_raise_checkpoint_error_and_never_crash(tmp_path, monkeyp
         # A mutation the decoder did not notice must not change a single bit anywhere, the
         # optimizer state (where the prefix decoder runs) included: the restored words' own
         # checksum stands behind every tensor.
-        _assert_same_bits(back, later)
+        assert_same_bits(back, later)
         outcomes["exact"] += 1
     print(f"fuzz: {FUZZ_CASES} mutated checkpoints, {outcomes}")
     assert outcomes["error"] > FUZZ_CASES // 2
