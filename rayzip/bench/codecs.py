@@ -144,7 +144,8 @@ def run_codec_bench(size_bytes: int, specs: list[str], repeat: int = 3, device: 
               "memcpy_gbps": memcpy_gbps, "codecs": [asdict(r) for r in results]}
     if device == "cuda":
         report["device_name"] = xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-        report["transforms"] = _transform_rows(x, scratch, repeat, xp, memcpy_gbps)
+        report["transforms"] = (_transform_rows(x, scratch, repeat, xp, memcpy_gbps)
+                                + _huffman_rows(x, repeat, xp, memcpy_gbps))
         report["sparse_sum"] = _sparse_sum(numel, repeat, xp, seed)
     return report
 
@@ -194,6 +195,37 @@ def _transform_rows(x, base, repeat: int, xp, memcpy_gbps: float) -> list[dict]:
     return rows
 
 
+def _huffman_rows(x, repeat: int, xp, memcpy_gbps: float) -> list[dict]:
+    """The checkpoint's Huffman coding of ``x``'s exponent plane (its top byte after the
+    rotation by one), into host bytes: coded on the GPU, only the coded bytes copied to the
+    host ("kernel"), against the plane copied to the host and coded there by the C kernel on
+    every core. Rates are of the plane's bytes; both decode on the host. The two must write
+    the same bytes."""
+    import os
+
+    from ..checkpoint import device_huffman
+    from ..checkpoint.transforms import byte_planes, kernels
+
+    if kernels is None:
+        return []
+    plane = xp.ascontiguousarray(byte_planes(x.view(xp.uint32), xp, rotate=1)[3])
+    threads = len(os.sched_getaffinity(0))
+    on_gpu_s, coded = best_time(lambda: device_huffman.encode(plane, 0), repeat, xp)
+    on_host_s, host_coded = best_time(lambda: kernels.huffman_encode(xp.asnumpy(plane), 0, None, threads), repeat, xp)
+    if coded.tobytes() != host_coded:
+        raise RuntimeError("the GPU's Huffman coding differs from the C kernel's")
+    decode_s, _ = best_time(lambda: kernels.huffman_decode(host_coded, np.empty(plane.size, np.uint8), threads),
+                            repeat, np)
+    rows = []
+    for kernel, seconds in ((True, on_gpu_s), (False, on_host_s)):
+        gbps, decode_gbps = plane.nbytes / seconds / 1e9, plane.nbytes / decode_s / 1e9
+        rows.append({"name": "exponent plane, Huffman-coded", "kernel": kernel,
+                     "wire_reduction": plane.nbytes / len(host_coded), "encode_gbps": gbps,
+                     "decode_gbps": decode_gbps, "vs_memcpy": gbps / memcpy_gbps,
+                     "decode_vs_memcpy": decode_gbps / memcpy_gbps, "host_threads": threads})
+    return rows
+
+
 def render_table(report: dict):
     from rich.table import Table
 
@@ -212,7 +244,12 @@ def render_table(report: dict):
 
 
 def _label(row: dict) -> str:
-    return row["name"] if row.get("kernel", True) else f"{row['name']} (no kernel)"
+    return row["name"] if row.get("kernel", True) else f"{row['name']} ({_without(row)})"
+
+
+def _without(row: dict) -> str:
+    """What a row without the GPU's kernel timed instead."""
+    return "on the host" if "host_threads" in row else "no kernel"
 
 
 
@@ -224,7 +261,7 @@ def markdown_table(report: dict) -> str:
         params = ", ".join(f"{k}={v}" for k, v in r.get("params", {}).items() if k in ("density", "bits", "levels"))
         name = f"{r['name']} ({params})" if params else r["name"]
         if not r.get("kernel", True):
-            name += ", no kernel"
+            name += f", {_without(r)}"
         lines.append("| " + " | ".join([
             name, f"{r.get('wire_reduction', 1.0):.2f}×", f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}",
             f"{r['vs_memcpy']:.3f}", f"{r['decode_vs_memcpy']:.3f}", f"{r.get('rel_error', 0.0):.3g}"]) + " |")

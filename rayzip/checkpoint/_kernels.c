@@ -510,6 +510,38 @@ static PyObject *py_huffman_encode(PyObject *self, PyObject *args) {
 }
 #undef RELEASE_IO
 
+/* huffman_codes(counts, lengths, codes): for each row of 256 uint64 counts, the code lengths
+ * (uint8) and codes (uint16, bit-reversed for an LSB-first stream) that huffman_encode gives a
+ * context with those counts; an empty row gets zeros. A coder elsewhere (the GPU's, in
+ * rayzip/checkpoint/device_huffman.py) counts, and writes the bits, itself: with this table
+ * its bytes are this coder's. */
+static PyObject *py_huffman_codes(PyObject *self, PyObject *args) {
+    Py_buffer counts, lengths, codes;
+    if (!PyArg_ParseTuple(args, "y*w*w*", &counts, &lengths, &codes)) return NULL;
+    const Py_ssize_t rows = counts.len / (256 * (Py_ssize_t)sizeof(uint64_t));
+    const char *error = NULL;
+    if (counts.len != rows * 256 * (Py_ssize_t)sizeof(uint64_t) || lengths.len != rows * 256
+        || codes.len != rows * 256 * (Py_ssize_t)sizeof(uint16_t))
+        error = "huffman_codes: counts must be rows of 256 uint64, lengths and codes as many uint8 and uint16";
+    else {
+        const uint64_t *in = counts.buf;
+        uint8_t *length = lengths.buf;
+        uint16_t *code = codes.buf;
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            uint64_t total = 0;
+            for (int s = 0; s < 256; s++) total += in[256 * r + s];
+            memset(length + 256 * r, 0, 256);
+            memset(code + 256 * r, 0, 256 * sizeof(uint16_t));
+            if (!total) continue;
+            code_lengths(in + 256 * r, length + 256 * r);
+            canonical_codes(length + 256 * r, code + 256 * r);
+        }
+    }
+    PyBuffer_Release(&counts); PyBuffer_Release(&lengths); PyBuffer_Release(&codes);
+    if (error) { PyErr_SetString(PyExc_ValueError, error); return NULL; }
+    Py_RETURN_NONE;
+}
+
 typedef struct { const uint8_t *p, *end; uint64_t acc; int bits; unsigned prev; } BitReader;
 
 typedef struct {
@@ -1688,6 +1720,8 @@ static PyMethodDef methods[] = {
     {"stream_stats", py_stream_stats, METH_VARARGS,
      "stream_stats(src, max_contexts[, sample]) -> (order-0 bits, order-1 bits or -1, contexts, distinct values)."},
     {"huffman_encode", py_huffman_encode, METH_VARARGS, "huffman_encode(src, order[, dst[, threads]]) -> bytes, or its length written into dst (-1: too small); order 0 or 1."},
+    {"huffman_codes", py_huffman_codes, METH_VARARGS,
+     "huffman_codes(counts, lengths, codes): per row of 256 uint64 counts, huffman_encode's code lengths and codes."},
     {"huffman_decode", py_huffman_decode, METH_VARARGS, "huffman_decode(stream, dst[, threads]): fills dst; ValueError if invalid."},
     {"prefix_histogram", py_prefix_histogram, METH_VARARGS,
      "prefix_histogram(words, width, bits, base|None, out): counts of the top bits."},

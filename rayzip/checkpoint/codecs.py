@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from typing import Any
 
 import numpy as np
 import zstandard
-import threading
 
+from .. import cuda
 from ..codecs.bitpack import pack_bits, unpack_bits
-from ..xp import asnumpy
+from ..xp import array_module, asnumpy, is_torch
 from . import scratch
 from .transforms import (byte_planes, column_model, exponent_residual, exponent_restore, from_byte_planes, kernels,
                          prefix_join, prefix_split, SCALED_MAX, scaled_join, scaled_split)
@@ -105,10 +106,11 @@ def _sample(arr: np.ndarray, size: int) -> np.ndarray:
     return np.concatenate([arr[s: s + run] for s in _spaced(arr.size - run, 4)])
 
 
-def _plan(arr: np.ndarray) -> tuple[str, int, float]:
+def _plan(arr: np.ndarray, size: int | None = None) -> tuple[str, int, float]:
     """How a stream of bytes should be coded: ``(coding, parameter, estimated stored
-    bytes)``, the parameter being the Huffman order or the zstd level. Statistics of a
-    64 KB sample decide:
+    bytes)``, the parameter being the Huffman order or the zstd level. ``arr`` is the
+    stream, or its :func:`_sample` with ``size`` the stream's length (a stream on the GPU:
+    only the sample crosses). Statistics of a 64 KB sample decide:
 
     * near-random (>= 7.9 bits per byte: low mantissa bytes): raw;
     * nearly all one value (< 1 bit per byte: unchanged tensors, exponents of XOR deltas):
@@ -119,30 +121,51 @@ def _plan(arr: np.ndarray) -> tuple[str, int, float]:
     * between (5 bits or more: the mantissa bytes of XOR deltas, whose zero runs zstd's
       matches take): zstd at its fastest level when that beats the order-0 estimate.
     """
-    if arr.size < 64:
-        return "raw", 0, float(arr.size)
+    size = arr.size if size is None else size
+    if size < 64:
+        return "raw", 0, float(size)
     order0, order1, contexts, _ = stream_stats(arr, PLAN_SAMPLE)  # the sample read in place
     if order0 >= RAW_ABOVE:
-        return "raw", 0, float(arr.size)
-    if order0 < RUNS_BELOW or arr.size < HUFFMAN_FROM:
-        return "zstd", ZSTD_LEVEL, _zstd_estimate(arr, ZSTD_LEVEL)
-    order0_bytes = arr.size * order0 / 8 + TABLE_BYTES
+        return "raw", 0, float(size)
+    if order0 < RUNS_BELOW or size < HUFFMAN_FROM:
+        return "zstd", ZSTD_LEVEL, _zstd_estimate(arr, ZSTD_LEVEL, size)
+    order0_bytes = size * order0 / 8 + TABLE_BYTES
     if order1 is not None:
-        order1_bytes = arr.size * order1 / 8 + TABLE_BYTES * contexts
+        order1_bytes = size * order1 / 8 + TABLE_BYTES * contexts
         if order1_bytes < 0.98 * order0_bytes:
             return "huffman", 1, order1_bytes
     if order0 >= MIXED_ABOVE:
-        fast = _zstd_estimate(arr, ZSTD_FAST)
+        fast = _zstd_estimate(arr, ZSTD_FAST, size)
         if fast < order0_bytes:
             return "zstd", ZSTD_FAST, fast
     return "huffman", 0, order0_bytes
 
 
-def _zstd_estimate(arr: np.ndarray, level: int) -> float:
-    """zstd's stored bytes for ``arr`` at ``level``, from the plan's sample (built only here:
-    the other codings' statistics read it in place)."""
+def _zstd_estimate(arr: np.ndarray, level: int, size: int) -> float:
+    """zstd's stored bytes for a stream of ``size`` bytes at ``level``, from the plan's
+    sample of ``arr`` (built only here: the other codings' statistics read it in place)."""
     sample = _sample(arr, PLAN_SAMPLE)
-    return len(_compressor(level).compress(sample)) * arr.size / sample.size
+    return len(_compressor(level).compress(sample)) * size / sample.size
+
+
+def _on_device(data) -> bool:
+    """Whether ``data`` is a GPU array (cupy, or a CUDA tensor)."""
+    return not isinstance(data, np.ndarray) and (array_module(data) is not np
+                                                  or (is_torch(data) and data.is_cuda))
+
+
+def _device_sample(data) -> np.ndarray:
+    """:func:`_sample` of a stream on the GPU, on the host: the plan's statistics cross,
+    not the stream."""
+    import torch
+
+    from .device_huffman import as_bytes
+
+    t = as_bytes(data)
+    if t.numel() <= PLAN_SAMPLE:
+        return t.cpu().numpy()
+    run = PLAN_SAMPLE // 4
+    return torch.cat([t[s: s + run] for s in _spaced(t.numel() - run, 4)]).cpu().numpy()
 
 
 def _compressor(level: int):
@@ -154,16 +177,30 @@ def _compressor(level: int):
 def stream_plan(data) -> tuple[str, int] | None:
     """``(coding, parameter)`` that :func:`pack_stream` gives ``data``, for a caller that
     treats streams to be stored raw apart; None without the C kernels (zstd decides there)."""
-    return _plan(_bytes(data))[:2] if kernels is not None else None
+    if kernels is None:
+        return None
+    if _on_device(data):
+        return _plan(_device_sample(data), int(data.nbytes))[:2]
+    return _plan(_bytes(data))[:2]
 
 
 def pack_stream(data, level: int = ZSTD_LEVEL, threads: int = 1,
-                plan: tuple[str, int] | None = None) -> tuple[Any, str]:
+                plan: tuple[str, int] | None = None, gpu_coding: bool = False) -> tuple[Any, str]:
     """(stored bytes, coding) for one stream; coding is ``raw``, ``huffman`` or ``zstd``,
     as :func:`_plan` decides (or ``plan``, from :func:`stream_plan`). Without the C kernels,
     zstd codes every stream whose first 64 KB shrink. A Huffman-coded stream of 2 MB or more
     is coded on up to ``threads`` threads, in groups that its decoder can take in parallel
-    too; the bytes do not depend on ``threads``."""
+    too; the bytes do not depend on ``threads``. With ``gpu_coding``, a Huffman-coded stream
+    on the GPU is coded there, to the same bytes (:mod:`.device_huffman`), and only they cross
+    to the host (where rayzip's CUDA kernels are on)."""
+    if gpu_coding and kernels is not None and cuda.enabled(data) and int(data.nbytes) >= 64:
+        coding, parameter = plan or stream_plan(data)
+        if coding == "huffman":
+            from .device_huffman import encode
+
+            coded = encode(data, parameter)
+            if coded.size < int(data.nbytes):
+                return coded, coding
     arr = _bytes(data)
     if arr.size < 64:
         return arr, "raw"

@@ -131,7 +131,8 @@ def _dtype_name(x: Any) -> str:
 
 def save(directory: str | os.PathLike, state: Any, base: str | os.PathLike | None = None,
          optimizer_state: Callable[[str], bool] | None = None, delta: Callable[[str], bool] | None = None,
-         absolute_base: bool = False, threads: int | None = None, allow_pickle: bool = False) -> dict:
+         absolute_base: bool = False, threads: int | None = None, allow_pickle: bool = False,
+         gpu_coding: bool = False) -> dict:
     """Write ``state`` to ``directory``, losslessly compressed.
 
     Names are paths in the nest: ``/model/fc.weight``.
@@ -149,6 +150,10 @@ def save(directory: str | os.PathLike, state: Any, base: str | os.PathLike | Non
         threads: code streams in parallel (default: the usable cores, at most 8).
         allow_pickle: let other leaves be pickled; without it they raise
             :class:`CheckpointError` naming their path.
+        gpu_coding: Huffman-code the streams of CUDA tensors on the GPU, so that only their
+            coded bytes cross to the host (needs rayzip's CUDA kernels; the bytes written are
+            the same). Off by default: one plane codes faster there, but a whole model's
+            checkpoint measured slower (docs/guides/gpu.md).
 
     Returns:
         The manifest.
@@ -163,7 +168,7 @@ def save(directory: str | os.PathLike, state: Any, base: str | os.PathLike | Non
         (directory / name).unlink(missing_ok=True)
     with open(directory / DATA, "wb") as out:
         manifest = _encode(state, base, optimizer_state, delta, out.write,
-                           None if absolute_base else directory.resolve(), threads, allow_pickle)
+                           None if absolute_base else directory.resolve(), threads, allow_pickle, gpu_coding)
     write_manifest(directory, manifest)
     return manifest
 
@@ -193,16 +198,17 @@ def has_manifest(directory: str | os.PathLike) -> bool:
 def encode(state: Any, base: str | os.PathLike | None = None,
            optimizer_state: Callable[[str], bool] | None = None,
            delta: Callable[[str], bool] | None = None, threads: int | None = None,
-           allow_pickle: bool = False) -> tuple[dict, list]:
+           allow_pickle: bool = False, gpu_coding: bool = False) -> tuple[dict, list]:
     """``(manifest, blobs)``: :func:`save` in memory; ``b"".join(blobs)`` is ``tensors.bin``.
     The base, if any, is recorded by absolute path."""
     blobs: list = []
-    return _encode(state, base, optimizer_state, delta, blobs.append, None, threads, allow_pickle), blobs
+    return _encode(state, base, optimizer_state, delta, blobs.append, None, threads, allow_pickle, gpu_coding), blobs
 
 
 def _encode(state: Any, base, optimizer_state, delta, write: Callable[[Any], Any],
-            relative_to: Path | None, threads: int | None, allow_pickle: bool = False) -> dict:
-    return _Encoder(state, base, optimizer_state, delta, write, relative_to, threads, allow_pickle).run()
+            relative_to: Path | None, threads: int | None, allow_pickle: bool = False,
+            gpu_coding: bool = False) -> dict:
+    return _Encoder(state, base, optimizer_state, delta, write, relative_to, threads, allow_pickle, gpu_coding).run()
 
 
 class _Encoder:
@@ -215,7 +221,8 @@ class _Encoder:
     one task per batch."""
 
     def __init__(self, state: Any, base, optimizer_state, delta, write: Callable[[Any], Any],
-                 relative_to: Path | None, threads: int | None, allow_pickle: bool):
+                 relative_to: Path | None, threads: int | None, allow_pickle: bool, gpu_coding: bool = False):
+        self.gpu_coding = gpu_coding
         self.tensors: dict[str, Any] = {}
         self.objects: dict[str, bytes] = {}
         self.tree = _flatten(state, "", self.tensors, self.objects, allow_pickle)
@@ -278,11 +285,14 @@ class _Encoder:
     def pack_tasks(self, streams: list, submit: Callable[..., Pending]) -> list[Pending]:
         """Each stream's packing. The coded ones are submitted first, so that they start while
         this thread checksums the ones stored raw: done here, a checksum costs less than a
-        task's hand-off, which holds the GIL."""
+        task's hand-off, which holds the GIL. Under ``gpu_coding``, streams on the GPU are
+        packed here too: their coding runs on the GPU, queued on this thread's stream behind
+        the work that made them."""
         plans = [stream_plan(stream) for stream in streams]
         raw = [plan is not None and plan[0] == "raw" for plan in plans]
-        return _coded_first(raw, lambda k: (completed if raw[k] else submit)(_pack, streams[k], self.workers,
-                                                                              plans[k]))
+        here = [raw[k] or (self.gpu_coding and not _on_host(stream)) for k, stream in enumerate(streams)]
+        return _coded_first(raw, lambda k: (completed if here[k] else submit)(_pack, streams[k], self.workers,
+                                                                               plans[k], self.gpu_coding))
 
     def family(self, name: str) -> tuple | None:
         """The key of the family whose codec choice ``name`` takes; None if too small to sample."""
@@ -484,8 +494,9 @@ def _entry_bytes(entry: dict) -> int:
         return 0
 
 
-def _pack(stream, threads: int = 1, plan: tuple[str, int] | None = None) -> tuple[Any, int, str, str]:
-    blob, coding = pack_stream(stream, threads=threads, plan=plan)
+def _pack(stream, threads: int = 1, plan: tuple[str, int] | None = None,
+          gpu_coding: bool = False) -> tuple[Any, int, str, str]:
+    blob, coding = pack_stream(stream, threads=threads, plan=plan, gpu_coding=gpu_coding)
     return blob, int(stream.nbytes), coding, _hash(blob)
 
 

@@ -208,6 +208,57 @@ def test_checkpoint_byte_planes_kernel_equals_the_host_and_round_trips(dtype):
     np.testing.assert_array_equal(cupy.asnumpy(back), words)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernels", "torch ops"])
+@pytest.mark.parametrize("order", [0, 1])
+def test_the_gpus_huffman_coder_writes_the_host_coders_bytes(order, kernel):
+    """On exponent planes (trained-like weights', rotated as checkpoints rotate them) of
+    several 1 MB groups and of one, on a short stream and on one value throughout."""
+    from rayzip.checkpoint import device_huffman
+    from rayzip.checkpoint.transforms import byte_planes, kernels, tensor_words
+
+    streams = []
+    for x in (torch.randn(3_000_017) * 0.02, torch.randn(600_001) * 1e-3, torch.randn(25)):
+        words, _ = tensor_words(x)
+        streams.append(byte_planes(words.copy(), np, rotate=1)[3].copy())
+    streams.append(np.full(2_000_003, 126, dtype=np.uint8))
+    with cuda.kernels_on(kernel):
+        for plane in streams:
+            want = kernels.huffman_encode(plane, order)
+            assert device_huffman.encode(torch.from_numpy(plane).cuda(), order).tobytes() == want, plane.size
+            assert device_huffman.encode(cupy.asarray(plane), order).tobytes() == want, plane.size
+
+
+def test_a_checkpoint_of_cuda_tensors_codes_its_exponents_on_the_gpu_when_asked(tmp_path, monkeypatch):
+    """With ``gpu_coding``, the exponent planes are Huffman-coded on the GPU (only the coded
+    bytes cross), and the checkpoint loads bit for bit; its streams are the ones the host
+    codes from a host copy."""
+    from rayzip import checkpoint
+    from rayzip.checkpoint import device_huffman
+
+    coded_on = []
+    encode = device_huffman.encode
+    monkeypatch.setattr(device_huffman, "encode",
+                        lambda data, order: coded_on.append(device_huffman.as_bytes(data).device.type)
+                        or encode(data, order))
+    torch.manual_seed(0)
+    state = {"w": torch.randn(1024, 1024, device="cuda") * 0.02, "b": torch.randn(4096, device="cuda"),
+             "h": (torch.randn(2048, 512, device="cuda") * 0.1).to(torch.bfloat16)}
+    checkpoint.save(tmp_path / "default", state)
+    assert not coded_on  # coded on the host unless asked
+    checkpoint.save(tmp_path / "gpu", state, gpu_coding=True)
+    assert coded_on and set(coded_on) == {"cuda"}
+    back = checkpoint.load(tmp_path / "gpu")
+    for name, tensor in state.items():
+        assert torch.equal(back[name].view(torch.uint8), tensor.cpu().view(torch.uint8)), name
+    on_host = {"w": state["w"].cpu(), "b": state["b"].cpu(), "h": state["h"].cpu()}
+    checkpoint.save(tmp_path / "host", on_host)
+    gpu, host = checkpoint.read_manifest(tmp_path / "gpu"), checkpoint.read_manifest(tmp_path / "host")
+    for name in ("/w", "/h"):  # both chose byte planes: the same streams, coded alike
+        assert gpu["tensors"][name]["codec"] == host["tensors"][name]["codec"] == "planes", name
+        assert [(s["coding"], s["xxh3"]) for s in gpu["tensors"][name]["streams"]] == \
+            [(s["coding"], s["xxh3"]) for s in host["tensors"][name]["streams"]], name
+
+
 def test_cupy_allocates_from_torch_caching_allocator():
     from rayzip.xp import as_array
 

@@ -36,7 +36,7 @@ def compile_source(lib, source: str, name: str) -> str | None:
 
 
 def sources():
-    from rayzip.cuda import cast, dct_quant, group_topk, qsgd
+    from rayzip.cuda import cast, dct_quant, group_topk, huffman, planes, qsgd, sparse
 
     for bits, kept, vec in itertools.product((1, 2, 3, 4, 5, 8, 12, 16), (16, 20, 64), (0, 1)):
         yield f"dct_encode b{bits} k{kept} v{vec}", dct_quant._common() + dct_quant._ENCODE % {
@@ -50,6 +50,9 @@ def sources():
         yield f"group_topk {per}", group_topk._SOURCE % {"per": per, "column_t": "unsigned short",
                                                          "value_t": "unsigned short"}
     yield "qsgd", qsgd._ENCODE % {"pairs": 8}
+    yield "planes", planes._SOURCE
+    yield "huffman", huffman._SOURCE
+    yield "sparse", sparse._SOURCE
 
 
 if __name__ == "__main__":
