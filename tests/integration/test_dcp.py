@@ -22,10 +22,10 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(29, 5))
 
 
-def _sharded(world: int, blank: bool):
+def _sharded(world: int, blank: bool, device: str = "cpu"):
     from torch.distributed.fsdp import fully_shard
 
-    model = _model()
+    model = _model().to(device)
     if blank:  # a restart's model: nothing of the saved run's weights
         with torch.no_grad():
             for p in model.parameters():
