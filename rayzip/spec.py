@@ -215,10 +215,13 @@ class CompressionSpec(_Strict):
     density: Optional[float] = Field(None, gt=0, le=1, description="Kept fraction (topk, randomk, group_topk): "
                                                                     "0.01 sends 1% of the entries.")
     group_size: Optional[int] = Field(None, ge=1, description="group_topk group length G.")
-    value_dtype: Optional[Literal["fp16", "fp32", "int8"]] = Field(
-        None, description="Sparse codecs' value type; int8 (group_topk): multiples of a scale per group.")
+    value_dtype: Optional[Literal["fp16", "fp32", "int8", "2bit"]] = Field(
+        None, description="Sparse codecs' value type; int8 and 2bit (group_topk): multiples of a scale per "
+                          "group (2bit: a sign and one of two magnitudes).")
     packed_indices: Optional[bool] = Field(None, description="group_topk: offsets bit-packed at ceil(log2 "
                                                              "group_size) bits.")
+    coded_indices: Optional[bool] = Field(None, description="group_topk: offsets Elias-Fano coded, about "
+                                                            "log2(group_size / k) + 2 bits each.")
     block: Optional[int] = Field(None, ge=2, description="dct_quant block side n.")
     bits: Optional[int] = Field(None, ge=1, le=16, description="dct_quant bits per coefficient.")
     keep: Optional[float] = Field(None, gt=0, le=1, description="dct_quant kept zig-zag fraction.")

@@ -60,8 +60,12 @@ METHODS: dict[str, dict[str, Any]] = {
     "local_gtopk": {"codec": "group_topk", "density": 0.01, "collective": "allgather"},
     "local_compact": {"codec": "group_topk", "density": 0.02, "value_dtype": "int8", "packed_indices": True,
                       "collective": "allgather"},
+    # ``local_sparse@H``: SparseLoCo-style, group top-k at 1% with 2-bit values and Elias-Fano
+    # coded offsets (266x a synchronization).
+    "local_sparse": {"codec": "group_topk", "density": 0.01, "value_dtype": "2bit", "coded_indices": True,
+                     "collective": "allgather"},
 }
-LOCAL = {"local": 10, "local_gtopk": 10, "local_compact": 10}  # H when the method gives no @H
+LOCAL = {"local": 10, "local_gtopk": 10, "local_compact": 10, "local_sparse": 10}  # H when the method gives no @H
 LOCAL_AUTO_MAX = 50  # @auto: the most H, and the evaluation interval (each evaluation synchronizes)
 PS = {"ps": {"cpus_per_shard": 0, "pull": "codec"}, "ps-dense": {"cpus_per_shard": 0, "pull": "dense"}}
 ADAPTIVE = {"enabled": True, "interval": 2.0, "window": 6.0, "min_compression": 4, "max_compression": 200}

@@ -25,8 +25,8 @@ from ..comm.cost import Link
 __all__ = ["CODEC_FIELDS", "COLLECTIVES", "HIERARCHIES", "CompressionConfig"]
 
 # The codecs' parameters.
-CODEC_FIELDS = ("density", "group_size", "value_dtype", "packed_indices", "block", "bits", "keep", "levels",
-                "bucket_size", "seed")
+CODEC_FIELDS = ("density", "group_size", "value_dtype", "packed_indices", "coded_indices", "block", "bits", "keep",
+                "levels", "bucket_size", "seed")
 COLLECTIVES = ("auto", "ring", "allreduce", "allgather")
 HIERARCHIES = ("auto", "node", "none")
 
@@ -39,8 +39,10 @@ class CompressionConfig:
         codec: one of :data:`rayzip.codecs.CODECS` but ``coo``.
         density: the kept fraction of a sparsifier (topk, randomk, group_topk).
         group_size: group top-k's group (see :mod:`rayzip.codecs.group_topk`).
-        value_dtype: the sparsifiers' value type on the wire (fp32, fp16, int8).
+        value_dtype: the sparsifiers' value type on the wire (fp32, fp16; group top-k also int8
+            and 2bit, multiples of a scale per group).
         packed_indices: group top-k's offsets bit-packed.
+        coded_indices: group top-k's offsets Elias-Fano coded (fewer bits than packed).
         block: the DCT's block side.
         bits: the DCT's code width.
         keep: the DCT's kept fraction of frequencies.
@@ -71,6 +73,7 @@ class CompressionConfig:
     group_size: Optional[int] = None
     value_dtype: Optional[str] = None
     packed_indices: Optional[bool] = None
+    coded_indices: Optional[bool] = None
     block: Optional[int] = None
     bits: Optional[int] = None
     keep: Optional[float] = None

@@ -549,6 +549,8 @@ def test_bf16_rounds_like_torch():
     ("group_topk", {"value_dtype": "fp8"}, "value_dtype"),
     ("topk", {"value_dtype": "int8"}, "value_dtype"),
     ("group_topk", {"group_size": 70_000, "packed_indices": True}, "packed_indices"),
+    ("group_topk", {"group_size": 70_000, "coded_indices": True}, "coded_indices"),
+    ("group_topk", {"packed_indices": True, "coded_indices": True}, "choose one"),
     ("dct_quant", {"block": 1}, "block must be"),
     ("dct_quant", {"bits": 0}, "bits must be in 1..16"),
     ("dct_quant", {"bits": 17}, "bits must be in 1..16"),
