@@ -215,9 +215,9 @@ class CompressionSpec(_Strict):
     density: Optional[float] = Field(None, gt=0, le=1, description="Kept fraction (topk, randomk, group_topk): "
                                                                     "0.01 sends 1% of the entries.")
     group_size: Optional[int] = Field(None, ge=1, description="group_topk group length G.")
-    value_dtype: Optional[Literal["fp16", "fp32", "int8", "2bit"]] = Field(
-        None, description="Sparse codecs' value type; int8 and 2bit (group_topk): multiples of a scale per "
-                          "group (2bit: a sign and one of two magnitudes).")
+    value_dtype: Optional[Literal["fp16", "fp32", "int8", "2bit", "4bit"]] = Field(
+        None, description="Sparse codecs' value type; int8, 2bit and 4bit (group_topk): multiples of a scale "
+                          "per group (2bit, 4bit: a sign and one of 2 or 8 magnitudes).")
     packed_indices: Optional[bool] = Field(None, description="group_topk: offsets bit-packed at ceil(log2 "
                                                              "group_size) bits.")
     coded_indices: Optional[bool] = Field(None, description="group_topk: offsets Elias-Fano coded, about "

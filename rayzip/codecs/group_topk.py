@@ -27,11 +27,10 @@ Two more go further, for the rarest and largest updates (SparseLoCo-style pseudo
 * ``coded_indices``: each group's offsets Elias-Fano coded (:mod:`.elias_fano`), at a fixed
   size near the least any code of k offsets among G can take: 8.6 bits an offset at G = 1024,
   k = 10 (the least: 7.8), where bit-packing takes 10;
-* ``value_dtype="2bit"``: a sign and one magnitude bit per kept value. Each group's scale is
-  one byte, its kept magnitudes' mean to a quarter of a binade; the two magnitudes, as
-  multiples of the scale, are the payload's own (two fp32: a two-means split of every kept
-  value's magnitude over its group's scale). ``F + [kl > 0] + 8 + ceil(2n / 8)`` bytes of
-  values.
+* ``value_dtype="2bit"`` or ``"4bit"``: a sign and one of 2 or 8 magnitudes per kept value
+  (:mod:`.levels`). Each group's scale is one byte, its kept magnitudes' mean to a quarter
+  of a binade; the magnitudes, as multiples of the scale, are the payload's own (fp32, from
+  Lloyd's algorithm). ``F + [kl > 0] + 4 * 2**(b-1) + ceil(b * n / 8)`` bytes of values.
 
 At density 0.01, G = 1024, both on: 1 + 10 * (8.6 + 2) / 8 bytes per 4096 (8 per payload
 aside), 1/290 of fp32.
@@ -45,7 +44,7 @@ Usage::
 
 from __future__ import annotations
 
-from . import elias_fano
+from . import elias_fano, levels
 from .base import CodecError, Field, Payload, check_int, check_density, index_dtype, kept_count
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .sparse import VALUE_DTYPES, SparseCodec, check_value_dtype
@@ -101,9 +100,10 @@ class GroupTopK(SparseCodec):
             indices = [Field("indices", index_dtype(self.group_size), count)]
         if self.value_dtype == "int8":
             return [Field("scales", "<f4", full + (k_tail > 0)), *indices, Field("values", "|i1", count)]
-        if self.value_dtype == "2bit":
-            return [Field("scales", "|u1", full + (k_tail > 0)), Field("levels", "<f4", 2), *indices,
-                    Field("values", "|u1", packed_nbytes(count, 2))]
+        if self.value_dtype in levels.BITS:
+            scales, magnitudes, values = levels.wire_bytes(count, full + (k_tail > 0), levels.BITS[self.value_dtype])
+            return [Field("scales", "|u1", scales), Field("levels", "<f4", magnitudes), *indices,
+                    Field("values", "|u1", values)]
         return [*indices, Field("values", VALUE_DTYPES[self.value_dtype], count)]
 
     def _kernel_checks_finite(self, flat) -> bool:
@@ -131,8 +131,9 @@ class GroupTopK(SparseCodec):
         else:
             indices = {"indices": pack_bits(offsets, self.index_bits, xp) if self.packed_indices
                        else offsets.astype(index_dtype(self.group_size))}
-        if self.value_dtype == "2bit":
-            coded = two_bit(values, _group_of(values.size, k, full, xp), full + (k_tail > 0), xp)
+        if self.value_dtype in levels.BITS:
+            coded = levels.quantize(values, _group_of(values.size, k, full, xp), full + (k_tail > 0),
+                                    levels.BITS[self.value_dtype], xp)
             return {"scales": coded["scales"], "levels": coded["levels"], **indices, "values": coded["values"]}
         if self.value_dtype != "int8":
             return {**indices, "values": self._narrow_values(values)}
@@ -184,59 +185,13 @@ class GroupTopK(SparseCodec):
         count = full * k + k_tail
         offsets = self._offsets(arrays, full, k, tail, k_tail, xp)
         group = _group_of(count, k, full, xp)
-        if self.value_dtype == "2bit":
-            values = from_two_bit(arrays, group, count, xp)
+        if self.value_dtype in levels.BITS:
+            values = levels.dequantize(arrays, group, count, levels.BITS[self.value_dtype], xp)
         else:
             values = arrays["values"].astype(xp.float32)
         if self.value_dtype == "int8":
             values *= arrays["scales"][group]
         return group * self.group_size + offsets.astype(xp.int64), values
-
-
-SCALE_ZERO = 192  # a scale byte q stands for 2 ** ((q - SCALE_ZERO) / 4); 0 for a group of zeros
-
-
-def two_bit(values, group, groups: int, xp) -> dict:
-    """The kept ``values`` as a sign and a magnitude bit each, given each value's ``group``
-    (of ``groups``), with each group's scale byte and the payload's two magnitudes, as
-    multiples of the scale."""
-    magnitude = xp.abs(values.astype(xp.float32))
-    mean = (xp.bincount(group, weights=magnitude, minlength=groups)
-            / xp.maximum(xp.bincount(group, minlength=groups), 1)).astype(xp.float32)
-    q = xp.clip(xp.rint(4 * xp.log2(xp.where(mean > 0, mean, 1))) + SCALE_ZERO, 1, 255)
-    scales = xp.where(mean > 0, q, 0).astype(xp.uint8)
-    scale = _scale(scales, xp)[group]
-    low, high = _two_means((magnitude / xp.where(scale > 0, scale, 1))[scale > 0], xp)
-    big = magnitude > (low + high) / 2 * scale
-    codes = (values < 0).astype(xp.uint8) | (big.astype(xp.uint8) << 1)
-    return {"scales": scales, "levels": xp.asarray([low, high], dtype=xp.float32),
-            "values": pack_bits(codes, 2, xp)}
-
-
-def from_two_bit(arrays: dict, group, count: int, xp):
-    """Inverse of :func:`two_bit`: float32 values, given each kept entry's group."""
-    codes = unpack_bits(arrays["values"], 2, count, xp)
-    magnitude = arrays["levels"].astype(xp.float32)[(codes >> 1).astype(xp.int64)]
-    return xp.where(codes & 1, -magnitude, magnitude) * _scale(arrays["scales"], xp)[group]
-
-
-def _scale(scales, xp):
-    return xp.where(scales > 0, xp.exp2((scales.astype(xp.float32) - SCALE_ZERO) / 4), 0).astype(xp.float32)
-
-
-def _two_means(ratio, xp) -> tuple[float, float]:
-    """Two magnitudes for ``ratio`` (1-D, >= 0): a two-means split, from the mean, refined
-    twice; both the mean where the split leaves one side empty."""
-    if not ratio.size:
-        return 0.0, 0.0
-    cut = float(ratio.mean())
-    low = high = cut
-    for _ in range(3):
-        below, above = ratio[ratio <= cut], ratio[ratio > cut]
-        low = float(below.mean()) if below.size else float(above.mean())
-        high = float(above.mean()) if above.size else low
-        cut = (low + high) / 2
-    return low, high
 
 
 def _group_of(count: int, k: int, full: int, xp):

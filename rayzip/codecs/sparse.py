@@ -16,7 +16,7 @@ from ..xp import array_module, as_array
 __all__ = ["SparseCodec", "VALUE_DTYPES", "coo_sum", "scatter", "summed_value_bytes", "summed_value_dtype"]
 
 VALUE_DTYPES = {"fp16": "<f2", "fp32": "<f4"}
-SCALED_VALUE_DTYPES = ("int8", "2bit")  # multiples of a scale per group: group top-k only
+SCALED_VALUE_DTYPES = ("int8", "2bit", "4bit")  # multiples of a scale per group: group top-k only
 FP16_MAX = 65504.0
 
 
@@ -28,7 +28,7 @@ def check_value_dtype(value_dtype: str, scaled: bool = False) -> str:
 
 
 def summed_value_dtype(value_dtype: str) -> str:
-    """The type partial sums of sparse values travel in (the ring collective): int8 and 2-bit
+    """The type partial sums of sparse values travel in (the ring collective): int8, 2-bit and 4-bit
     values are multiples of their group's scale, which a sum of several workers' values does not
     share, so they are summed in fp16."""
     return "fp16" if value_dtype in SCALED_VALUE_DTYPES else value_dtype

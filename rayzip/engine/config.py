@@ -40,7 +40,7 @@ class CompressionConfig:
         density: the kept fraction of a sparsifier (topk, randomk, group_topk).
         group_size: group top-k's group (see :mod:`rayzip.codecs.group_topk`).
         value_dtype: the sparsifiers' value type on the wire (fp32, fp16; group top-k also int8
-            and 2bit, multiples of a scale per group).
+            2bit and 4bit, multiples of a scale per group).
         packed_indices: group top-k's offsets bit-packed.
         coded_indices: group top-k's offsets Elias-Fano coded (fewer bits than packed).
         block: the DCT's block side.

@@ -1,5 +1,6 @@
 """The cheapest wire for rare, large updates (local steps' pseudo-gradients): group top-k's
-offsets Elias-Fano coded (``coded_indices``) and its values as 2 bits (``value_dtype="2bit"``)."""
+offsets Elias-Fano coded (``coded_indices``) and its values in 2 or 4 bits (``value_dtype``
+"2bit", "4bit")."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def _unlike_groups(n: int, seed: int = 0) -> np.ndarray:
     return (rng.standard_normal(n) * 10.0 ** scale).astype(np.float32)
 
 
-@pytest.mark.parametrize("value_dtype", ["fp32", "fp16", "int8", "2bit"])
+@pytest.mark.parametrize("value_dtype", ["fp32", "fp16", "int8", "2bit", "4bit"])
 @pytest.mark.parametrize("n,group", [(100_000, 1024), (10_007, 1000), (50, 64)])
 def test_coded_indices_keep_the_entries_and_values_of_plain_offsets(value_dtype, n, group):
     x = _unlike_groups(n, seed=n)
@@ -68,10 +69,11 @@ def test_coded_indices_keep_the_entries_and_values_of_plain_offsets(value_dtype,
     assert payload.nbytes == coded.wire_nbytes(n) < plain.wire_nbytes(n) or n < group
 
 
+@pytest.mark.parametrize("bits,error", [(2, 0.3), (4, 0.06)])
 @pytest.mark.parametrize("n,group", [(100_000, 1024), (10_007, 1000), (50, 64)])
-def test_two_bit_values_keep_each_sign_and_one_of_two_magnitudes_per_group(n, group):
+def test_few_bit_values_keep_each_sign_and_one_of_few_magnitudes_per_group(n, group, bits, error):
     x = _unlike_groups(n, seed=n + 1)
-    codec = get_codec("group_topk", density=0.02, group_size=group, value_dtype="2bit", coded_indices=True)
+    codec = get_codec("group_topk", density=0.02, group_size=group, value_dtype=f"{bits}bit", coded_indices=True)
     payload = codec.encode(x)
     indices, values = codec.to_coo(codec.from_bytes(payload.to_bytes(), like=payload))
     exact_indices, exact = get_codec("group_topk", density=0.02, group_size=group,
@@ -81,13 +83,13 @@ def test_two_bit_values_keep_each_sign_and_one_of_two_magnitudes_per_group(n, gr
     assert np.array_equal(np.sign(values), np.sign(exact))
     for g in np.unique(indices // group):
         mine = np.abs(values[indices // group == g])
-        assert len(np.unique(mine)) <= 2
+        assert len(np.unique(mine)) <= 2 ** (bits - 1)
         # the group's scale is its kept magnitudes' mean to a quarter of a binade
         assert abs(np.log2(mine.mean() / np.abs(exact[indices // group == g]).mean())) < 1.5
     # Contractive on what it keeps, as error feedback needs: the error's norm is well below
     # the kept values' (an entry far below its group's mean can overshoot, by at most the
     # lower magnitude).
-    assert np.linalg.norm(values - exact) / np.linalg.norm(exact) < 0.3
+    assert np.linalg.norm(values - exact) / np.linalg.norm(exact) < error
 
 
 def test_two_bit_wire_is_the_documented_bytes_and_a_zero_group_decodes_to_zeros():
