@@ -44,7 +44,6 @@ SEGMENTS = 4
 GROUP_BYTES = 1 << 20
 MAX_GROUPS = 16
 PAD = 8
-HEADER = 128  # bytes of 4-bit code lengths per context
 CHUNK = 1 << 22  # bytes coded per pass: the temporaries are a few int64 per byte
 
 

@@ -5,7 +5,8 @@ code per preceding byte, 0 before a segment's first byte). The code table is the
 (:mod:`rayzip.checkpoint.device_huffman` builds it from :func:`count`, as the C coder does).
 
 * :func:`count`: the (context << 8 | byte) histogram; lanes of a warp holding the same key
-  add it once (``__match_any_sync``), so a run of one exponent is not 32 atomics on one cell.
+  add it once (``__match_any_sync``, compute capability 7.0 or newer), so a run of one
+  exponent is not 32 atomics on one cell.
 * :func:`tile_bits`: the stream in tiles of 4096 bytes, none across a segment's end; each
   block sums its tile's code lengths.
 * :func:`write`: each block sums its threads' code lengths again, scans them to each

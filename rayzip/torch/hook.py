@@ -45,6 +45,7 @@ from ..comm.emulation import Emulation
 from ..engine import CompressionConfig, GradientExchange, NonFiniteError
 from ..xp import keep_freed_memory
 from .dense import DenseSteps
+from .optim import warn_for_optimizer
 
 __all__ = ["DDPHookState", "compress", "compressed_hook", "ddp_kwargs"]
 
@@ -288,7 +289,8 @@ def ddp_kwargs(config: CompressionConfig) -> dict:
 def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, config: CompressionConfig,
              process_group: dist.ProcessGroup | None = None, momentum: float | None = None,
              on_nonfinite: str = "raise", grad_scaler: torch.amp.GradScaler | None = None, adam_betas: tuple[float, float] | None = None,
-             emulation: Emulation | None = None, node_key: str | None = None) -> GradientExchange:
+             emulation: Emulation | None = None, node_key: str | None = None,
+             optimizer: torch.optim.Optimizer | str | None = None) -> GradientExchange:
     """Register rayzip's compressed comm hook on ``ddp_model``; returns its engine, whose
     knobs (``set_density``, ``propose``...) and counters (``last_step``, ``totals``) the
     training loop uses.
@@ -311,12 +313,16 @@ def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, config: Compr
         emulation: a slower link than the real one (:mod:`rayzip.comm.emulation`) for every send.
         node_key: what names this process's node for ``config.hierarchy`` (default:
             ``$RAYZIP_NODE_ID`` or the host name).
+        optimizer: the optimizer the training loop uses, or its name ("sgd", "adamw"...):
+            a sparse codec every step under Adam or AdamW warns once, naming what holds
+            quality there (:func:`rayzip.torch.optim.warn_for_optimizer`).
 
     Example::
 
         ddp = DistributedDataParallel(model)
         exchange = compress(ddp, CompressionConfig(codec="group_topk", density=0.01))
     """
+    warn_for_optimizer(config, optimizer)
     if config.adam_correction and grad_scaler is not None:
         raise ValueError("adam_correction sends a scale-free Adam direction, which GradScaler would unscale: "
                          "train in bf16 or without GradScaler")

@@ -15,7 +15,10 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["OptimizerSettings", "build_optimizer", "build_outer_optimizer", "fused_where_possible", "load_optimizer"]
+__all__ = ["OptimizerSettings", "adam_family", "build_optimizer", "build_outer_optimizer", "fused_where_possible",
+           "load_optimizer", "warn_for_optimizer"]
+
+ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
 
 
 class OptimizerSettings(Protocol):
@@ -84,3 +87,32 @@ def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     optimizer.load_state_dict(saved)
     for group, values in zip(optimizer.param_groups, kept):
         group.update(values)
+
+
+def adam_family(optimizer: torch.optim.Optimizer | str | None) -> bool:
+    """Whether ``optimizer`` (an optimizer, or its name: "adam", "adamw") scales each entry by
+    its own running second moment."""
+    if isinstance(optimizer, str):
+        return optimizer.lower() in ("adam", "adamw")
+    return isinstance(optimizer, ADAM_FAMILY)
+
+
+def warn_for_optimizer(config, optimizer: torch.optim.Optimizer | str | None, stacklevel: int = 3) -> str | None:
+    """Warn once where ``config`` (a :class:`~rayzip.engine.CompressionConfig`) sends a sparse
+    gradient every step to an Adam-family ``optimizer``: Adam divides each entry by its own
+    second moment, so the entries a sparsifier holds back for a few steps arrive as one
+    large, badly scaled update, and a transformer's quality suffers. Returns the message."""
+    if optimizer is None or not adam_family(optimizer) or config.codec not in ("topk", "randomk", "group_topk"):
+        return None
+    name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
+    message = (f"codec {config.codec} sends a sparse gradient every step, which costs a transformer's quality "
+               f"under {name}: for an Adam-family optimizer compress each step with codec='dct_quant', or "
+               "synchronize every few steps with local steps (rayzip.torch.LocalSteps), whose pseudo-gradients "
+               "group top-k sends well. See the codecs guide, 'Under Adam and AdamW'.")
+    if config.adam_correction:
+        message += (" With adam_correction the hook sends Adam's direction and your code sees it after "
+                    "backward(), not a gradient: clip_grad_norm_ there scales every update down.")
+    import warnings
+
+    warnings.warn(message, UserWarning, stacklevel=stacklevel)
+    return message

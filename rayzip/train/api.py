@@ -44,6 +44,7 @@ from ..engine.config import CompressionConfig
 from ..engine import GradientExchange
 from ..torch.fsdp import ShardedExchange, ShardingConfig, compress_sharded, shard_model
 from ..torch.hook import compress, ddp_kwargs
+from ..torch.optim import warn_for_optimizer
 from .checkpoints import (GroupCheckpoints, load_optimizer, load_trainer, restore_hook, restore_shards, save_shards,
                           take_parts, unwrap, write_parts, write_taken)
 from .exchange import node_id
@@ -59,7 +60,7 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | Compr
                   sharding: ShardingConfig | ShardingSpec | None = None,
                   momentum: float | None = None, adam_betas: tuple[float, float] | None = None,
                   on_nonfinite: str = "raise", grad_scaler: torch.amp.GradScaler | None = None,
-                  **prepare_kwargs: Any) -> torch.nn.Module:
+                  optimizer: torch.optim.Optimizer | str | None = None, **prepare_kwargs: Any) -> torch.nn.Module:
     """``ray.train.torch.prepare_model(model, **prepare_kwargs)`` with rayzip's compressed comm
     hook on the DDP model it returns. At world size 1 there is no DDP, nothing to exchange,
     and :func:`compression_state` is None.
@@ -82,6 +83,8 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | Compr
             :func:`compression_state` is not None, as AdamW where it is.
         on_nonfinite: ``"raise"`` or ``"skip"``, as for :func:`rayzip.torch.compress`.
         grad_scaler: AMP's ``GradScaler``, as for :func:`rayzip.torch.compress`.
+        optimizer: the optimizer your loop builds, or its name ("sgd", "adamw"...): a sparse
+            codec every step under Adam or AdamW warns once, naming what holds quality there.
         **prepare_kwargs: passed to ``ray.train.torch.prepare_model``.
 
     Returns:
@@ -98,6 +101,8 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | Compr
             raise ValueError("collective ps runs parameter-server shards, which `rayzip run` starts; "
                              "in your own loop, choose auto, ring, allreduce or allgather")
         compression = compression.to_config()
+    if compression is not None:
+        warn_for_optimizer(compression, optimizer)
     if sharding is not None:
         return _prepare_sharded(model, compression, sharding, momentum, adam_betas, on_nonfinite, grad_scaler)
     if compression is not None and "parallel_strategy_kwargs" not in prepare_kwargs:

@@ -552,7 +552,8 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
     if ddp and hooked:
         state = compress(model, config, momentum=training.momentum if comp.momentum_correction else None,
                          adam_betas=tuple(training.betas) if comp.adam_correction else None,
-                         on_nonfinite=training.on_nonfinite, emulation=emulation, node_key=node_id())
+                         on_nonfinite=training.on_nonfinite, emulation=emulation, node_key=node_id(),
+                         optimizer=training.optimizer)
         state.link_probe = probe
         optimizer = build_optimizer(training, model.parameters(), momentum_elsewhere=comp.momentum_correction,
                                     adam_elsewhere=comp.adam_correction)

@@ -320,7 +320,8 @@ class LoopContext:
         self.model = prepare_model(model, compression=self.spec.compression, sharding=self.spec.sharding,
                                    on_nonfinite=self.spec.training.on_nonfinite,
                                    momentum=self.spec.training.momentum if self.spec.compression.momentum_correction
-                                   else None, adam_betas=tuple(self.spec.training.betas), **prepare_kwargs)
+                                   else None, adam_betas=tuple(self.spec.training.betas),
+                                   optimizer=self.spec.training.optimizer, **prepare_kwargs)
         return self.model
 
     def build_optimizer(self, params) -> torch.optim.Optimizer:

@@ -1,0 +1,47 @@
+"""A sparse codec every step under Adam or AdamW warns once, naming what holds quality there
+(issue 46): the user's optimizer is given to rayzip.torch.compress / prepare_model, or named."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from rayzip.engine import CompressionConfig
+from rayzip.torch.optim import warn_for_optimizer
+
+
+def _entry_point(config, optimizer):
+    """As rayzip.torch.compress and rayzip.train.prepare_model call it."""
+    return warn_for_optimizer(config, optimizer)
+
+
+def _params():
+    return [torch.nn.Parameter(torch.zeros(3))]
+
+
+@pytest.mark.parametrize("optimizer", [lambda: torch.optim.AdamW(_params()), lambda: torch.optim.Adam(_params()),
+                                       lambda: "adamw", lambda: "Adam"])
+@pytest.mark.parametrize("codec", ["group_topk", "topk", "randomk"])
+def test_a_sparse_codec_under_adam_warns_naming_what_holds_quality(optimizer, codec):
+    with pytest.warns(UserWarning, match="codec='dct_quant'.*local steps") as caught:
+        message = _entry_point(CompressionConfig(codec=codec), optimizer())
+    assert codec in message and len(caught) == 1
+    assert caught[0].filename == __file__  # pointed at the entry point's caller, not at rayzip
+
+
+@pytest.mark.parametrize("optimizer,codec", [(lambda: torch.optim.SGD(_params(), lr=0.1), "group_topk"),
+                                             (lambda: "sgd", "topk"), (lambda: None, "group_topk"),
+                                             (lambda: "adamw", "dct_quant"), (lambda: "adamw", "none"),
+                                             (lambda: torch.optim.AdamW(_params()), "bf16")])
+def test_no_warning_where_quality_holds_or_the_optimizer_is_unknown(optimizer, codec):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn_for_optimizer(CompressionConfig(codec=codec), optimizer()) is None
+
+
+def test_under_adam_correction_the_warning_says_what_clipping_then_sees():
+    config = CompressionConfig(codec="group_topk", adam_correction=True)
+    with pytest.warns(UserWarning, match="clip_grad_norm_ there scales every update down"):
+        warn_for_optimizer(config, "adamw")
