@@ -33,6 +33,7 @@ Usage::
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -89,8 +90,9 @@ def _torch_leaves(obj: Any):
 
 def snapshot(state: Any, threads: int | None = None, buffers: SnapshotBuffers | None = None,
              defer: Deferred | None = None) -> Any:
-    """``state`` with every tensor (torch, numpy, cupy) copied to host memory; containers are
-    rebuilt, other leaves kept. Tensors that share storage (tied weights) share their copy.
+    """``state`` with every tensor (torch, numpy, cupy) copied to host memory, a DTensor as a
+    DTensor of the same layout over a copy of its own shard; containers are rebuilt, other
+    leaves kept. Tensors that share storage (tied weights) share their copy.
     Torch tensors are copied by a :class:`~rayzip.checkpoint.crew.Crew` of ``threads``
     threads (default: the usable cores, at most 8), since the loop waits for the copy, into
     ``buffers`` where it has them; the calling thread copies too, and no threads are started
@@ -181,9 +183,29 @@ class _Slot:
         self.key = key
 
 
+class _Shard:
+    """A DTensor (a sharded model's parameter or optimizer state) whose local shard goes to
+    a slot: filled, it is a DTensor of the same layout over the shard's host copy."""
+
+    def __init__(self, local: _Slot, like):
+        self.local, self.mesh, self.placements = local, like.device_mesh, like.placements
+        self.shape, self.stride = like.shape, like.stride()
+
+
+def _dtensor(obj: Any) -> bool:
+    """Whether ``obj`` is a DTensor: only where torch's DTensor module was imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(obj, module.DTensor)
+
+
 def _fill(obj: Any, copies: dict) -> Any:
     if isinstance(obj, _Slot):
         return copies[obj.key][1]
+    if isinstance(obj, _Shard):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(_fill(obj.local, copies), obj.mesh, obj.placements, run_check=False,
+                                  shape=obj.shape, stride=obj.stride)
     if isinstance(obj, dict):
         return {key: _fill(value, copies) for key, value in obj.items()}
     if isinstance(obj, list):
@@ -194,6 +216,8 @@ def _fill(obj: Any, copies: dict) -> Any:
 
 
 def _copy(obj: Any, copies: dict, buffers: SnapshotBuffers) -> Any:
+    if _dtensor(obj):  # its own shard, copied as any tensor is
+        return _Shard(_copy(obj.to_local(), copies, buffers), obj)
     if is_torch(obj):
         key = ("torch", obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape),
                tuple(obj.stride()), obj.dtype, str(obj.device))

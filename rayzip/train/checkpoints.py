@@ -171,29 +171,13 @@ def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     return {"model": model_state, "optimizer": optimizer_state}
 
 
-def _host_copy(nest: Any) -> Any:
-    """``nest`` with every tensor copied to host memory, a DTensor as a DTensor over a copy of
-    its own shard: a snapshot that later steps cannot change, written while they run."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(nest, DTensor):
-        local = nest.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, nest.device_mesh, nest.placements, run_check=False, shape=nest.shape,
-                                  stride=nest.stride())
-    if isinstance(nest, torch.Tensor):
-        return nest.detach().to("cpu", copy=True)
-    if isinstance(nest, dict):
-        return {key: _host_copy(value) for key, value in nest.items()}
-    if isinstance(nest, (list, tuple)):
-        return type(nest)(_host_copy(value) for value in nest)
-    return nest
-
-
-def take_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, copy: bool) -> dict:
-    """This rank's shards of an FSDP2 ``model`` and its ``optimizer``: host copies with
-    ``copy`` (for a write while training goes on), else the live tensors (for a write now)."""
+def take_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                copy: Callable[[Any], Any] | None = None) -> dict:
+    """This rank's shards of an FSDP2 ``model`` and its ``optimizer``: through ``copy``
+    (:func:`rayzip.checkpoint.background.snapshot`, or one with buffers: host copies, for a
+    write while training goes on), else the live tensors (for a write now)."""
     state = _sharded_state(model, optimizer)
-    return _host_copy(state) if copy else state
+    return copy(state) if copy is not None else state
 
 
 def write_shards(directory: Path, shards: dict, process_group: dist.ProcessGroup | None = None) -> None:
@@ -208,7 +192,7 @@ def write_shards(directory: Path, shards: dict, process_group: dist.ProcessGroup
 
 def save_shards(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """:func:`take_shards` and :func:`write_shards` now, over the world."""
-    write_shards(directory, take_shards(model, optimizer, copy=False))
+    write_shards(directory, take_shards(model, optimizer))
 
 
 def load_shards(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

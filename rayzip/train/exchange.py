@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import ray.train.torch
 import torch
@@ -101,9 +101,9 @@ class Exchange:
     # weights() whole.
     sharded_weights = False
 
-    def take_shards(self, copy: bool) -> dict:
-        """This rank's shards of the model and optimizer: host copies with ``copy``, else the
-        live tensors; only where :attr:`sharded_weights`."""
+    def take_shards(self, copy: Callable[[Any], Any] | None) -> dict:
+        """This rank's shards of the model and optimizer: through ``copy`` (a snapshot to host
+        memory), else the live tensors; only where :attr:`sharded_weights`."""
         raise NotImplementedError(f"{type(self).__name__} writes its weights whole")
 
     def write_shards(self, directory: Path, shards: dict) -> None:
@@ -479,7 +479,7 @@ class ShardedModelExchange(Exchange):
     def weights(self) -> tuple[dict, dict]:
         return {}, {}  # in write_shards' folder
 
-    def take_shards(self, copy: bool) -> dict:
+    def take_shards(self, copy: Callable[[Any], Any] | None) -> dict:
         return take_shards(self.model, self.optimizer, copy)
 
     def write_shards(self, directory: Path, shards: dict) -> None:

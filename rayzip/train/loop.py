@@ -268,7 +268,7 @@ def _checkpoint(spec: JobSpec, task: Task, exchange: Exchange, run: _Run, step: 
 
         def take(copy) -> Parts:
             if exchange.sharded_weights:  # this rank's shards: host copies for a write in the background
-                parts["shards"] = exchange.take_shards(copy is not None)
+                parts["shards"] = exchange.take_shards(copy)
             taken, parts["index"] = step_parts(exchange.rank, exchange.world, step, exchange.weights,
                                                exchange.state, totals,
                                                {"data": task.data_state(step + 1), "metric": run.metric}, copy)
