@@ -30,13 +30,13 @@ import zstandard
 
 from .. import cuda
 from ..codecs.bitpack import pack_bits, unpack_bits
-from ..xp import array_module, asnumpy, is_torch
+from ..xp import asnumpy, is_torch
 from . import scratch
 from .transforms import (byte_planes, column_model, exponent_residual, exponent_restore, from_byte_planes, kernels,
                          prefix_join, prefix_split, SCALED_MAX, scaled_join, scaled_split)
 
-__all__ = ["CODECS", "Factored", "Scaled", "StreamCodec", "choose", "choose_delta", "pack_stream", "stream_plan",
-           "stream_stats", "unpack_stream"]
+__all__ = ["CODECS", "Factored", "Scaled", "StreamCodec", "choose", "choose_delta", "on_host", "pack_stream",
+           "stream_plan", "stream_stats", "unpack_stream"]
 
 ZSTD_LEVEL = 1  # higher levels gain little on float planes, for several times the time
 SAMPLE = 1 << 14  # elements tried per candidate when choosing
@@ -148,10 +148,9 @@ def _zstd_estimate(arr: np.ndarray, level: int, size: int) -> float:
     return len(_compressor(level).compress(sample)) * size / sample.size
 
 
-def _on_device(data) -> bool:
-    """Whether ``data`` is a GPU array (cupy, or a CUDA tensor)."""
-    return not isinstance(data, np.ndarray) and (array_module(data) is not np
-                                                  or (is_torch(data) and data.is_cuda))
+def on_host(data) -> bool:
+    """Whether ``data`` lies in host memory (numpy, or a CPU tensor), not on the GPU."""
+    return data.device.type == "cpu" if is_torch(data) else isinstance(data, np.ndarray)
 
 
 def _device_sample(data) -> np.ndarray:
@@ -179,7 +178,7 @@ def stream_plan(data) -> tuple[str, int] | None:
     treats streams to be stored raw apart; None without the C kernels (zstd decides there)."""
     if kernels is None:
         return None
-    if _on_device(data):
+    if not on_host(data):
         return _plan(_device_sample(data), int(data.nbytes))[:2]
     return _plan(_bytes(data))[:2]
 
@@ -194,13 +193,13 @@ def pack_stream(data, level: int = ZSTD_LEVEL, threads: int = 1,
     on the GPU is coded there, to the same bytes (:mod:`.device_huffman`), and only they cross
     to the host (where rayzip's CUDA kernels are on)."""
     if gpu_coding and kernels is not None and cuda.enabled(data) and int(data.nbytes) >= 64:
-        coding, parameter = plan or stream_plan(data)
-        if coding == "huffman":
+        plan = plan or stream_plan(data)
+        if plan[0] == "huffman":
             from .device_huffman import encode
 
-            coded = encode(data, parameter)
+            coded = encode(data, plan[1])
             if coded.size < int(data.nbytes):
-                return coded, coding
+                return coded, "huffman"
     arr = _bytes(data)
     if arr.size < 64:
         return arr, "raw"

@@ -42,7 +42,7 @@ import xxhash
 import zstandard
 
 from ..xp import asnumpy, is_torch
-from .codecs import CODECS, SAMPLE, Factored, choose, choose_delta, pack_stream, stream_plan, unpack_stream
+from .codecs import CODECS, SAMPLE, Factored, choose, choose_delta, on_host, pack_stream, stream_plan, unpack_stream
 from .crew import Crew, Pending, completed, threads_for
 from .transforms import WORD_DTYPES, tensor_words, words_to_tensor
 
@@ -290,7 +290,7 @@ class _Encoder:
         the work that made them."""
         plans = [stream_plan(stream) for stream in streams]
         raw = [plan is not None and plan[0] == "raw" for plan in plans]
-        here = [raw[k] or (self.gpu_coding and not _on_host(stream)) for k, stream in enumerate(streams)]
+        here = [raw[k] or (self.gpu_coding and not on_host(stream)) for k, stream in enumerate(streams)]
         return _coded_first(raw, lambda k: (completed if here[k] else submit)(_pack, streams[k], self.workers,
                                                                                plans[k], self.gpu_coding))
 
@@ -300,7 +300,7 @@ class _Encoder:
         if math.prod(shape) <= SAMPLE:
             return None
         return (_dtype_name(tensor), self.base_of(name) is not None, bool(self.is_optimizer(name)),
-                Factored.matrix(shape) is not None, _last_part(name), _on_host(tensor))  # host-only codecs
+                Factored.matrix(shape) is not None, _last_part(name), on_host(tensor))  # host-only codecs
 
     def choose_for_family(self, name: str, words, prior, dtype: str, xp, shape: tuple[int, ...]):
         """``(codec, whether to code against the base)``; False where there is none."""
@@ -397,10 +397,6 @@ def choose_for(words, prior, dtype: str, xp, optimizer_state: bool, shape: tuple
     return choose_delta(words, prior, dtype, xp, optimizer_state, shape)
 
 
-def _on_host(x: Any) -> bool:
-    return x.device.type == "cpu" if is_torch(x) else isinstance(x, np.ndarray)
-
-
 def _pack_groups(tensors: dict[str, Any], kind: Callable[[str], tuple]) -> list[list[str]]:
     """Names of the small host tensors to code together, in state order, in packs of up to
     ``PACK_BYTES``: of one dtype and ``kind``, and of one *family* (vectors or matrices, and
@@ -412,7 +408,7 @@ def _pack_groups(tensors: dict[str, Any], kind: Callable[[str], tuple]) -> list[
     is not packed. Packing the GPT workload's 35 small weights by family stored them 2.2%
     smaller (5 KB)."""
     families = _grouped([(name, tensor) for name, tensor in tensors.items()
-                         if 0 < int(tensor.nbytes) < SMALL_TENSOR_BYTES and _on_host(tensor)],
+                         if 0 < int(tensor.nbytes) < SMALL_TENSOR_BYTES and on_host(tensor)],
                         lambda name, tensor: (_dtype_name(tensor), *kind(name), len(tensor.shape) >= 2,
                                               _last_part(name)))
     packs = [names for names in families if len(names) > 1]

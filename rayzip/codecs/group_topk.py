@@ -122,7 +122,7 @@ class GroupTopK(SparseCodec):
         groups = [values.reshape(full, k)]
         offsets, values = offsets.reshape(-1), values.reshape(-1)
         if tail:
-            tail_offsets = xp.sort(top_magnitude(rest, k_tail, xp))
+            tail_offsets = top_magnitude(rest, k_tail, xp)  # ascending, as Elias-Fano needs
             offsets = xp.concatenate([offsets, tail_offsets])
             groups.append(rest[tail_offsets].reshape(1, k_tail))
             values = xp.concatenate([values, groups[-1].reshape(-1)])
