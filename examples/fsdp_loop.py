@@ -26,11 +26,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    train(args, device)
+    # Once the model is gone: a live one holds the group's threads, which can abort Python's exit.
+    dist.destroy_process_group()
 
+
+def train(args: argparse.Namespace, device: torch.device) -> None:
+    rank = dist.get_rank()
     torch.manual_seed(0)  # the same initial weights on every rank
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(4)],
                                 torch.nn.Linear(256, 10)).to(device)
@@ -58,7 +63,6 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; between nodes {totals['bytes_sent']:,} bytes sent, "
               f"{totals['dense_bytes'] / max(totals['bytes_sent'], 1):.1f}x fewer than dense")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
