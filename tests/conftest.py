@@ -27,11 +27,17 @@ _SPENT = dict.fromkeys(LANES, 0.0)  # seconds of setup, call and teardown, by la
 
 
 def pytest_collection_modifyitems(config, items):
+    lane_of = {}
     for item in items:
         lane = item.path.relative_to(TESTS).parts[0] if item.path.is_relative_to(TESTS) else None
         if lane not in LANES:
             raise pytest.UsageError(f"{item.nodeid}: a test lives in one of tests/{{{','.join(LANES)}}}/")
         item.add_marker(getattr(pytest.mark, lane))
+        lane_of[item] = LANES.index(lane)
+    # The fast lanes first; in a lane, the tests that want the shared Ray run one after another,
+    # after those that must not have it (their own clusters, benchmarks), so that it starts
+    # once rather than again after each of those. The sort is stable: modules keep their order.
+    items.sort(key=lambda item: (lane_of[item], "local_ray" in item.fixturenames))
 
 
 def pytest_runtest_logreport(report):

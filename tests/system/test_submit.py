@@ -55,7 +55,7 @@ def cluster():
         assert start.returncode == 0, start.stdout + start.stderr
         yield f"http://127.0.0.1:{dashboard}", env
     finally:
-        end_tagged(tag)
+        end_tagged(tag, grace_s=2.0)  # what SIGTERM has not ended by then is killed
         shutil.rmtree(temp, ignore_errors=True)
 
 
