@@ -81,12 +81,14 @@ def widen(values):
 
 
 def all_finite(values) -> bool:
-    """True when no entry is NaN or +-Inf: one pass, no temporary (NaN propagates through
-    min and max, and an Inf is one of them), exact where a float sum could overflow."""
+    """True when no entry is NaN or +-Inf. The common case costs one summing pass, no
+    temporary: a NaN or an Inf anywhere makes the sum NaN or Inf, so a finite sum settles it
+    (and a sum is cheaper than min and max). Only a sum that is not finite is checked again,
+    exactly, by min and max, since finite entries can overflow a float sum."""
     tensor = to_torch(values)
-    if tensor.numel() == 0:
+    if tensor.numel() == 0 or bool(torch.isfinite(tensor.sum())):
         return True
-    low, high = torch.aminmax(tensor)
+    low, high = torch.aminmax(tensor)  # NaN propagates through both; an Inf is one of them
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 

@@ -175,3 +175,22 @@ def test_adam_correction_off_is_adam_on_ddps_average():
     np.testing.assert_array_equal(corrected[0], corrected[1])
     np.testing.assert_allclose(corrected[0], plain[0], rtol=1e-4, atol=1e-6)
     assert np.abs(corrected[0] - _flat(_model())).max() > 1e-3  # it trained
+
+
+def _overflowing_rank(rank, world):
+    """A dense step whose every averaged entry is 3e36, finite, while their float32 sum is
+    not (4000 of them): the step's cheap check (a sum) cannot settle it alone."""
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 4000, bias=False))
+    state = compress(ddp, CompressionConfig(codec="topk", density=0.05), on_nonfinite="raise")
+    state.set_enabled(False)
+    (ddp(torch.ones(1, 1)).sum() * 3e36).backward()
+    grad = ddp.module.weight.grad.flatten()
+    return {"skipped": state.last_step.skipped, "compressed": state.last_step.compressed,
+            "sum_finite": bool(torch.isfinite(grad.sum())), "grad": grad.numpy().copy()}
+
+
+def test_a_finite_gradient_whose_sum_overflows_is_not_taken_for_a_nan():
+    for r in run_world(_overflowing_rank, 2):
+        assert not r["sum_finite"]  # the case the exact look settles
+        assert not r["skipped"] and not r["compressed"]
+        np.testing.assert_array_equal(r["grad"], np.full(4000, 3e36, dtype=np.float32))

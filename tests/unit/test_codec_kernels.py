@@ -141,3 +141,17 @@ def test_group_topk_of_a_group_of_nans_is_refused_not_read_out_of_bounds():
     x[1024:2048] = np.nan
     with pytest.raises(NonFiniteError, match="1024 NaN/Inf value\\(s\\), first at flat index 1024"):
         get_codec("group_topk", density=0.01).encode(x)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_all_finite_is_exact_where_a_sum_overflows_or_cancels(dtype):
+    big = float(np.finfo(dtype).max) / 2
+    assert kernels.all_finite(np.full(8, big, dtype=dtype))  # the sum overflows; every entry is finite
+    assert kernels.all_finite(np.zeros(0, dtype=dtype))
+    for bad in (np.nan, np.inf, -np.inf):
+        x = np.ones(1000, dtype=dtype)
+        x[637] = bad
+        assert not kernels.all_finite(x), bad
+    x = np.ones(1000, dtype=dtype)
+    x[3], x[900] = np.inf, -np.inf  # the sum is NaN, not a cancelled finite value
+    assert not kernels.all_finite(x)
