@@ -1,0 +1,403 @@
+"""Screen ways of exchanging the GPT benchmark's updates, in one process (issue 46).
+
+W data-parallel workers are simulated in one process: each computes its gradient on its
+own batches (the job's ShardSampler), the method under test turns the W gradients into
+the step, and the model steps. Model, data, batch, AdamW settings, clipping and schedule
+are those of jobs/bench-gpt.yaml; dense here ends where `rayzip run` of that spec does
+(3.0352 bits per byte at step 200). It screens methods before they are built into the
+engine: headline figures come from `rayzip bench cluster`.
+
+Each run adds (or replaces) its row, under ``--label``, in the JSON file given by
+``--json``, with the commit and date; ``--table JSON`` prints the rows as a markdown table
+against the dense row. ``--stop-at N`` ends a run that has clearly failed at step N,
+keeping the schedule of ``--steps``.
+
+    python tools/sim_gpt.py dense --label dense --json docs/sim-gpt-methods.json
+    python tools/sim_gpt.py demo --topk 32 --update sign --label demo --json docs/sim-gpt-methods.json
+    python tools/sim_gpt.py --table docs/sim-gpt-methods.json
+
+Methods:
+  dense   the mean gradient, AdamW (DDP).
+  demo    DeMo: each worker's decaying momentum (beta), its 2-D DCT in chunk x chunk tiles,
+          the top ``--topk`` coefficients of each tile sent and subtracted; the decoded mean
+          feeds AdamW (``--update adamw``) or a sign step at AdamW's learning rate (``sign``).
+  topk    group top-k (``--group``, ``--density``) with error feedback, of the gradient
+          (``--memory ef``: AdamW on the decoded mean) or of each worker's own Adam direction
+          (``--memory adam``: the mean applied by SGD with AdamW's decay; rayzip's
+          adam_correction).
+  stale   every ``--period`` steps a block of ``--block`` entries sends its window's summed
+          gradient (round robin, no offsets on the wire); the gradient AdamW sees holds each
+          block's last window mean.
+  local   local steps: H = ``--every`` inner AdamW steps per worker, then each pseudo-gradient
+          through group top-k with error feedback (runs of ``--run`` entries selected whole),
+          averaged, applied with outer lr 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import math
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from rayzip.torch.lr import cosine_lr
+from rayzip.train.gpt import GPT, lm_loss
+from rayzip.train.text import ShardSampler, Windows, load_python_stdlib
+
+PEAK_LR, BETAS, DECAY, WARMUP, CLIP = 0.002, (0.9, 0.95), 0.1, 20, 1.0  # jobs/bench-gpt.yaml at 2 workers
+VALUE_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "sign": 1}
+
+
+def dct_matrix(n: int) -> torch.Tensor:
+    k = torch.arange(n, dtype=torch.float64)[:, None]
+    i = torch.arange(n, dtype=torch.float64)[None, :]
+    c = torch.cos(math.pi * (i + 0.5) * k / n) * math.sqrt(2 / n)
+    c[0] /= math.sqrt(2)
+    return c.float()
+
+
+class Tiles:
+    """Orthonormal DCT of a parameter in h x w tiles (a vector: in runs of w)."""
+
+    def __init__(self, shape, chunk: int):
+        self.shape = tuple(shape)
+        if len(shape) == 2:
+            self.h, self.w = min(chunk, shape[0]), min(chunk, shape[1])
+        else:
+            self.h, self.w = 1, min(chunk, math.prod(shape))
+        self.ch, self.cw = dct_matrix(self.h), dct_matrix(self.w)
+
+    def encode(self, x):  # -> (tiles, h * w)
+        if len(self.shape) == 2:
+            r, c = self.shape
+            t = torch.einsum("yhxw,ah,bw->yxab", x.reshape(r // self.h, self.h, c // self.w, self.w), self.ch, self.cw)
+            return t.reshape(-1, self.h * self.w)
+        return x.reshape(-1, self.w) @ self.cw.T
+
+    def decode(self, t):
+        if len(self.shape) == 2:
+            r, c = self.shape
+            t = torch.einsum("yxab,ah,bw->yhxw", t.reshape(r // self.h, c // self.w, self.h, self.w), self.ch, self.cw)
+            return t.reshape(self.shape)
+        return (t @ self.cw).reshape(self.shape)
+
+
+def quantize(values: torch.Tensor, kind: str) -> torch.Tensor:
+    """Each row's values as the wire would carry them."""
+    if kind == "fp32":
+        return values
+    if kind == "bf16":
+        return values.bfloat16().float()
+    if kind == "sign":  # the sign, times the row's mean magnitude
+        return values.sign() * values.abs().mean(dim=1, keepdim=True)
+    bits = int(kind[3:])  # intB: symmetric, one scale per row
+    top = 2 ** (bits - 1) - 1
+    scale = values.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / top
+    return torch.round(values / scale) * scale
+
+
+def offset_bits(group: int, k: int) -> float:
+    """What a kept entry's offset costs at best: log2 C(group, k) / k."""
+    return math.log2(math.comb(group, k)) / k
+
+
+def top_rows(rows: torch.Tensor, k: int, run: int = 1) -> torch.Tensor:
+    """Each row's k largest entries, taken as whole runs of ``run`` consecutive entries."""
+    if run == 1:
+        return rows.abs().topk(k, dim=1, sorted=False).indices
+    energy = rows.reshape(rows.shape[0], -1, run).pow(2).sum(-1)
+    top = energy.topk(max(1, k // run), dim=1, sorted=False).indices
+    return (top[..., None] * run + torch.arange(run)).reshape(rows.shape[0], -1)
+
+
+def sparsify(flat: torch.Tensor, group: int, k: int, values: str, run: int = 1) -> torch.Tensor:
+    """``flat`` with all but each group's top k entries zeroed, the kept ones quantized."""
+    rows = F.pad(flat, (0, (-flat.numel()) % group)).view(-1, group)
+    idx = top_rows(rows, k, run)
+    kept = quantize(torch.gather(rows, 1, idx), values)
+    return torch.zeros_like(rows).scatter_(1, idx, kept).reshape(-1)[:flat.numel()]
+
+
+def flat_of(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def set_flat(tensors, flat: torch.Tensor, grad: bool) -> None:
+    offset = 0
+    for t in tensors:
+        part = flat[offset:offset + t.numel()].view_as(t)
+        if grad:
+            t.grad = part.clone()
+        else:
+            t.data.copy_(part)
+        offset += t.numel()
+
+
+class Sim:
+    def __init__(self, args):
+        self.args = args
+        text = load_python_stdlib(0.05)
+        train, validation = Windows(text.train, 128), Windows(text.validation, 128)
+        picks = torch.linspace(0, len(validation) - 1, 128).long().unique()
+        self.vx = torch.stack([validation[int(i)][0] for i in picks])
+        self.vy = torch.stack([validation[int(i)][1] for i in picks])
+        torch.manual_seed(0)
+        self.model = GPT(vocab=256, layers=4, width=384, heads=6, context=128)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.loaders = [iter(torch.utils.data.DataLoader(
+            train, batch_size=16, sampler=ShardSampler(len(train), 16, r, args.workers, seed=0, start=0),
+            generator=torch.Generator().manual_seed(0))) for r in range(args.workers)]
+        self.curve: list[tuple[int, float, float]] = []
+        self.start = time.time()
+
+    def lr(self, step: int) -> float:
+        return cosine_lr(PEAK_LR, step, self.args.steps, WARMUP, 0.1)
+
+    def gradient(self, model, rank: int) -> None:
+        x, y = next(self.loaders[rank])
+        model.zero_grad(set_to_none=True)
+        lm_loss(model(x), y).backward()
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> None:
+        self.model.eval()
+        total = 0.0
+        for s in range(0, len(self.vx), 32):
+            logits = self.model(self.vx[s:s + 32])
+            total += F.cross_entropy(logits.reshape(-1, 256), self.vy[s:s + 32].reshape(-1), reduction="sum").item()
+        self.model.train()
+        value = total / self.vy.numel() / math.log(2)
+        self.curve.append((step, value, time.time() - self.start))
+        print(f"step {step} val {value:.4f} ({time.time() - self.start:.0f} s)", flush=True)
+
+    def last_step(self) -> int:
+        return min(self.args.steps, self.args.stop_at or self.args.steps)
+
+    def due(self, step: int) -> bool:
+        return step % self.args.eval_every == 0 or step == self.last_step()
+
+    # --- per-step methods: W gradients in, the update out ---------------------------------
+    def run_per_step(self, exchange) -> None:
+        optimizer = torch.optim.AdamW(self.params, lr=PEAK_LR, betas=BETAS, weight_decay=DECAY)
+        for step in range(self.last_step()):
+            lr = self.lr(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            grads = []
+            for rank in range(self.args.workers):
+                self.gradient(self.model, rank)
+                grads.append(flat_of(p.grad for p in self.params))
+            with torch.no_grad():
+                applied = exchange(step, grads, lr)
+                if not applied:  # the mean is in .grad: the user's clipping and AdamW
+                    torch.nn.utils.clip_grad_norm_(self.params, CLIP)
+                    optimizer.step()
+            if self.due(step + 1):
+                self.evaluate(step + 1)
+
+    def apply(self, update: torch.Tensor, lr: float) -> bool:
+        """p -= lr * (update + decay * p): a step taken by the method itself."""
+        for p in self.params:
+            p.mul_(1 - lr * DECAY)
+        set_flat(self.params, flat_of(self.params) - lr * update, grad=False)
+        return True
+
+    def dense(self):
+        def exchange(step, grads, lr):
+            set_flat(self.params, sum(grads) / len(grads), grad=True)
+            return False
+        return exchange, 1.0
+
+    def demo(self):
+        a = self.args
+        tiles = [Tiles(p.shape, a.chunk) for p in self.params]
+        deltas = [[torch.zeros_like(p) for p in self.params] for _ in range(a.workers)]
+        bits = sum(p.numel() // (t.h * t.w) * min(a.topk, t.h * t.w) * (VALUE_BITS[a.values] + math.log2(t.h * t.w))
+                   for p, t in zip(self.params, tiles))
+
+        def exchange(step, grads, lr):
+            means = []
+            for i, (p, t) in enumerate(zip(self.params, tiles)):
+                total = 0
+                for rank in range(a.workers):
+                    g = grads[rank]
+                    offset = sum(q.numel() for q in self.params[:i])
+                    delta = deltas[rank][i].mul_(a.beta).add_(g[offset:offset + p.numel()].view_as(p))
+                    coefficients = t.encode(delta)
+                    idx = coefficients.abs().topk(min(a.topk, coefficients.shape[1]), dim=1, sorted=False).indices
+                    kept = torch.zeros_like(coefficients).scatter_(
+                        1, idx, quantize(torch.gather(coefficients, 1, idx), a.values))
+                    delta.sub_(t.decode(kept))
+                    total = total + kept
+                means.append(t.decode(total / a.workers).reshape(-1))
+            mean = torch.cat(means)
+            if a.update == "sign":
+                return self.apply(mean.sign(), lr)
+            set_flat(self.params, mean, grad=True)
+            return False
+        return exchange, self.numel * 32 / bits
+
+    def topk(self):
+        a = self.args
+        k = max(1, math.ceil(a.density * a.group))
+        residuals = [torch.zeros(self.numel) for _ in range(a.workers)]
+        moments = [(torch.zeros(self.numel), torch.zeros(self.numel)) for _ in range(a.workers)]
+        bits = self.numel / a.group * k * (VALUE_BITS[a.values] + offset_bits(a.group, k))
+
+        def exchange(step, grads, lr):
+            total = 0
+            for rank in range(a.workers):
+                g = grads[rank]
+                if a.memory == "adam":  # each worker's own Adam direction (adam_correction)
+                    m, v = moments[rank]
+                    m.mul_(BETAS[0]).add_(g, alpha=1 - BETAS[0])
+                    v.mul_(BETAS[1]).addcmul_(g, g, value=1 - BETAS[1])
+                    t = step + 1
+                    g = (m / (1 - BETAS[0] ** t)) / ((v / (1 - BETAS[1] ** t)).sqrt() + 1e-8)
+                compensated = g + residuals[rank]
+                sent = sparsify(compensated, a.group, k, a.values)
+                residuals[rank] = compensated - sent
+                total = total + sent
+            mean = total / a.workers
+            if a.memory == "adam":
+                return self.apply(mean, lr)
+            set_flat(self.params, mean, grad=True)
+            return False
+        return exchange, self.numel * 32 / bits
+
+    def stale(self):
+        a = self.args
+        blocks = -(-self.numel // a.block)
+        phase = torch.arange(blocks) % a.period
+        windows = [torch.zeros(blocks, a.block) for _ in range(a.workers)]
+        held = torch.zeros(blocks, a.block)
+        bits = self.numel / a.period * (VALUE_BITS[a.values] + 32 / a.block)
+
+        def exchange(step, grads, lr):
+            due = phase == step % a.period
+            total = torch.zeros(int(due.sum()), a.block)
+            for rank in range(a.workers):
+                windows[rank] += F.pad(grads[rank], (0, blocks * a.block - self.numel)).view(blocks, a.block)
+                sent = quantize(windows[rank][due], a.values)
+                windows[rank][due] -= sent  # the quantization error waits for the next window
+                total += sent
+            held[due] = total / (a.workers * a.period)
+            set_flat(self.params, held.reshape(-1)[:self.numel], grad=True)
+            return False
+        return exchange, self.numel * 32 / bits
+
+    # --- local steps ----------------------------------------------------------------------
+    def run_local(self) -> float:
+        a = self.args
+        k = max(1, math.ceil(a.density * a.group))
+        per_entry = VALUE_BITS[a.values] + (offset_bits(a.group, k) if a.run == 1 else
+                                            offset_bits(a.group // a.run, k // a.run) / a.run)
+        ratio = 32 * a.every / (a.density * per_entry)
+        workers = [copy.deepcopy(self.model) for _ in range(a.workers)]
+        inner = [[p for p in w.parameters() if p.requires_grad] for w in workers]
+        optimizers = [torch.optim.AdamW(ps, lr=PEAK_LR, betas=BETAS, weight_decay=DECAY) for ps in inner]
+        residuals = [torch.zeros(self.numel) for _ in range(a.workers)]
+        for step in range(self.last_step()):
+            for rank in range(a.workers):
+                for group in optimizers[rank].param_groups:
+                    group["lr"] = self.lr(step)
+                self.gradient(workers[rank], rank)
+                torch.nn.utils.clip_grad_norm_(inner[rank], CLIP)
+                optimizers[rank].step()
+            if (step + 1) % a.every and step + 1 != self.last_step():
+                continue
+            with torch.no_grad():
+                start = flat_of(self.params)
+                total = 0
+                for rank in range(a.workers):
+                    compensated = start - flat_of(inner[rank]) + residuals[rank]
+                    sent = sparsify(compensated, a.group, k, a.values, a.run)
+                    residuals[rank] = compensated - sent
+                    total = total + sent
+                set_flat(self.params, start - total / a.workers, grad=False)
+                for ps in inner:
+                    for p, q in zip(ps, self.params):
+                        p.copy_(q)
+            if self.due(step + 1):
+                self.evaluate(step + 1)
+        return ratio
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def table(path: str) -> str:
+    rows = json.loads(Path(path).read_text())["rows"]
+    dense = {s: v for s, v, _ in rows["dense"]["curve"]} if "dense" in rows else {}
+    lines = ["| method | fewer bytes than fp32 | last step | val bpb there | DDP's there | vs DDP |",
+             "|---|---|---|---|---|---|"]
+    for label, row in rows.items():
+        step, value, _ = row["curve"][-1]
+        ddp = dense.get(step)
+        versus = f"{(value / ddp - 1) * 100:+.1f}%" if ddp else "–"
+        lines.append(f"| {label} | {row['wire_reduction']:.0f}× | {step} | {value:.4f} | "
+                     f"{ddp:.4f} | {versus} |" if ddp else f"| {label} | {row['wire_reduction']:.0f}× | {step} | "
+                     f"{value:.4f} | – | – |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("method", nargs="?", choices=["dense", "demo", "topk", "stale", "local"])
+    ap.add_argument("--steps", type=int, default=200, help="the schedule's length")
+    ap.add_argument("--stop-at", type=int, default=None, help="end the run at this step")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--topk", type=int, default=32)
+    ap.add_argument("--beta", type=float, default=0.999)
+    ap.add_argument("--values", default="bf16", choices=sorted(VALUE_BITS))
+    ap.add_argument("--update", default="adamw", choices=["adamw", "sign"])
+    ap.add_argument("--density", type=float, default=0.02)
+    ap.add_argument("--group", type=int, default=1024)
+    ap.add_argument("--memory", default="ef", choices=["ef", "adam"])
+    ap.add_argument("--period", type=int, default=8)
+    ap.add_argument("--block", type=int, default=256)
+    ap.add_argument("--every", type=int, default=4)
+    ap.add_argument("--run", type=int, default=1)
+    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--label", default=None)
+    ap.add_argument("--json", default=None, help="add this run's row to this file")
+    ap.add_argument("--table", default=None, help="print the rows of this file as markdown, and stop")
+    args = ap.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
+    if args.method is None:
+        ap.error("name a method, or --table FILE")
+    torch.set_num_threads(1)
+    sim = Sim(args)
+    if args.method == "local":
+        ratio = sim.run_local()
+    else:
+        exchange, ratio = getattr(sim, args.method)()
+        sim.run_per_step(exchange)
+    row = {"method": args.method, "args": vars(args), "wire_reduction": ratio, "curve": sim.curve,
+           "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    print(json.dumps({"label": args.label, "final": sim.curve[-1], "wire_reduction": ratio}))
+    if args.json:
+        path = Path(args.json)
+        data = json.loads(path.read_text()) if path.exists() else {"rows": {}}
+        data["rows"][args.label or args.method] = row
+        path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
