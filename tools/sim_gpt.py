@@ -29,8 +29,9 @@ Methods:
           gradient (round robin, no offsets on the wire); the gradient AdamW sees holds each
           block's last window mean.
   local   local steps: H = ``--every`` inner AdamW steps per worker, then each pseudo-gradient
-          through group top-k with error feedback (runs of ``--run`` entries selected whole),
-          averaged, applied with outer lr 1.
+          through group top-k with error feedback (runs of ``--run`` entries selected whole;
+          ``--support leader``: one worker in turn picks the entries, every worker sends its
+          values there), averaged, applied with outer lr 1.
 """
 
 from __future__ import annotations
@@ -117,12 +118,13 @@ def top_rows(rows: torch.Tensor, k: int, run: int = 1) -> torch.Tensor:
     return (top[..., None] * run + torch.arange(run)).reshape(rows.shape[0], -1)
 
 
-def sparsify(flat: torch.Tensor, group: int, k: int, values: str, run: int = 1) -> torch.Tensor:
-    """``flat`` with all but each group's top k entries zeroed, the kept ones quantized."""
+def sparsify(flat: torch.Tensor, group: int, k: int, values: str, run: int = 1, idx=None):
+    """``flat`` with all but each group's top k entries (or those at ``idx``) zeroed, the kept
+    ones quantized; and the indices."""
     rows = F.pad(flat, (0, (-flat.numel()) % group)).view(-1, group)
-    idx = top_rows(rows, k, run)
+    idx = top_rows(rows, k, run) if idx is None else idx
     kept = quantize(torch.gather(rows, 1, idx), values)
-    return torch.zeros_like(rows).scatter_(1, idx, kept).reshape(-1)[:flat.numel()]
+    return torch.zeros_like(rows).scatter_(1, idx, kept).reshape(-1)[:flat.numel()], idx
 
 
 def flat_of(tensors) -> torch.Tensor:
@@ -263,7 +265,7 @@ class Sim:
                     t = step + 1
                     g = (m / (1 - BETAS[0] ** t)) / ((v / (1 - BETAS[1] ** t)).sqrt() + 1e-8)
                 compensated = g + residuals[rank]
-                sent = sparsify(compensated, a.group, k, a.values)
+                sent, _ = sparsify(compensated, a.group, k, a.values)
                 residuals[rank] = compensated - sent
                 total = total + sent
             mean = total / a.workers
@@ -298,8 +300,9 @@ class Sim:
     def run_local(self) -> float:
         a = self.args
         k = max(1, math.ceil(a.density * a.group))
-        per_entry = VALUE_BITS[a.values] + (offset_bits(a.group, k) if a.run == 1 else
-                                            offset_bits(a.group // a.run, k // a.run) / a.run)
+        offsets = offset_bits(a.group, k) if a.run == 1 else offset_bits(a.group // a.run, k // a.run) / a.run
+        # A shared support: one worker (in turn) sends the offsets, every worker the values.
+        per_entry = VALUE_BITS[a.values] + (offsets / a.workers if a.support == "leader" else offsets)
         ratio = 32 * a.every / (a.density * per_entry)
         workers = [copy.deepcopy(self.model) for _ in range(a.workers)]
         inner = [[p for p in w.parameters() if p.requires_grad] for w in workers]
@@ -316,10 +319,14 @@ class Sim:
                 continue
             with torch.no_grad():
                 start = flat_of(self.params)
-                total = 0
-                for rank in range(a.workers):
+                total, idx = 0, None
+                leader = ((step + 1) // a.every) % a.workers
+                order = [leader] + [r for r in range(a.workers) if r != leader]
+                for rank in order:
                     compensated = start - flat_of(inner[rank]) + residuals[rank]
-                    sent = sparsify(compensated, a.group, k, a.values, a.run)
+                    sent, chosen = sparsify(compensated, a.group, k, a.values, a.run, idx)
+                    if a.support == "leader":
+                        idx = chosen
                     residuals[rank] = compensated - sent
                     total = total + sent
                 set_flat(self.params, start - total / a.workers, grad=False)
@@ -372,6 +379,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=256)
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--run", type=int, default=1)
+    ap.add_argument("--support", default="own", choices=["own", "leader"],
+                    help="local: each worker's own top k, or the leader's (in turn) for every worker")
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--label", default=None)
     ap.add_argument("--json", default=None, help="add this run's row to this file")
