@@ -1,5 +1,6 @@
 """HSDP with rayzip in your own torchrun loop: FSDP2 shards the model inside each node, and
-each shard's gradient crosses between nodes as group top-k with error feedback.
+each shard's gradient crosses between nodes compressed, with error feedback, by the codec that
+holds AdamW's quality (4-bit DCT: rayzip.torch.optim.default_compression).
 
     torchrun --nproc-per-node 4 examples/fsdp_loop.py --shard-size 2      # 2 "nodes" of 2 ranks
     torchrun --nnodes 2 --nproc-per-node 8 ... examples/fsdp_loop.py      # shard size: the GPUs per node
@@ -14,15 +15,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from rayzip.engine import CompressionConfig
 from rayzip.torch.fsdp import compress_sharded, hsdp_mesh
+from rayzip.torch.optim import default_compression
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shard-size", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--density", type=float, default=0.01)
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -43,8 +43,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     for block in model:
         fully_shard(block, mesh=shard_mesh)
     fully_shard(model, mesh=shard_mesh)
-    exchange = compress_sharded(model, CompressionConfig(codec="group_topk", density=args.density), replicate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    exchange = compress_sharded(model, default_compression(optimizer), replicate)  # 4-bit DCT under AdamW
 
     generator = torch.Generator().manual_seed(rank)  # each rank its own data
     x = torch.randn(512, 256, generator=generator).to(device)

@@ -45,7 +45,7 @@ from ..comm.emulation import Emulation
 from ..engine import CompressionConfig, GradientExchange, NonFiniteError
 from ..xp import keep_freed_memory
 from .dense import DenseSteps
-from .optim import warn_for_optimizer
+from .optim import default_compression, warn_for_optimizer
 
 __all__ = ["DDPHookState", "compress", "compressed_hook", "ddp_kwargs"]
 
@@ -286,7 +286,7 @@ def ddp_kwargs(config: CompressionConfig) -> dict:
     return {"bucket_cap_mb": config.segment_mb} if config.overlap else {}
 
 
-def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, config: CompressionConfig,
+def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, config: CompressionConfig | None = None,
              process_group: dist.ProcessGroup | None = None, momentum: float | None = None,
              on_nonfinite: str = "raise", grad_scaler: torch.amp.GradScaler | None = None, adam_betas: tuple[float, float] | None = None,
              emulation: Emulation | None = None, node_key: str | None = None,
@@ -301,7 +301,9 @@ def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, config: Compr
 
     Args:
         ddp_model: the DDP-wrapped model.
-        config: codec, density, collective, segments, corrections.
+        config: codec, density, collective, segments, corrections; None: the compression
+            that holds quality under ``optimizer`` (:func:`rayzip.torch.optim.default_compression`:
+            4-bit DCT under Adam, AdamW and other adaptive optimizers, group top-k at 1% under SGD).
         process_group: the ranks to average over (default: the world).
         momentum: with ``config.momentum_correction``, SGD's momentum; build the optimizer
             with momentum 0: the hook applies it, per worker, before compressing.
@@ -313,16 +315,25 @@ def compress(ddp_model: torch.nn.parallel.DistributedDataParallel, config: Compr
         emulation: a slower link than the real one (:mod:`rayzip.comm.emulation`) for every send.
         node_key: what names this process's node for ``config.hierarchy`` (default:
             ``$RAYZIP_NODE_ID`` or the host name).
-        optimizer: the optimizer the training loop uses, or its name ("sgd", "adamw"...):
-            a sparse codec every step under Adam or AdamW warns once, naming what holds
-            quality there (:func:`rayzip.torch.optim.warn_for_optimizer`).
+        optimizer: the optimizer the training loop uses, or its name ("sgd", "adamw"...): with
+            no ``config``, it picks the compression; with one, a sparse codec every step under
+            an adaptive optimizer warns once, naming what holds quality there
+            (:func:`rayzip.torch.optim.warn_for_optimizer`).
 
     Example::
 
         ddp = DistributedDataParallel(model)
-        exchange = compress(ddp, CompressionConfig(codec="group_topk", density=0.01))
+        optimizer = torch.optim.AdamW(ddp.parameters())
+        exchange = compress(ddp, optimizer=optimizer)     # 4-bit DCT: what holds AdamW's quality
+        exchange = compress(ddp, CompressionConfig(codec="group_topk", density=0.01))  # or your own
     """
-    warn_for_optimizer(config, optimizer)
+    if config is None:
+        if optimizer is None:
+            raise ValueError("compress needs a CompressionConfig, or the optimizer (optimizer=) so that rayzip "
+                             "picks the compression that holds quality under it")
+        config = default_compression(optimizer)
+    else:
+        warn_for_optimizer(config, optimizer)
     if config.adam_correction and grad_scaler is not None:
         raise ValueError("adam_correction sends a scale-free Adam direction, which GradScaler would unscale: "
                          "train in bf16 or without GradScaler")

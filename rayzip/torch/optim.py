@@ -15,10 +15,16 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["OptimizerSettings", "adam_family", "build_optimizer", "build_outer_optimizer", "fused_where_possible",
-           "load_optimizer", "warn_for_optimizer"]
+__all__ = ["OptimizerSettings", "adaptive", "build_optimizer", "build_outer_optimizer", "default_compression",
+           "fused_where_possible", "load_optimizer", "warn_for_optimizer"]
 
-ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
+# Optimizers that scale each entry by its own running statistics (Adam's family and its
+# relatives): a gradient entry held back for a few steps and sent at once is mis-scaled by
+# them. By class and by the names a job spec or a user gives.
+ADAPTIVE = tuple(getattr(torch.optim, name) for name in
+                 ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Adafactor")
+                 if hasattr(torch.optim, name))
+ADAPTIVE_NAMES = {cls.__name__.lower() for cls in ADAPTIVE}
 
 
 class OptimizerSettings(Protocol):
@@ -89,24 +95,54 @@ def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
         group.update(values)
 
 
-def adam_family(optimizer: torch.optim.Optimizer | str | None) -> bool:
-    """Whether ``optimizer`` (an optimizer, or its name: "adam", "adamw") scales each entry by
-    its own running second moment."""
+def adaptive(optimizer: torch.optim.Optimizer | str | None) -> bool:
+    """Whether ``optimizer`` (or its name) scales each entry by its own running statistics:
+    Adam's family, Adagrad, RMSprop, Adafactor and the like. Plain SGD is not; nor is an
+    optimizer rayzip does not know."""
     if isinstance(optimizer, str):
-        return optimizer.lower() in ("adam", "adamw")
-    return isinstance(optimizer, ADAM_FAMILY)
+        return optimizer.lower() in ADAPTIVE_NAMES
+    return isinstance(optimizer, ADAPTIVE)
+
+
+def default_compression(optimizer: torch.optim.Optimizer | str | None):
+    """The compression that holds quality under ``optimizer`` (an optimizer, or its name),
+    for :func:`rayzip.torch.compress` and :func:`rayzip.train.prepare_model` when they are
+    given the optimizer and no config.
+
+    - Under an adaptive optimizer (Adam, AdamW, Adagrad, RMSprop...): 4-bit DCT every step
+      (``dct_quant``, ``bits=4``), a quantizer that sends every entry every step, so the
+      optimizer's per-entry statistics see what they would see under DDP. On the GPT
+      benchmark it ends at DDP's loss; sparsifiers every step do not
+      (docs/benchmarks/language-model.md).
+    - Under SGD, or an optimizer rayzip does not know: group top-k at 1% with error feedback.
+
+    The gradient your code sees after ``backward()`` is the decoded mean gradient under
+    either: clipping, logging and ``GradScaler`` keep their meaning.
+
+    Example::
+
+        config = default_compression("adamw")       # CompressionConfig(codec="dct_quant", bits=4)
+    """
+    from ..engine import CompressionConfig
+
+    if optimizer is None:
+        raise ValueError("default_compression needs the optimizer, or its name (\"adamw\", \"sgd\"...)")
+    if adaptive(optimizer):
+        return CompressionConfig(codec="dct_quant", bits=4)
+    return CompressionConfig(codec="group_topk", density=0.01)
 
 
 def warn_for_optimizer(config, optimizer: torch.optim.Optimizer | str | None, stacklevel: int = 3) -> str | None:
     """Warn once where ``config`` (a :class:`~rayzip.engine.CompressionConfig`) sends a sparse
-    gradient every step to an Adam-family ``optimizer``: Adam divides each entry by its own
-    second moment, so the entries a sparsifier holds back for a few steps arrive as one
+    gradient every step to an adaptive ``optimizer`` (:func:`adaptive`): Adam divides each
+    entry by its own second moment, so the entries a sparsifier holds back for a few steps arrive as one
     large, badly scaled update, and a transformer's quality suffers. Returns the message."""
-    if optimizer is None or not adam_family(optimizer) or config.codec not in ("topk", "randomk", "group_topk"):
+    if optimizer is None or not adaptive(optimizer) or config.codec not in ("topk", "randomk", "group_topk"):
         return None
     name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
     message = (f"codec {config.codec} sends a sparse gradient every step, which costs a transformer's quality "
-               f"under {name}: for an Adam-family optimizer compress each step with codec='dct_quant', or "
+               f"under {name}: for an adaptive optimizer compress each step with codec='dct_quant' (bits=4, the "
+               "default for it: give rayzip the optimizer and no config), or "
                "synchronize every few steps with local steps (rayzip.torch.LocalSteps), whose pseudo-gradients "
                "group top-k sends well. See the codecs guide, 'Under Adam and AdamW'.")
     if config.adam_correction:

@@ -5,7 +5,7 @@
 Usage::
 
     import rayzip.train
-    model = rayzip.train.prepare_model(model, compression=rayzip.train.CompressionConfig(codec="group_topk"))
+    model = rayzip.train.prepare_model(model, optimizer="adamw")   # the compression that holds AdamW's quality
 """
 
 from importlib import import_module

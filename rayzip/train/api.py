@@ -6,8 +6,7 @@ Inside a ``train_func`` for ``ray.train.torch.TorchTrainer``::
     from rayzip.train import CompressionConfig
 
     def train_func(config):
-        model = rayzip.train.prepare_model(build_model(),
-                                           compression=CompressionConfig(codec="group_topk", density=0.01))
+        model = rayzip.train.prepare_model(build_model(), optimizer="adamw")  # the compression that holds AdamW's quality
         optimizer = torch.optim.AdamW(model.parameters())
         start = rayzip.train.restore(model, optimizer)          # {} on a fresh start, else what you saved
         for step in range(start.get("step", -1) + 1, steps):
@@ -44,7 +43,7 @@ from ..engine.config import CompressionConfig
 from ..engine import GradientExchange
 from ..torch.fsdp import ShardedExchange, ShardingConfig, compress_sharded, shard_model
 from ..torch.hook import compress, ddp_kwargs
-from ..torch.optim import warn_for_optimizer
+from ..torch.optim import default_compression, warn_for_optimizer
 from .checkpoints import (GroupCheckpoints, load_optimizer, load_trainer, restore_hook, restore_shards, save_shards,
                           take_parts, unwrap, write_parts, write_taken)
 from .exchange import node_id
@@ -56,7 +55,19 @@ __all__ = ["CompressionConfig", "ShardingConfig", "compression_state", "flush", 
 _ATTRIBUTE = "_rayzip_compression_state"
 
 
-def prepare_model(model: torch.nn.Module, compression: CompressionConfig | CompressionSpec | None = None, *,
+class _ForOptimizer:
+    """``prepare_model``'s default compression: the one that holds quality under the
+    optimizer it is told of, and none (plain DDP) where it is told of no optimizer."""
+
+    def __repr__(self) -> str:
+        return "<the default for the optimizer>"
+
+
+FOR_OPTIMIZER = _ForOptimizer()
+
+
+def prepare_model(model: torch.nn.Module,
+                  compression: CompressionConfig | CompressionSpec | None | _ForOptimizer = FOR_OPTIMIZER, *,
                   sharding: ShardingConfig | ShardingSpec | None = None,
                   momentum: float | None = None, adam_betas: tuple[float, float] | None = None,
                   on_nonfinite: str = "raise", grad_scaler: torch.amp.GradScaler | None = None,
@@ -68,7 +79,10 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | Compr
     Args:
         model: your model, inside a Ray Train worker.
         compression: the library's config, or a job spec's compression section (converted
-            with its ``to_config``); None: plain DDP.
+            with its ``to_config``); None: plain DDP. Left out: the compression that holds
+            quality under ``optimizer`` (:func:`rayzip.torch.optim.default_compression`: 4-bit
+            DCT under AdamW and other adaptive optimizers, group top-k at 1% under SGD), or
+            plain DDP where no optimizer is named.
         sharding: shard the model with FSDP2 instead of DDP
             (:class:`rayzip.torch.fsdp.ShardingConfig`, or a job spec's ``sharding`` section):
             under ``hsdp`` each shard group is a node's workers by default, and ``compression``
@@ -83,8 +97,9 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | Compr
             :func:`compression_state` is not None, as AdamW where it is.
         on_nonfinite: ``"raise"`` or ``"skip"``, as for :func:`rayzip.torch.compress`.
         grad_scaler: AMP's ``GradScaler``, as for :func:`rayzip.torch.compress`.
-        optimizer: the optimizer your loop builds, or its name ("sgd", "adamw"...): a sparse
-            codec every step under Adam or AdamW warns once, naming what holds quality there.
+        optimizer: the optimizer your loop builds, or its name ("sgd", "adamw"...): without
+            ``compression`` it picks one; with a sparse codec every step under an adaptive
+            optimizer it warns once, naming what holds quality there.
         **prepare_kwargs: passed to ``ray.train.torch.prepare_model``.
 
     Returns:
@@ -92,8 +107,12 @@ def prepare_model(model: torch.nn.Module, compression: CompressionConfig | Compr
 
     Example::
 
+        model = rayzip.train.prepare_model(model, optimizer="adamw")  # 4-bit DCT, which holds AdamW's quality
         model = rayzip.train.prepare_model(model, compression=CompressionConfig(codec="group_topk", density=0.01))
     """
+    if compression is FOR_OPTIMIZER:
+        compression = default_compression(optimizer) if optimizer is not None else None
+        optimizer = None  # chosen for it: nothing to warn of
     if isinstance(sharding, ShardingSpec):
         sharding = sharding.to_config() if sharding.enabled else None
     if isinstance(compression, CompressionSpec):

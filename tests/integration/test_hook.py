@@ -151,3 +151,58 @@ def test_momentum_correction_needs_the_momentum_factor():
 def _needs_momentum(rank, world):
     ddp = torch.nn.parallel.DistributedDataParallel(_model())
     compress(ddp, CompressionConfig(codec="group_topk", density=0.05, momentum_correction=True))
+
+
+def _default_for_adamw_rank(rank, world, steps):
+    """compress() told only of the user's AdamW, beside plain DDP on the same batches."""
+    import warnings
+
+    ddp = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.5)
+    plain = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.5)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default draws no warning
+        state = compress(ddp, optimizer=optimizer)
+    gen = torch.Generator().manual_seed(rank)
+    out = []
+    for _ in range(steps):
+        x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+        norms = []
+        for model in (ddp, plain):
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            # What the user's habitual clipping sees: the norm of the averaged gradient.
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+        grads = torch.cat([p.grad.flatten() for p in ddp.parameters()]).numpy().copy()
+        out.append((state.codec.name, state.codec.bits, grads, norms, state.last_step.bytes_sent,
+                    state.last_step.dense_bytes))
+    return out
+
+
+def test_told_of_adamw_the_hook_quantizes_every_entry_and_hands_back_a_gradient():
+    """Issue 46: given the user's AdamW and no config, compress() picks 4-bit DCT, and what the
+    code sees after backward() is the averaged gradient (decoded), so clipping's norm is
+    plain DDP's to within the quantization noise, on every rank alike."""
+    results = run_world(_default_for_adamw_rank, 2, 3)
+    for step in range(3):
+        (codec, bits, grads, norms, sent, dense), other = results[0][step], results[1][step]
+        assert (codec, bits) == ("dct_quant", 4)
+        assert np.array_equal(grads, other[2])  # replicas stay identical
+        # 4-bit quantization noise adds its own energy to the norm (a few percent here); a
+        # direction handed back instead of a gradient (adam_correction) is off by orders.
+        assert norms[0] == pytest.approx(norms[1], rel=0.1) and norms[0] > 0
+        assert dense / sent > 6  # 4 bits and a scale per 64 entries, against fp32
+
+
+def _no_config_rank(rank, world):
+    ddp = torch.nn.parallel.DistributedDataParallel(_model())
+    try:
+        compress(ddp)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_compress_without_a_config_or_an_optimizer_says_what_it_needs():
+    for message in run_world(_no_config_rank, 2):
+        assert message is not None and "optimizer=" in message

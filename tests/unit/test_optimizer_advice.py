@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rayzip.engine import CompressionConfig
-from rayzip.torch.optim import warn_for_optimizer
+from rayzip.torch.optim import default_compression, warn_for_optimizer
 
 
 def _entry_point(config, optimizer):
@@ -45,3 +45,34 @@ def test_under_adam_correction_the_warning_says_what_clipping_then_sees():
     config = CompressionConfig(codec="group_topk", adam_correction=True)
     with pytest.warns(UserWarning, match="clip_grad_norm_ there scales every update down"):
         warn_for_optimizer(config, "adamw")
+
+
+class _Custom(torch.optim.Optimizer):
+    """An optimizer rayzip does not know."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+
+@pytest.mark.parametrize("optimizer", [lambda: torch.optim.AdamW(_params()), lambda: torch.optim.Adam(_params()),
+                                       lambda: torch.optim.RMSprop(_params()), lambda: torch.optim.Adagrad(_params()),
+                                       lambda: "adamw", lambda: "Adam", lambda: "nadam"])
+def test_the_default_under_an_adaptive_optimizer_quantizes_every_entry_every_step(optimizer):
+    config = default_compression(optimizer())
+    assert (config.codec, config.bits) == ("dct_quant", 4)
+    assert not config.adam_correction  # the user's code sees a gradient after backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn_for_optimizer(config, optimizer()) is None  # the default draws no warning of its own
+
+
+@pytest.mark.parametrize("optimizer", [lambda: torch.optim.SGD(_params(), lr=0.1), lambda: "sgd",
+                                       lambda: _Custom(_params()), lambda: "lion"])
+def test_the_default_under_sgd_or_an_unknown_optimizer_is_group_topk(optimizer):
+    config = default_compression(optimizer())
+    assert (config.codec, config.density) == ("group_topk", 0.01)
+
+
+def test_the_default_needs_the_optimizer():
+    with pytest.raises(ValueError, match="needs the optimizer"):
+        default_compression(None)
