@@ -14,7 +14,7 @@ keeping the schedule of ``--steps``.
 
     python tools/sim_gpt.py dense --label dense --json docs/sim-gpt-methods.json
     python tools/sim_gpt.py demo --topk 32 --update sign --label demo --json docs/sim-gpt-methods.json
-    python tools/sim_gpt.py --table docs/sim-gpt-methods.json
+    python tools/sim_gpt.py --table docs/sim-gpt-methods.json --plot docs/sim-gpt-methods.png
 
 Methods:
   dense   the mean gradient, AdamW (DDP).
@@ -53,7 +53,7 @@ from rayzip.train.gpt import GPT, lm_loss
 from rayzip.train.text import ShardSampler, Windows, load_python_stdlib
 
 PEAK_LR, BETAS, DECAY, WARMUP, CLIP = 0.002, (0.9, 0.95), 0.1, 20, 1.0  # jobs/bench-gpt.yaml at 2 workers
-VALUE_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "sign": 1}
+VALUE_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int3": 3, "int2": 2, "sign": 1}
 
 
 def dct_matrix(n: int) -> torch.Tensor:
@@ -96,8 +96,11 @@ def quantize(values: torch.Tensor, kind: str) -> torch.Tensor:
         return values
     if kind == "bf16":
         return values.bfloat16().float()
-    if kind == "sign":  # the sign, times the row's mean magnitude
-        return values.sign() * values.abs().mean(dim=1, keepdim=True)
+    if kind == "sign":  # the sign, times the mean magnitude of 1024 values (whole rows)
+        rows, k = values.shape
+        per = max(1, 1024 // k)
+        magnitude = F.pad(values.abs(), (0, 0, 0, (-rows) % per)).view(-1, per * k).mean(dim=1)
+        return values.sign() * magnitude.repeat_interleave(per)[:rows, None]
     bits = int(kind[3:])  # intB: symmetric, one scale per row
     top = 2 ** (bits - 1) - 1
     scale = values.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / top
@@ -361,6 +364,32 @@ def table(path: str) -> str:
     return "\n".join(lines)
 
 
+def plot(path: str, out: str) -> None:
+    """Validation loss against step, every row of ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = json.loads(Path(path).read_text())["rows"]
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    palette = plt.cm.tab20.colors
+    for i, (label, row) in enumerate(rows.items()):
+        steps, values = zip(*[(s, v) for s, v, _ in row["curve"]])
+        ax.plot(steps, values, marker=".", label=f"{label} ({row['wire_reduction']:.0f}x)",
+                linewidth=2.5 if label == "dense" else 1.2, color="black" if label == "dense" else palette[i % 20],
+                linestyle="--" if row["method"] == "local" else "-")
+    ax.set_ylim(top=6.0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (bits/byte)")
+    ax.set_title("GPT, 2 workers simulated in one process")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6.5)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("method", nargs="?", choices=["dense", "demo", "topk", "stale", "local"])
@@ -385,9 +414,12 @@ def main() -> None:
     ap.add_argument("--label", default=None)
     ap.add_argument("--json", default=None, help="add this run's row to this file")
     ap.add_argument("--table", default=None, help="print the rows of this file as markdown, and stop")
+    ap.add_argument("--plot", default=None, help="with --table: also plot the curves to this PNG")
     args = ap.parse_args()
     if args.table:
         print(table(args.table))
+        if args.plot:
+            plot(args.table, args.plot)
         return
     if args.method is None:
         ap.error("name a method, or --table FILE")
@@ -405,6 +437,7 @@ def main() -> None:
         path = Path(args.json)
         data = json.loads(path.read_text()) if path.exists() else {"rows": {}}
         data["rows"][args.label or args.method] = row
+        data.update(commit=row["commit"], date=row["date"])  # the newest row's
         path.write_text(json.dumps(data, indent=1) + "\n")
 
 
