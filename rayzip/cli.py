@@ -322,6 +322,35 @@ def bench_codecs(
     _write_report(report, json_path)
 
 
+@bench_app.command("encoder")
+def bench_encoder(
+    settings: str = typer.Option("dense,default,group_topk,group_topk_adam",
+                                 help="Settings, comma-separated: dense, default, group_topk, group_topk_adam."),
+    steps: int = typer.Option(148, min=1, help="Optimizer steps per fine-tune (2 micro-batches each)."),
+    repeat: int = typer.Option(1, min=1, help="Runs per setting, interleaved; rows give the medians."),
+    workers: int = typer.Option(2, min=1, help="Ray Train workers."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+):
+    """A pretrained encoder fine-tuned in your own train_func, dense against rayzip's settings.
+
+    Example: rayzip bench encoder --repeat 3 --json docs/bench-encoder.json
+    """
+    from .bench.encoder import markdown_table, run_encoder_bench
+
+    chosen = [s.strip() for s in settings.split(",") if s.strip()]
+    try:
+        report = run_encoder_bench(chosen, steps=steps, repeat=repeat, workers=workers,
+                                   log=lambda line: console.print(line, highlight=False))
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    except RuntimeError as exc:
+        console.print(f"[red]benchmark failed:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    console.print(markdown_table(report))
+    _write_report(report, json_path)
+
+
 @bench_app.command("collectives")
 def bench_collectives(
     workers: str = typer.Option("2,4,8", help="Worker counts, comma-separated (gloo processes on this machine)."),
