@@ -3,7 +3,6 @@
 Inside a ``train_func`` for ``ray.train.torch.TorchTrainer``::
 
     import rayzip.train
-    from rayzip.train import CompressionConfig
 
     def train_func(config):
         model = rayzip.train.prepare_model(build_model(), optimizer="adamw")  # the compression that holds AdamW's quality
