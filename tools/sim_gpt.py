@@ -38,30 +38,22 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import math
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from rayzip.bench import provenance
+from rayzip.codecs.dct_quant import dct_matrix
 from rayzip.torch.lr import cosine_lr
 from rayzip.train.gpt import GPT, lm_loss
 from rayzip.train.text import ShardSampler, Windows, load_python_stdlib
 
 PEAK_LR, BETAS, DECAY, WARMUP, CLIP = 0.002, (0.9, 0.95), 0.1, 20, 1.0  # jobs/bench-gpt.yaml at 2 workers
 VALUE_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int3": 3, "int2": 2, "sign": 1}
-
-
-def dct_matrix(n: int) -> torch.Tensor:
-    k = torch.arange(n, dtype=torch.float64)[:, None]
-    i = torch.arange(n, dtype=torch.float64)[None, :]
-    c = torch.cos(math.pi * (i + 0.5) * k / n) * math.sqrt(2 / n)
-    c[0] /= math.sqrt(2)
-    return c.float()
 
 
 class Tiles:
@@ -73,7 +65,7 @@ class Tiles:
             self.h, self.w = min(chunk, shape[0]), min(chunk, shape[1])
         else:
             self.h, self.w = 1, min(chunk, math.prod(shape))
-        self.ch, self.cw = dct_matrix(self.h), dct_matrix(self.w)
+        self.ch, self.cw = (torch.from_numpy(dct_matrix(n)).float() for n in (self.h, self.w))
 
     def encode(self, x):  # -> (tiles, h * w)
         if len(self.shape) == 2:
@@ -341,14 +333,6 @@ class Sim:
         return ratio
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def table(path: str) -> str:
     rows = json.loads(Path(path).read_text())["rows"]
     dense = {s: v for s, v, _ in rows["dense"]["curve"]} if "dense" in rows else {}
@@ -430,8 +414,7 @@ def main() -> None:
     else:
         exchange, ratio = getattr(sim, args.method)()
         sim.run_per_step(exchange)
-    row = {"method": args.method, "args": vars(args), "wire_reduction": ratio, "curve": sim.curve,
-           "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    row = {"method": args.method, "args": vars(args), "wire_reduction": ratio, "curve": sim.curve, **provenance()}
     print(json.dumps({"label": args.label, "final": sim.curve[-1], "wire_reduction": ratio}))
     if args.json:
         path = Path(args.json)

@@ -27,6 +27,7 @@ import yaml
 from ..codecs import CODECS
 from ..spec import CheckpointSpec, TrainingSpec
 from .netns import NetnsCluster, rate_bytes
+from .timing import interleaved
 
 __all__ = ["METHODS", "method_compression", "method_spec", "run_cluster_bench", "run_scaling_bench"]
 
@@ -196,7 +197,7 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
         log(f"cluster up: {nodes} worker nodes at {bandwidth}" + (f", {latency} latency" if latency else "")
             + (f", {workers_per_node} workers each" if workers_per_node > 1 else ""))
         for round_ in range(repeat):
-            for method in methods[round_ % len(methods):] + methods[: round_ % len(methods)]:
+            for method in interleaved(methods, round_):
                 label = method if repeat == 1 else f"{method} (run {round_ + 1} of {repeat})"
                 runs[method].append(_run_method(cluster, method, label, base, powersgd_start_iter, drop_to,
                                                 drop_at_step, workers_per_node, bandwidth, log))

@@ -33,9 +33,10 @@ import contextlib
 import json
 import statistics
 import tempfile
-import zlib
 from pathlib import Path
 from typing import Any, Callable
+
+from .timing import interleaved
 
 __all__ = ["PACKAGES", "SETTINGS", "docstring_task", "markdown_table", "run_encoder_bench"]
 
@@ -47,7 +48,7 @@ VALIDATION_FRACTION = 0.2
 def docstring_task(max_chars: int = 400) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """(train, validation): each a list of (a class's or function's docstring, its package's
     index in :data:`PACKAGES`), split by the CRC32 of the text."""
-    from ..train.text import stdlib_files
+    from ..train.text import is_validation, stdlib_files
 
     train, validation = [], []
     for relative, path in stdlib_files():
@@ -64,7 +65,7 @@ def docstring_task(max_chars: int = 400) -> tuple[list[tuple[str, int]], list[tu
                 if text and len(text) >= 20:
                     text = " ".join(text.split())[:max_chars]
                     # By the text itself: a docstring repeated (an override's) never lands on both sides.
-                    split = validation if zlib.crc32(text.encode()) < VALIDATION_FRACTION * 2 ** 32 else train
+                    split = validation if is_validation(text, VALIDATION_FRACTION) else train
                     split.append((text, PACKAGES.index(package)))
     return train, validation
 
@@ -144,12 +145,13 @@ def train_func(config: dict) -> None:
     order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(rank))
     micro, accumulate = config["micro_batch"], config["accumulate"]
 
+    validation_batches = [encode(validation[start:start + 64]) for start in range(0, len(validation), 64)]
+
     @torch.no_grad()
     def accuracy() -> float:
         model.eval()
         right = 0
-        for start in range(0, len(validation), 64):
-            ids, mask, labels = encode(validation[start:start + 64])
+        for ids, mask, labels in validation_batches:  # tokenized once, evaluated at every evaluation
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 right += int((model(ids, mask).argmax(1) == labels).sum())
         model.train()
@@ -202,7 +204,7 @@ def run_encoder_bench(settings: list[str], steps: int = 148, repeat: int = 1, wo
             ray.init(include_dashboard=False, log_to_driver=False)
         try:
             for round_ in range(repeat):
-                for setting in settings[round_ % len(settings):] + settings[:round_ % len(settings)]:
+                for setting in interleaved(settings, round_):
                     log(f"fine-tuning: {setting} (run {round_ + 1} of {repeat})")
                     config = {"setting": setting, "model_dir": str(weights), "train": train,
                               "validation": validation, "steps": steps, "lr": lr, "micro_batch": 8,

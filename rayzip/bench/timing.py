@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-__all__ = ["best_time", "device_sync"]
+__all__ = ["best_time", "device_sync", "interleaved"]
 
 
 def device_sync(xp) -> None:
@@ -28,3 +28,10 @@ def best_time(fn: Callable[[], Any], repeat: int, xp) -> tuple[float, Any]:
         device_sync(xp)
         best = min(best, time.perf_counter() - start)
     return best, result
+
+
+def interleaved(items: list, round_: int) -> list:
+    """``items`` rotated by ``round_``: the order of round ``round_`` of repeated runs, so
+    that no item always runs first or last on a machine whose load drifts."""
+    shift = round_ % len(items)
+    return items[shift:] + items[:shift]
