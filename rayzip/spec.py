@@ -369,7 +369,10 @@ class ShardingSpec(_Strict):
     """FSDP2 sharding: ``fsdp`` shards the model over every worker; ``hsdp`` shards it over
     each node's workers (``shard_size``), dense inside the node, and averages each shard
     across nodes through ``compression``'s codec and error feedback (rayzip.torch.fsdp).
-    With ``codec: none`` under ``hsdp``, FSDP2's own HSDP all-reduces between nodes."""
+    With ``codec: none`` under ``hsdp``, FSDP2's own HSDP all-reduces between nodes. With
+    ``local_steps`` under ``hsdp``, each node trains H steps with FSDP2 alone, then each
+    pseudo-gradient shard crosses between nodes through ``compression``'s codec (DiLoCo on
+    FSDP2)."""
 
     enabled: bool = False
     mode: Literal["fsdp", "hsdp"] = Field("hsdp", description="fsdp: one shard group of every worker; hsdp: "
@@ -514,8 +517,12 @@ class JobSpec(_Strict):
         if not self.sharding.enabled:
             return self
         c = self.compression
+        local = self.local_steps
+        if local.enabled and self.sharding.mode != "hsdp":
+            raise ValueError("local_steps with sharding.mode fsdp: one shard group holds the only replica, so there "
+                             "is nothing to synchronize; use sharding.mode hsdp (each node a replica)")
         others = [what for what, on in (("compression.collective: ps", c.collective == "ps"),
-                                        ("local_steps", self.local_steps.enabled),
+                                        ("local_steps.overlap", local.enabled and local.overlap),
                                         ("compression.torch_hook", c.torch_hook is not None),
                                         ("compression.hierarchy: node", c.hierarchy == "node"),
                                         ("adaptive", self.adaptive.enabled),

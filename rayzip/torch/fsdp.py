@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,9 +44,10 @@ from torch.distributed.fsdp import FSDPModule
 from .. import cuda
 from ..comm.emulation import Emulation
 from ..engine import CompressionConfig, GradientExchange, StepStats
+from .local_steps import LocalSteps
 
-__all__ = ["ShardedExchange", "ShardingConfig", "blocks", "compress_sharded", "hsdp_mesh", "shard_group_size",
-           "shard_model"]
+__all__ = ["ShardedExchange", "ShardingConfig", "blocks", "compress_sharded", "hsdp_mesh", "local_steps_on_shards",
+           "shard_group_size", "shard_model"]
 
 _SUMMED = ("bytes_sent", "local_bytes", "bytes_received", "dense_bytes", "control_bytes", "comm_s", "busy_s",
            "network_s", "numel", "hops")
@@ -320,3 +322,50 @@ def compress_sharded(model: torch.nn.Module, config: CompressionConfig, replicat
     for index, (_, module) in enumerate(groups):
         module.set_all_reduce_hook(lambda output, index=index: sharded._hook(index, output))
     return sharded
+
+
+def local_steps_on_shards(model: torch.nn.Module, replicate_group: dist.ProcessGroup, every: int = 10,
+                          compression: CompressionConfig | None = None, **kwargs: Any) -> LocalSteps:
+    """DiLoCo on FSDP2: each node trains ``every`` steps with FSDP2 alone (dense inside the
+    node, nothing between nodes), then each rank's pseudo-gradient shard crosses to the ranks
+    holding the same shard on the other nodes through rayzip's engine, and the outer
+    optimizer steps this rank's shards (its state is sharded like the parameters).
+
+    Call it on every rank after ``fully_shard`` on a 1-D mesh over the node (see
+    :func:`hsdp_mesh`), registering no all-reduce hook: between synchronizations the nodes
+    are independent FSDP2 replicas. The control word and the tuner's H are agreed by the
+    whole world, so that every shard group synchronizes, skips or stops at the same step.
+
+    Args:
+        model: the model, with ``fully_shard`` applied to it and its blocks.
+        replicate_group: the ranks holding the same shard on the other nodes; None: one
+            shard group (one node, or FSDP over the world) is the only replica, and a
+            synchronization only steps the outer optimizer.
+        every: H, the inner steps per synchronization.
+        compression: the pseudo-gradients' codec, density and error feedback.
+        **kwargs: the rest of :class:`~rayzip.torch.local_steps.LocalSteps`' arguments
+            (``outer_lr``, ``outer_momentum``, ``on_nonfinite``, ``tuner``, ``emulation``...).
+
+    Returns:
+        The :class:`~rayzip.torch.local_steps.LocalSteps`: call ``gradient_ok`` and
+        ``after_inner_step`` around each inner step, as on a replicated model.
+
+    Example::
+
+        shard_mesh, replicate = hsdp_mesh(shard_size=2)
+        model, _ = shard_model(model, ShardingConfig(mode="hsdp", shard_size=2), ranks_per_node=2)
+        local = local_steps_on_shards(model, replicate, every=4,
+                                      compression=CompressionConfig(codec="group_topk", density=0.02))
+        for step, batch in enumerate(loader):
+            loss_fn(model, batch).backward()
+            if local.gradient_ok(step):
+                optimizer.step()
+            optimizer.zero_grad()
+            local.after_inner_step()
+    """
+    if not any(isinstance(module, FSDPModule) for module in model.modules()):
+        raise ValueError("no FSDP2 module in the model: apply torch.distributed.fsdp.fully_shard first")
+    # FSDP2 inside the node is already the hierarchy: the engine exchanges between nodes only.
+    compression = dataclasses.replace(compression or CompressionConfig(), hierarchy="none")
+    return LocalSteps(model.named_parameters(), every=every, compression=compression, process_group=replicate_group,
+                      control_group=dist.group.WORLD, alone=replicate_group is None, **kwargs)

@@ -22,6 +22,14 @@ synchronization from its measured time against the inner steps' compute: every r
 slowest compute and the shortest synchronization, all-reduced with one 16-byte word, so
 every rank takes the same H at the same step.
 
+On a sharded model (FSDP2 on a 1-D mesh over a node's ranks, see
+:func:`rayzip.torch.fsdp.shard_model`), each parameter is a DTensor and this rank holds one
+shard of it: the inner steps are the node's own FSDP2 training, and a synchronization
+exchanges this rank's shards with the ranks that hold the same shards on the other nodes
+(``process_group``: the replicate group), so the outer optimizer's state is sharded like the
+parameters. The control word is then agreed over ``control_group`` (the world), so a NaN in
+any shard drops or stops the round on every rank, and the tuner's H is every rank's.
+
 At H = 1, with no codec and an outer SGD of learning rate 1 without momentum, this is
 data-parallel training: the mean of theta - lr * g_r is theta - lr * mean(g), and with SGD
 momentum inside, the mean of the workers' buffers follows DDP's buffer (both are linear).
@@ -50,10 +58,16 @@ import torch.distributed as dist
 from .. import cuda
 from ..codecs import NonFiniteError
 from ..codecs.kernels import all_finite
+from ..comm import ring_allreduce_bytes
 from ..comm.emulation import Emulation
 from ..engine import NONFINITE_POLICIES, GradientExchange, StepStats
 from ..engine.config import CompressionConfig
 from .optim import build_outer_optimizer
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch without DTensor shards nothing
+    DTensor = ()
 
 __all__ = ["LocalSteps"]
 
@@ -64,13 +78,17 @@ class LocalSteps:
     process group, or at world size 1, a synchronization exchanges nothing and only the
     outer optimizer runs. ``emulation``: a slower link than the real one for the
     synchronizations' sends (:mod:`rayzip.comm.emulation`); ``node_key`` as for
-    :func:`rayzip.torch.compress`."""
+    :func:`rayzip.torch.compress`. ``control_group``: the ranks that agree on the control
+    word and on H, when more than ``process_group`` must (a sharded model's world).
+    ``alone``: this rank's replica is the only one (a sharded model in one shard group):
+    nothing is exchanged, and a non-finite round is still agreed over ``control_group``."""
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.Tensor]], every: int = 10,
                  outer_lr: float = 0.7, outer_momentum: float = 0.5, nesterov: bool = True,
                  compression: CompressionConfig | None = None, process_group=None, on_nonfinite: str = "raise",
                  max_skipped_rounds: int = 10, tuner=None, overlap: bool = False,
-                 emulation: Emulation | None = None, node_key: str | None = None):
+                 emulation: Emulation | None = None, node_key: str | None = None, control_group=None,
+                 alone: bool = False):
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
         if on_nonfinite not in NONFINITE_POLICIES:
@@ -83,11 +101,17 @@ class LocalSteps:
         self.every, self.on_nonfinite, self.max_skipped_rounds = int(every), on_nonfinite, int(max_skipped_rounds)
         # The synchronized parameters, which the outer optimizer steps: float32 whatever the
         # model's dtype, so that small outer updates are not rounded away.
-        self.anchor = [p.detach().to(torch.float32).clone() for p in self.params]
+        self.anchor = [_local(p).detach().to(torch.float32).clone() for p in self.params]
         self.outer = build_outer_optimizer(self.anchor, outer_lr, outer_momentum, nesterov)
         compression = compression or CompressionConfig()
-        exchanging = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
+        exchanging = (not alone and dist.is_available() and dist.is_initialized()
+                      and dist.get_world_size(process_group) > 1)
         self.overlap = bool(overlap)
+        if self.overlap and (control_group is not None or any(isinstance(p, DTensor) for p in self.params)):
+            # The exchange's thread would share the world's group with FSDP2's and the loop's
+            # collectives on the training thread.
+            raise ValueError("overlap does not run on a sharded model yet")
+        self.control_group = control_group
         if exchanging and self.overlap and process_group is None:
             # The exchange's thread gets a group of its own, so that its collectives cannot
             # interleave with the caller's (evaluations, metrics) differently on different
@@ -97,9 +121,10 @@ class LocalSteps:
         # overlap, those plus this rank's own progress in the round still in flight.
         self.base = [a.clone() for a in self.anchor] if self.overlap else self.anchor
         self._pending: _InFlight | None = None
-        self.state = (GradientExchange(compression, [p.numel() for p in self.params], names=self.names,
-                                       process_group=process_group, device=self.params[0].device,
-                                       on_nonfinite=on_nonfinite, emulation=emulation, node_key=node_key)
+        self.state = (GradientExchange(compression, [a.numel() for a in self.anchor], names=self.names,
+                                       process_group=process_group, device=self.anchor[0].device,
+                                       on_nonfinite=on_nonfinite, emulation=emulation, node_key=node_key,
+                                       control_group=control_group)
                       if exchanging else None)
         self.world = dist.get_world_size(process_group) if exchanging else 1
         self.rank = dist.get_rank(process_group) if exchanging else 0
@@ -124,7 +149,7 @@ class LocalSteps:
         at the next synchronization: under ``"raise"`` every rank stops there, naming rank
         and parameter; under ``"skip"`` every rank drops the round."""
         for name, p in zip(self.names, self.params):
-            if p.grad is not None and not all_finite(p.grad):
+            if p.grad is not None and not all_finite(_local(p.grad)):
                 if self.bad is None:
                     self.bad = name
                     print(f"rayzip: rank {self.rank}: the gradient of {name} is not finite at step {step}; "
@@ -154,7 +179,7 @@ class LocalSteps:
         parameters."""
         parts = []
         for name, base, p in zip(self.names, self.base, self.params):
-            delta = (base - p.detach().to(torch.float32)).reshape(-1)
+            delta = (base - _local(p).detach().to(torch.float32)).reshape(-1)
             if name == self.bad:
                 delta = torch.full_like(delta, float("nan"))
             parts.append(delta)
@@ -182,7 +207,7 @@ class LocalSteps:
                     base.copy_(anchor)
                 else:
                     torch.sub(anchor, delta[offset: offset + n].view_as(anchor), out=base)
-                p.copy_(base)
+                _local(p).copy_(base)
             self._pending = _InFlight(lambda: self._exchange(delta, compute_s, agree=self.tuner is not None),
                                       device=delta.device)
             self.last_sync = landed
@@ -193,7 +218,7 @@ class LocalSteps:
         for anchor, base, p in zip(self.anchor, self.base, self.params):
             if base is not anchor:
                 base.copy_(anchor)
-            p.copy_(anchor)
+            _local(p).copy_(anchor)
         self.last_sync = _merged(landed, stats) if self.state is not None else None
         self.sync_s = time.perf_counter() - started
         if self.tuner is not None:
@@ -211,7 +236,12 @@ class LocalSteps:
         inputs, measured on this thread (with overlap, the exchange's own thread)."""
         started = time.perf_counter()
         if self.state is None:
-            mean, stats = delta, StepStats(skipped=not all_finite(delta))
+            bad = not all_finite(delta)
+            if self.control_group is not None:  # the other shards' ranks learn it too
+                flag = torch.tensor([1.0 if bad else 0.0], device=delta.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
+                bad = bool(flag.item())
+            mean, stats = delta, StepStats(skipped=bad)
             if stats.skipped:
                 stats.nonfinite = f"synchronization {self.rounds}: the pseudo-gradient is not finite"
                 if self.on_nonfinite == "raise":
@@ -254,9 +284,13 @@ class LocalSteps:
             return compute_s, sync_s
         transport = self.state.transport
         word = torch.tensor([compute_s, -sync_s], dtype=torch.float64, device=transport.device)
-        sent = transport.bytes_sent
-        transport.all_reduce(word, op=dist.ReduceOp.MAX)
-        sent = transport.bytes_sent - sent
+        if self.control_group is not None:  # every shard group takes the same H: the world agrees
+            dist.all_reduce(word, op=dist.ReduceOp.MAX, group=self.control_group)
+            sent = ring_allreduce_bytes(word.numel() * word.element_size(), dist.get_world_size(self.control_group))
+        else:
+            sent = transport.bytes_sent
+            transport.all_reduce(word, op=dist.ReduceOp.MAX)
+            sent = transport.bytes_sent - sent
         self.state.totals["bytes_sent"] += sent
         if stats is not None:
             stats.bytes_sent += sent
@@ -267,7 +301,7 @@ class LocalSteps:
     def _choose(self, compute_s: float, sync_s: float) -> None:
         every = self.tuner.observe(sync_s, compute_s, current=self.every)
         if every != self.every:
-            if self.rank == 0:
+            if (dist.get_rank() if self.control_group is not None else self.rank) == 0:
                 print(f"rayzip: local steps: H {self.every} -> {every} after synchronization {self.rounds} "
                       f"({sync_s:.3g} s to synchronize, {compute_s:.3g} s of compute a step)")
             self.every = every
@@ -291,7 +325,7 @@ class LocalSteps:
         load instead of the saved one (re-sharded after a resize), or None for the saved."""
         with torch.no_grad():
             for anchor, base, p in zip(self.anchor, self.base, self.params):
-                anchor.copy_(p.detach().to(torch.float32))
+                anchor.copy_(_local(p).detach().to(torch.float32))
                 if base is not anchor:
                     base.copy_(anchor)
         self.outer.load_state_dict(state["outer"])
@@ -302,6 +336,12 @@ class LocalSteps:
         saved = compression if compression is not None else state.get("compression")
         if self.state is not None and saved is not None:
             self.state.load_state_dict(saved)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: its local shard where it is a DTensor (a view of the
+    shard's storage: writing it writes the parameter), else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _merged(first: StepStats | None, second: StepStats) -> StepStats:

@@ -161,22 +161,25 @@ def restore_hook(path: Path, rank: int, world: int, trainer: dict, state) -> Non
     state.step = trainer["step"] + 1
 
 
-def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                   optimizer_key: str = "optimizer") -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     # This rank's shards as DTensors, no gather (AdamW's state is created if not yet).
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optimizer": optimizer_state}
+    return {"model": model_state, optimizer_key: optimizer_state}
 
 
 def take_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                copy: Callable[[Any], Any] | None = None) -> dict:
+                copy: Callable[[Any], Any] | None = None, optimizer_key: str = "optimizer") -> dict:
     """This rank's shards of an FSDP2 ``model`` and its ``optimizer``: through ``copy``
     (:func:`rayzip.checkpoint.background.snapshot`, or one with buffers: host copies, for a
-    write while training goes on), else the live tensors (for a write now)."""
-    state = _sharded_state(model, optimizer)
+    write while training goes on), else the live tensors (for a write now). DCP writes one
+    copy of what replicas hold alike under one key: where the replicas' optimizers differ
+    (local steps), each replica's goes under an ``optimizer_key`` of its own."""
+    state = _sharded_state(model, optimizer, optimizer_key)
     return copy(state) if copy is not None else state
 
 
@@ -195,30 +198,35 @@ def save_shards(directory: Path, model: torch.nn.Module, optimizer: torch.optim.
     write_shards(directory, take_shards(model, optimizer))
 
 
-def load_shards(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def load_shards(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                extra: dict | None = None, optimizer_key: str = "optimizer") -> None:
     """:func:`save_shards`' checkpoint into ``model`` and ``optimizer`` on this world, which
-    DCP's planner reshards to (a collective)."""
+    DCP's planner reshards to (a collective). ``extra``: more entries saved beside them (by
+    :func:`take_shards`' caller), as DTensors laid out on this world, loaded in place.
+    ``optimizer_key``: where the optimizer's shards were saved (see :func:`take_shards`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    state = _sharded_state(model, optimizer)
-    dcp.load(state, storage_reader=CompressedStorageReader(path / SHARDS))
+    state = _sharded_state(model, optimizer, optimizer_key)
+    dcp.load({**state, **(extra or {})}, storage_reader=CompressedStorageReader(path / SHARDS))
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state[optimizer_key])
 
 
 def restore_shards(path: Path, rank: int, world: int, model: torch.nn.Module,
-                   optimizer: torch.optim.Optimizer | None, state, chain: DeltaChain | None = None) -> dict:
+                   optimizer: torch.optim.Optimizer | None, state, chain: DeltaChain | None = None,
+                   extra: dict | None = None, optimizer_key: str | Callable[[dict], str] = "optimizer") -> dict:
     """A sharded model's checkpoint at ``path`` (a collective): rank 0's part (the step, the
     data position, the RNG; no weights), the model's and optimizer's shards resharded to this
     world (:func:`load_shards`), and the exchange's state (``state``, a
     :class:`rayzip.torch.fsdp.ShardedExchange`, or None): this rank's own where the world size
     is the same, else its residuals start afresh at the checkpoint's step (a shard's residual
-    belongs to its layout). Returns rank 0's part."""
+    belongs to its layout). ``extra`` as for :func:`load_shards`; ``optimizer_key`` too, or
+    a function of rank 0's part that names it. Returns rank 0's part."""
     trainer = load_trainer(path, None, chain)
-    load_shards(path, model, optimizer)
+    load_shards(path, model, optimizer, extra, optimizer_key(trainer) if callable(optimizer_key) else optimizer_key)
     if state is not None:
         own = path / f"rank{rank}"
         if int(trainer["world_size"]) == world and own.exists():

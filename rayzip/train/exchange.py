@@ -55,7 +55,7 @@ from .probe import prepare_timed
 from .records import Traffic, traffic_of
 
 __all__ = ["DenseExchange", "Exchange", "HookExchange", "LocalStepsExchange", "LocalStepsServerExchange",
-           "ParameterServerExchange", "ShardedModelExchange",
+           "ParameterServerExchange", "ShardedLocalStepsExchange", "ShardedModelExchange",
            "TorchHookExchange", "build_exchange", "compute_time", "restore_collective"]
 
 
@@ -497,6 +497,130 @@ class ShardedModelExchange(Exchange):
         return trainer["step"] + 1, trainer
 
 
+class ShardedLocalStepsExchange(ShardedModelExchange):
+    """Local steps on shards (DiLoCo on FSDP2): each node trains with FSDP2 alone, and every
+    ``local_steps.every`` steps (and at evaluations, checkpoints and the last) each rank's
+    pseudo-gradient shard is averaged with the same shard's on the other nodes
+    (:func:`rayzip.torch.fsdp.local_steps_on_shards`). Checkpoints fall on synchronizations
+    and go through DCP: the model's and inner optimizer's shards, and the outer optimizer's
+    momentum as DTensors laid out like the parameters, so a restart on another world size
+    reshards it too; each rank's part holds its error feedback (kept where the world size is
+    the same: a shard's residual belongs to its layout)."""
+
+    name = "local_steps"
+
+    def __init__(self, *args, local: LocalSteps, **kwargs):
+        super().__init__(*args, state=_ShardedLocalState(local), **kwargs)
+        self.local = local
+        self.skips_together = False  # inner steps are each node's own; a round is dropped together
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # The node's ranks skip an inner step together: FSDP2's next collectives (and
+        # clipping's) run over them. Nothing crosses between nodes for it.
+        self.node_group = params[0].device_mesh.get_group() if self.shard_world > 1 else None
+
+    def begin_step(self, step: int, last: bool) -> None:
+        LocalStepsExchange.begin_step(self, step, last)
+
+    def skipped(self, step: int) -> bool:
+        ok = self.local.gradient_ok(step)
+        if self.node_group is None:
+            return not ok
+        flag = torch.tensor([0.0 if ok else 1.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.node_group)
+        return bool(flag.item())
+
+    def apply(self, step: int, lr: float, skipped: bool) -> None:
+        Exchange.apply(self, step, lr, skipped)
+        self.local.after_inner_step(force=self._force, compute_s=time.perf_counter() - self._started)
+
+    def traffic(self, step_s: float) -> Traffic:
+        """A synchronization's bytes between nodes, counted by the engine; every step's
+        dense figure is what dense HSDP sends between nodes each step."""
+        dense = ring_allreduce_bytes(4 * self.numel // self.shard_world, self.nodes) if self.nodes > 1 else 0
+        if self.local.synced and self.local.last_sync is not None:
+            traffic = traffic_of(self.local.last_sync)
+            traffic.dense_bytes, traffic.local_every = dense, self.local.every
+            return traffic
+        return Traffic(dense_bytes=dense, comm_source="local step", local_every=self.local.every)
+
+    def _inner_key(self, nodes: int) -> str:
+        """Where this node's inner optimizer is saved, among ``nodes``: the nodes' inner
+        optimizers differ (each trained on its own batches), and DCP would keep one copy of
+        what the shard layout says is replicated. After a resize node k takes the state of
+        node k modulo the old count, as local steps do on a replicated model."""
+        return f"inner_optimizer.node{(self.rank // self.shard_world) % max(1, nodes)}"
+
+    def take_shards(self, copy: Callable[[Any], Any] | None) -> dict:
+        shards = take_shards(self.model, self.optimizer, None, optimizer_key=self._inner_key(self.nodes))
+        outer = self.state.outer_shards()
+        if outer:
+            shards["outer"] = outer
+        return copy(shards) if copy is not None else shards
+
+    def restore(self, checkpoint, chain: DeltaChain | None = None) -> tuple[int, dict | None]:
+        if checkpoint is None:
+            return 0, None
+        outer = self.state.outer_shards(fresh=True)
+        with checkpoint.as_directory() as path:
+            trainer = restore_shards(Path(path), self.rank, self.world, self.model, self.optimizer, self.state,
+                                     chain, extra={"outer": outer} if outer else None,
+                                     optimizer_key=lambda saved: self._inner_key(
+                                         int(saved["world_size"]) // self.shard_world))
+        self.state.load_outer(outer)
+        return trainer["step"] + 1, trainer
+
+
+class _ShardedLocalState:
+    """A :class:`LocalSteps` on shards as the checkpoints see it: each rank's part holds its
+    error feedback and rounds; the outer momentum travels with the shards through DCP."""
+
+    holders = None  # a shard's residual belongs to its layout: nothing to re-shard
+
+    def __init__(self, local: LocalSteps):
+        self.local = local
+
+    def outer_shards(self, fresh: bool = False) -> dict:
+        """The outer optimizer's momentum, one DTensor per parameter laid out as it is (zeros
+        to load into, with ``fresh``); empty without momentum."""
+        from torch.distributed.tensor import DTensor
+
+        if not self.local.outer.param_groups[0]["momentum"]:
+            return {}
+        out = {}
+        for name, anchor, p in zip(self.local.names, self.local.anchor, self.local.params):
+            held = self.local.outer.state.get(anchor, {}).get("momentum_buffer")
+            local = torch.zeros_like(anchor) if fresh or held is None else held
+            out[name] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                           stride=p.stride())
+        return out
+
+    def load_outer(self, outer: dict) -> None:
+        for name, anchor in zip(self.local.names, self.local.anchor):
+            if name in outer:
+                self.local.outer.state[anchor]["momentum_buffer"] = outer[name].to_local().clone()
+
+    def state_dict(self) -> dict:
+        state = self.local.state_dict()
+        # The momentum is in the DCP shards; the saved optimizer keeps its settings only.
+        state["outer"] = {"state": {}, "param_groups": state["outer"]["param_groups"]}
+        return {"local_steps": state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.local.load_state_dict(state["local_steps"])
+
+    def start_at(self, step: int) -> None:
+        """After a resize: the loaded shards become the synchronized parameters; error
+        feedback starts afresh (the outer momentum comes from the DCP shards)."""
+        local = self.local
+        local.load_state_dict({"rounds": step // max(1, local.every), "every": local.every,
+                               "outer": {"state": {}, "param_groups": local.outer.state_dict()["param_groups"]},
+                               "compression": None, "tuner": None})
+        if local.state is not None:
+            local.state.step = local.rounds
+        print(f"rayzip: rank {dist.get_rank()}: local steps on shards resume on a new layout at step {step}: "
+              "outer momentum resharded, error feedback starts afresh")
+
+
 def node_id() -> str:
     """This worker's Ray node: what groups workers by node for the hierarchy (namespaced nodes
     of one machine share its host name)."""
@@ -520,18 +644,11 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
         # seed) and each synchronization sets them alike.
         model = ray.train.torch.prepare_model(model, parallel_strategy=None)
         local = spec.local_steps
-        tuner = None
-        if local.adaptive:
-            # Evaluations and checkpoints force synchronizations: no H above their interval
-            # runs, so none is the fastest to compare with.
-            due = [training.eval_every, spec.checkpoint.every_steps or local.max_every]
-            tuner = EveryTuner(local.min_every, max(local.min_every, min(local.max_every, *due)), local.slack,
-                               overlap=local.overlap)
         synced = LocalSteps(model.named_parameters(), every=local.every, outer_lr=local.outer_lr,
                             outer_momentum=local.outer_momentum, nesterov=local.nesterov,
                             compression=comp.to_config(),
                             on_nonfinite=training.on_nonfinite, max_skipped_rounds=training.max_skipped_steps,
-                            tuner=tuner, overlap=local.overlap, emulation=emulation, node_key=node_id())
+                            tuner=_every_tuner(spec), overlap=local.overlap, emulation=emulation, node_key=node_id())
         return LocalStepsExchange(spec, model, rank, world, build_optimizer(training, model.parameters()), synced)
     if comp.collective == "ps":
         # The shards combine gradients: no DDP allreduce underneath.
@@ -567,16 +684,38 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
 
 
 
+def _every_tuner(spec: JobSpec) -> EveryTuner | None:
+    """The tuner of H where ``local_steps.adaptive`` asks for one."""
+    local = spec.local_steps
+    if not local.adaptive:
+        return None
+    # Evaluations and checkpoints force synchronizations: no H above their interval runs,
+    # so none is the fastest to compare with.
+    due = [spec.training.eval_every, spec.checkpoint.every_steps or local.max_every]
+    return EveryTuner(local.min_every, max(local.min_every, min(local.max_every, *due)), local.slack,
+                      overlap=local.overlap)
+
+
 def _sharded(spec: JobSpec, model: torch.nn.Module, rank: int, world: int, emulation: Emulation | None) -> Exchange:
     """FSDP2 on this worker's device, the shards' exchange between nodes (rayzip's engine when
     there is a codec, FSDP2's own HSDP without one)."""
-    from ..torch.fsdp import compress_sharded, shard_group_size, shard_model
+    from ..torch.fsdp import compress_sharded, local_steps_on_shards, shard_group_size, shard_model
 
     comp, training, sharding = spec.compression, spec.training, spec.sharding.to_config()
     model = model.to(ray.train.torch.get_device())
     per_node = ray.train.get_context().get_local_world_size()
     shard_world = shard_group_size(sharding, world, per_node)
-    model, replicate = shard_model(model, sharding, per_node, native_hsdp=comp.codec == "none" and not comp.verify)
+    local = spec.local_steps
+    native = comp.codec == "none" and not comp.verify and not local.enabled
+    model, replicate = shard_model(model, sharding, per_node, native_hsdp=native)
+    if local.enabled:  # the spec asks for replicas: hsdp over more than one node
+        synced = local_steps_on_shards(model, replicate, every=local.every, compression=comp.to_config(),
+                                       outer_lr=local.outer_lr, outer_momentum=local.outer_momentum,
+                                       nesterov=local.nesterov, on_nonfinite=training.on_nonfinite,
+                                       max_skipped_rounds=training.max_skipped_steps, tuner=_every_tuner(spec),
+                                       emulation=emulation, node_key=node_id())
+        return ShardedLocalStepsExchange(spec, model, rank, world, build_optimizer(training, model.parameters()),
+                                         local=synced, nodes=world // shard_world, shard_world=shard_world)
     state = None
     if replicate is not None:
         state = compress_sharded(model, comp.to_config(), replicate,

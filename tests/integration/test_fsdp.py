@@ -156,22 +156,38 @@ def test_without_fully_shard_it_says_what_to_do():
         compress_sharded(torch.nn.Linear(2, 2), CompressionConfig(), replicate_group=None)
 
 
-def test_the_torchrun_example_trains_two_ranks_as_two_nodes():
+def _example(*args: str):
     import os
-    import re
     import subprocess
     import sys
 
     from own_processes import free_port
     from paths import ROOT
 
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             "--master-port", str(free_port()), str(ROOT / "examples" / "fsdp_loop.py"),
-                             "--shard-size", "1", "--steps", "20"],
-                            env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)},
-                            capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(ROOT / "examples" / "fsdp_loop.py"), *args],
+                          env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_torchrun_example_trains_two_ranks_as_two_nodes():
+    import re
+
+    result = _example("--shard-size", "1", "--steps", "20")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     found = re.search(r"loss ([\d.]+) -> ([\d.]+); between nodes ([\d,]+) bytes sent, ([\d.]+)x fewer", result.stdout)
     assert found, result.stdout
     first, last, sent, fewer = float(found[1]), float(found[2]), int(found[3].replace(",", "")), float(found[4])
     assert last < first and sent > 0 and fewer > 6, found[0]  # 4-bit DCT, the default under AdamW
+
+
+def test_the_torchrun_example_trains_local_steps_on_shards():
+    import re
+
+    result = _example("--shard-size", "1", "--steps", "20", "--local-steps", "4")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    found = re.search(r"loss ([\d.]+) -> ([\d.]+); between nodes ([\d,]+) bytes sent, ([\d.]+)x fewer", result.stdout)
+    assert found, result.stdout
+    first, last, sent, fewer = float(found[1]), float(found[2]), int(found[3].replace(",", "")), float(found[4])
+    # Five synchronizations in 20 steps, each of group top-k at 10% with int8 values.
+    assert last < first and sent > 0 and fewer > 4 * 8, found[0]

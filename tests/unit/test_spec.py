@@ -77,6 +77,12 @@ BAD_SPECS = [
      "compression: value_dtype must be one of ['fp16', 'fp32'], got 'int8'"),
     ("packed offsets for plain top-k", with_change("compression", {"codec": "topk", "packed_indices": True}),
      "compression: packed_indices does not apply to codec topk"),
+    ("local steps with one replica", with_change("sharding", {"enabled": True, "mode": "fsdp"},
+                                                 "local_steps", {"enabled": True, "every": 5}),
+     "local_steps with sharding.mode fsdp: one shard group holds the only replica"),
+    ("overlapped local steps on shards", with_change("sharding", {"enabled": True, "shard_size": 2},
+                                                     "local_steps", {"enabled": True, "every": 5, "overlap": True}),
+     "sharding does not run with local_steps.overlap yet"),
 ]
 
 
@@ -181,3 +187,10 @@ def test_the_allow_list_does_not_match_a_prefix_that_is_not_a_package():
         check_allowed_modules(spec, allowed="mycorp")
     check_allowed_modules(spec, allowed="mycorpevil")
     check_allowed_modules(parse_spec({"name": "y"}), allowed="")  # built-ins need no entry
+
+
+def test_local_steps_on_shards_validate():
+    spec = JobSpec.model_validate(with_change("sharding", {"enabled": True, "shard_size": 2},
+                                              "local_steps", {"enabled": True, "every": 5},
+                                              "compression.momentum_correction", False))
+    assert spec.sharding.mode == "hsdp" and spec.local_steps.every == 5
