@@ -112,6 +112,7 @@ def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
         "skipped_steps": metrics.get("skipped_steps", 0),
         "local_every": metrics.get("local_every"),  # local steps: H at the end (tuned or the spec's)
         "local_every_tuned": spec.local_steps.enabled and spec.local_steps.adaptive,
+        "held_bytes": metrics.get("held_bytes"),  # rank 0's parameters, gradients, optimizer state
     }
 
 

@@ -36,10 +36,10 @@ from ..comm.control import RankDisagreement
 from ..spec import BUILTIN_LOOPS, JobSpec, import_callable
 from ..torch.lr import learning_rate
 from ..torch.optim import build_optimizer
-from .checkpoints import GroupCheckpoints, Parts, take_parts, write_taken
+from .checkpoints import GroupCheckpoints, Parts, take_parts, unwrap, write_taken
 from .exchange import Exchange, build_exchange, compute_time
 from .faults import Faults
-from .records import StepRecord, Totals
+from .records import StepRecord, Totals, held_bytes
 from .tasks import Task, agreed_accuracy, build_task, shard_plan
 from .telemetry import Adoption, Telemetry
 
@@ -220,6 +220,8 @@ def _after_step(spec: JobSpec, task: Task, exchange: Exchange, telemetry: Teleme
         "time_to_target_s": totals.time_to_target_s, "steps_to_target": totals.steps_to_target,
         "elapsed_s": time.time() - started, "done": done, "pid": os.getpid(), "skipped": record.skipped,
         "skipped_steps": totals.skipped_steps,
+        # this rank's parameters, gradients and optimizer state, counted from its tensors
+        "held_bytes": held_bytes(unwrap(exchange.model), exchange.optimizer) if evaluate else None,
     }
     checkpoints = run.checkpoints
     ready = _checkpoint(spec, task, exchange, run, step, done)

@@ -11,7 +11,29 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-__all__ = ["LinkProbe", "StepRecord", "Totals", "Traffic", "traffic_of"]
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["LinkProbe", "StepRecord", "Totals", "Traffic", "held_bytes", "traffic_of"]
+
+
+def _local_nbytes(tensor) -> int:
+    """Bytes of ``tensor`` this rank holds: its local shard where it is a DTensor."""
+    if not isinstance(tensor, torch.Tensor):
+        return 0
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """What this rank holds of the model's parameters, their gradients and the optimizer's
+    state, counted from the tensors (a sharded model's local shards), in bytes. Gradients are
+    counted where they exist: call it after backward."""
+    params = [p for p in model.parameters()]
+    return {"parameters": sum(_local_nbytes(p) for p in params),
+            "gradients": sum(_local_nbytes(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(_local_nbytes(v) for state in (optimizer.state.values() if optimizer is not None else ())
+                             for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)}
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,20 @@ def _spec(name: str, compression: dict, **sections) -> JobSpec:
     })
 
 
+def _replica_held_bytes() -> dict:
+    import torch
+
+    from rayzip.train.gpt import GPT
+    from rayzip.train.records import held_bytes
+
+    model = GPT(vocab=256, layers=2, width=64, heads=4, context=32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randint(0, 256, (2, 32))
+    torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), x.reshape(-1)).backward()
+    optimizer.step()
+    return held_bytes(model, optimizer)
+
+
 def _killer():
     """(what was killed, a progress callback that kills a worker 3 steps after a reported checkpoint, once)."""
     killed: dict = {}
@@ -65,6 +79,13 @@ def test_hsdp_with_compressed_shards_between_nodes_resumes_a_killed_worker_exact
     print(f"killed at step {killed['step']}, resumed at {resume['resumed_at']}, {replayed['steps']} steps replayed")
     # Group top-k at 5% between the nodes, against FSDP2's dense exchange of the same shards.
     assert summary["wire_reduction"] > 8 and summary["bytes_source"] == "counted", summary["wire_reduction"]
+    # Shards of 2: each rank holds about half of what a DDP replica holds, both counted from
+    # the tensors (a DDP replica: the same GPT with AdamW after one step, in this process).
+    held, replica = summary["held_bytes"], _replica_held_bytes()
+    assert sum(held.values()) <= 0.55 * sum(replica.values()), (held, replica)
+    assert held["optimizer"] > 0 and held["gradients"] > 0, held
+    print(f"rank 0 holds {sum(held.values()):,} bytes, a DDP replica {sum(replica.values()):,}: "
+          f"{sum(held.values()) / sum(replica.values()):.3f}x")
     # It learns: byte-level uniform is 8 bits per byte.
     history = [h["val_loss"] for h in summary["history"]]
     assert max(history) < 6.5 and min(history) < history[0], history
