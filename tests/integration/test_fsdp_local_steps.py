@@ -188,3 +188,35 @@ def test_a_resize_from_two_nodes_to_one_reshards_the_outer_momentum_and_trains_o
         assert got["anchored"] and got["rounds"] == 2
         assert got["synced"] == 4 and not got["exchanged"], got  # two more rounds, alone
         assert np.all(np.isfinite(got["losses"])) and got["losses"][-1] < got["losses"][0]
+
+
+def _tuned(rank, world):
+    """Local steps on shards with a tuned H, each rank reporting another compute time."""
+    from rayzip.adaptive.every import EveryTuner
+    from rayzip.engine import CompressionConfig
+    from rayzip.torch.fsdp import hsdp_mesh, local_steps_on_shards
+
+    model = _model()
+    shard_mesh, replicate = hsdp_mesh(2, "cpu")
+    _shard(model, shard_mesh)
+    local = local_steps_on_shards(model, replicate, every=2, compression=CompressionConfig(codec="group_topk",
+                                                                                           density=0.1),
+                                  tuner=EveryTuner(1, 8, 0.1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    every = []
+    for step in range(12):
+        x, y = _batch(rank)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        local.after_inner_step(compute_s=0.001 * (1 + rank))
+        every.append(local.every)
+    return every
+
+
+def test_the_tuned_h_is_every_ranks_across_shard_groups():
+    # The replicate groups {0, 2} and {1, 3} see different compute times; were H agreed within
+    # each alone, the shard groups would synchronize at different steps and FSDP2 would hang.
+    ranks = run_world(_tuned, 4, timeout_s=120)
+    assert all(r == ranks[0] for r in ranks), ranks
+    assert len(set(ranks[0])) > 1, ranks[0]  # the tuner moved H
