@@ -29,7 +29,8 @@ from ..spec import CheckpointSpec, TrainingSpec
 from .netns import NetnsCluster, rate_bytes
 from .timing import interleaved
 
-__all__ = ["METHODS", "method_compression", "method_spec", "run_cluster_bench", "run_scaling_bench"]
+__all__ = ["METHODS", "method_compression", "method_spec", "replica_held_bytes", "run_cluster_bench",
+           "run_scaling_bench"]
 
 # The benchmarks' specs ship with the package (jobs/ links to them for the examples).
 DEFAULT_SPEC = Path(__file__).resolve().parent / "specs" / "bench-synthetic.yaml"
@@ -66,8 +67,17 @@ METHODS: dict[str, dict[str, Any]] = {
     # count of entries decides the loss; docs/benchmarks/local-steps.md).
     "local_sparse": {"codec": "group_topk", "density": 0.02, "value_dtype": "4bit", "coded_indices": True,
                      "collective": "allgather"},
+    # Sharded (FSDP2 inside each node, with --workers-per-node): ``hsdp`` is FSDP2's own HSDP
+    # (a dense all-reduce between nodes), ``hsdp_dct`` each shard through 4-bit DCT every step
+    # (the default under AdamW), ``hsdp_local@H`` local steps on shards with local_sparse's wire.
+    "hsdp": {"codec": "none"},
+    "hsdp_dct": {"codec": "dct_quant", "bits": 4, "collective": "allgather"},
+    "hsdp_local": {"codec": "group_topk", "density": 0.02, "value_dtype": "4bit", "coded_indices": True,
+                   "collective": "allgather"},
 }
-LOCAL = {"local": 10, "local_gtopk": 10, "local_compact": 10, "local_sparse": 10}  # H when the method gives no @H
+LOCAL = {"local": 10, "local_gtopk": 10, "local_compact": 10, "local_sparse": 10,
+         "hsdp_local": 4}  # H when the method gives no @H
+SHARDED = {"hsdp", "hsdp_dct", "hsdp_local"}
 LOCAL_AUTO_MAX = 50  # @auto: the most H, and the evaluation interval (each evaluation synchronizes)
 PS = {"ps": {"cpus_per_shard": 0, "pull": "codec"}, "ps-dense": {"cpus_per_shard": 0, "pull": "dense"}}
 ADAPTIVE = {"enabled": True, "interval": 2.0, "window": 6.0, "min_compression": 4, "max_compression": 200}
@@ -84,7 +94,7 @@ def _method_base(method: str) -> tuple[str, dict[str, Any]]:
     method, _, modifier = method.partition(":")
     name, _, value = method.partition("@")
     hook = METHODS.get(name, {}).get("torch_hook") is None and name not in PS
-    allowed = {"overlap"} if name in LOCAL else \
+    allowed = set() if name in SHARDED else {"overlap"} if name in LOCAL else \
         {"serial", "flat"} if hook and METHODS.get(name, {}).get("codec", "none") != "none" else \
         {"node"} if name == "dense" else set()
     if modifier and modifier not in allowed:
@@ -144,6 +154,8 @@ def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 1
         spec["adaptive"] = dict(ADAPTIVE)
     if name in PS:
         spec["ps"] = dict(PS[name])
+    if name in SHARDED:  # shard groups of a node's workers (its Ray node's local world)
+        spec["sharding"] = {"enabled": True, "mode": "hsdp"}
     if name in LOCAL:
         value = method.partition(":")[0].partition("@")[2]
         tuned = value == "auto"
@@ -202,6 +214,7 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
                 runs[method].append(_run_method(cluster, method, label, base, powersgd_start_iter, drop_to,
                                                 drop_at_step, workers_per_node, bandwidth, log))
     rows = [aggregate_runs(runs[method]) for method in methods]
+    sharded = any(m.partition(":")[0].partition("@")[0] in SHARDED for m in methods)
     _compare_with_dense(rows)
     _compare_with_best_fixed(rows, "step_s", "step_vs_best_fixed")
     if drop_to is not None:
@@ -214,7 +227,30 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
             "stop_at_target": training.stop_at_target, "steps": training.steps,
             "budget_steps": budget_steps, "drop_to": drop_to, "drop_at_step": drop_at_step,
             "spec": str(spec_path), "powersgd_start_iter": powersgd_start_iter,
-            "python": sys.version.split()[0], "methods": rows}
+            "python": sys.version.split()[0], "methods": rows,
+            "ddp_held_bytes": replica_held_bytes(base) if sharded else None}
+
+
+def replica_held_bytes(base: dict) -> dict[str, int] | None:
+    """What a DDP replica of ``base``'s GPT holds after one optimizer step, counted from its
+    tensors as the sharded runs count theirs (None for other models)."""
+    import torch
+
+    from ..spec import JobSpec
+    from ..torch.optim import build_optimizer
+    from ..train.gpt import GPT
+    from ..train.records import held_bytes
+
+    spec = JobSpec.model_validate(base)
+    m = spec.model
+    if m.name != "gpt":
+        return None
+    model = GPT(vocab=256, layers=m.layers, width=m.width, heads=m.heads, context=m.context, dropout=m.dropout)
+    optimizer = build_optimizer(spec.training, model.parameters())
+    tokens = torch.randint(0, 256, (1, m.context))
+    torch.nn.functional.cross_entropy(model(tokens).reshape(-1, 256), tokens.reshape(-1)).backward()
+    optimizer.step()
+    return held_bytes(model, optimizer)
 
 
 def _run_method(cluster: NetnsCluster, method: str, label: str, base: dict, powersgd_start_iter: int,
@@ -300,7 +336,8 @@ def _compare_with_dense(rows: list[dict]) -> None:
     """Each row against plain DDP in the same run: speed-up to the target, the ideal
     speed-up (DDP's step time over its compute-only step: what no compressor can beat), the
     share of it reached, and the final metric's relative difference at the same budget."""
-    dense = next((r for r in rows if r["name"] == "dense" and "error" not in r), None)
+    # Sharded methods alone compare with dense HSDP, the baseline that holds what they hold.
+    dense = next((r for name in ("dense", "hsdp") for r in rows if r["name"] == name and "error" not in r), None)
     ideal = (dense["step_s"] / dense["compute_probe_s"]) if dense and dense.get("compute_probe_s") else None
     for row in rows:
         if "error" in row:
@@ -417,6 +454,7 @@ def _row(method: str, s: dict, tx_before: list[int], tx_after: list[int], run_s:
         "history": s.get("history", []),
         "decisions": decision_timeline(s.get("adaptive")),
         "run_s": run_s,
+        "held_bytes": s.get("held_bytes"),  # rank 0's parameters, gradients, optimizer state
     }
 
 
@@ -569,6 +607,8 @@ def render_table(report: dict):
 
 def markdown_table(report: dict) -> str:
     """The cluster report as a Markdown table, for the README (generated, not typed)."""
+    if any(r["name"].partition("@")[0] in SHARDED for r in report["methods"]):
+        return _sharded_table(report)
     if report.get("workers_per_node", 1) > 1:
         return _hierarchy_table(report)
     if report.get("drop_to"):
@@ -657,6 +697,25 @@ def scaling_markdown_table(report: dict) -> str:
                 _number(None if ring is None else ring / 1e6, "{:.2f}"), f"{r['throughput']:.0f}",
                 _number(r.get("efficiency"), "{:.2f}")]
     return _markdown(head, report["rows"], cells, failed=lambda r: [r["name"], str(r["workers"]), "failed"])
+
+
+def _sharded_table(report: dict) -> str:
+    """Sharded methods: time to target and final loss against dense HSDP, bytes between
+    nodes, and what each rank holds against a DDP replica (both counted from tensors)."""
+    replica = sum((report.get("ddp_held_bytes") or {}).values()) or None
+    head = ["method", "time to target", "vs dense HSDP", "final val bpb", "final vs dense HSDP", "step ms",
+            "MB between nodes / worker", "wire reduction", "MB held / rank", "held vs DDP"]
+
+    def cells(r: dict) -> list[str]:
+        held = sum((r.get("held_bytes") or {}).values()) or None
+        ttt = (f"{r['time_to_target_s']:.1f} s" + _spread(r, "time_to_target_s", "{:.1f}")
+               if r.get("time_to_target_s") else "not reached")
+        return [r["name"], ttt, _number(r.get("speedup_vs_dense") or None, "{:.2f}×"),
+                f"{r['final_metric']:.4f}", _number(r.get("final_vs_dense"), "{:+.1%}"),
+                f"{r['step_s'] * 1e3:.0f}" + _spread(r, "step_s", "{:.0f}", 1e3), f"{_network(r) / 1e6:.1f}",
+                _number(r.get("wire_reduction") or None, "{:.1f}×"), _mb(held),
+                _number(held / replica if held and replica else None, "{:.3f}×")]
+    return _markdown(head, report["methods"], cells)
 
 
 def _hierarchy_table(report: dict) -> str:

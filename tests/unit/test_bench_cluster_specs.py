@@ -142,3 +142,35 @@ def test_repeated_runs_give_medians_with_their_spread():
     row.update({"speedup_vs_dense": None, "final_vs_dense": None})
     line = markdown_table({"methods": [row]}).splitlines()[2]
     assert "12.0 s [10.0–12.0], 2 of 3 runs reached it" in line and "200 (100) [100–300]" in line
+
+
+def test_sharded_methods_shard_per_node_and_compare_with_dense_hsdp():
+    import yaml
+
+    from rayzip.bench.cluster import _compare_with_dense, markdown_table, method_spec, replica_held_bytes
+    from rayzip.spec import JobSpec
+    from paths import ROOT
+
+    base = yaml.safe_load((ROOT / "jobs" / "bench-gpt.yaml").read_text())
+    base["scaling"] = {"min_workers": 4, "max_workers": 4}
+    dense = JobSpec.model_validate(method_spec("hsdp", base, "hsdp"))
+    assert dense.sharding.enabled and dense.sharding.mode == "hsdp" and dense.compression.codec == "none"
+    assert dense.sharding.shard_size is None  # the workers of each node
+    dct = JobSpec.model_validate(method_spec("hsdp_dct", base, "hsdp-dct"))
+    assert dct.compression.codec == "dct_quant" and dct.compression.bits == 4 and not dct.compression.adam_correction
+    local = JobSpec.model_validate(method_spec("hsdp_local@8", base, "hsdp-local-8"))
+    assert local.local_steps.enabled and local.local_steps.every == 8 and local.sharding.enabled
+    assert local.training.eval_every % 8 == 0
+
+    replica = replica_held_bytes(base)  # counted from a real GPT and AdamW after one step
+    assert replica["gradients"] == replica["parameters"] and replica["optimizer"] == 2 * replica["parameters"]
+    half = {k: v // 2 for k, v in replica.items()}
+    rows = [{"name": "hsdp", "time_to_target_s": 400.0, "step_s": 4.0, "final_metric": 3.0,
+             "wire_bytes_counted": 100e6, "wire_reduction": 1.0, "held_bytes": half},
+            {"name": "hsdp_local@4", "time_to_target_s": 100.0, "step_s": 1.0, "final_metric": 3.015,
+             "wire_bytes_counted": 0.2e6, "wire_reduction": 500.0, "held_bytes": half}]
+    _compare_with_dense(rows)
+    assert rows[1]["speedup_vs_dense"] == pytest.approx(4.0) and rows[1]["final_vs_dense"] == pytest.approx(0.005)
+    table = markdown_table({"methods": rows, "ddp_held_bytes": replica})
+    assert "| hsdp_local@4 | 100.0 s | 4.00× | 3.0150 | +0.5% | 1000 | 0.2 | 500.0× |" in table
+    assert table.rstrip().endswith("| 0.500× |"), table
