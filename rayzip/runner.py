@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import ray
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray.train.torch import TorchTrainer
 
 from .adaptive import controller_name, start_controller
@@ -70,6 +71,12 @@ def init_ray(verbose: bool = True) -> str | None:
         context = ray.init(address="local", _system_config={"metrics_report_interval_ms": 2000}, **quiet)
     session = getattr(context, "address_info", {}).get("session_dir")  # Ray's context: only a local start has it
     return os.path.join(session, "logs") if session else None
+
+
+def on_this_node() -> NodeAffinitySchedulingStrategy:
+    """Where the driver's own actors go: the driver's node, so that losing a worker node
+    (which elastic training survives) does not take the run's bookkeeping with it."""
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
@@ -137,11 +144,12 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     run_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     storage = storage_path or os.environ.get("RAYZIP_STORAGE_PATH") or os.path.expanduser("~/ray_results")
     progress_name = f"rayzip-progress-{run_id}"
-    progress = ProgressActor.options(name=progress_name).remote()
+    progress = ProgressActor.options(name=progress_name, scheduling_strategy=on_this_node()).remote()
     controller = None
     if spec.adaptive.enabled:
         controller = start_controller(run_id, spec.name, spec.adaptive,
-                                      initial_compression=1.0 / (spec.compression.density or 0.01))
+                                      initial_compression=1.0 / (spec.compression.density or 0.01),
+                                      scheduling_strategy=on_this_node())
     shards = start_shards(run_id, spec) if spec.compression.collective == "ps" else None
     trainer = TorchTrainer(
         train_loop,

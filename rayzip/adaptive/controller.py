@@ -406,7 +406,8 @@ def _same_mode(density: float | None, kept: float) -> bool:
     return abs(density - kept) <= 1e-3 * kept
 
 
-def start_controller(run_id: str, job: str, spec: AdaptiveSpec, initial_compression: float):
-    """The run's named controller actor."""
-    return AdaptiveController.options(name=controller_name(run_id)).remote(run_id, job, spec.model_dump(),
-                                                                         initial_compression)
+def start_controller(run_id: str, job: str, spec: AdaptiveSpec, initial_compression: float, **options):
+    """The run's named controller actor; ``options``: more of the actor's options (where it
+    runs)."""
+    return AdaptiveController.options(name=controller_name(run_id), **options).remote(
+        run_id, job, spec.model_dump(), initial_compression)

@@ -113,3 +113,40 @@ def test_local_steps_on_shards_resume_a_killed_worker_exactly(local_ray, tmp_pat
     # for the two evaluations to be ordered.
     history = [h["val_loss"] for h in summary["history"]]
     assert max(history) < 6.5, history
+
+
+def test_local_steps_on_shards_lose_a_node_and_go_on_with_half_the_workers(tmp_path):
+    """An elastic run (2 to 4 workers) on a real two-node Ray: each node's two workers are a
+    shard group. Removing the second node, 3 steps after a reported checkpoint, restarts the
+    group on the first alone: DCP reshards the model, the inner optimizer (node 0's) and
+    the outer momentum onto the 2 workers left, and training goes on to the end."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        second = cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        spec = _spec("hsdp-local-resize", {"codec": "group_topk", "density": 0.05},
+                     local_steps={"enabled": True, "every": 5})
+        spec = spec.model_copy(update={"scaling": spec.scaling.model_copy(update={"min_workers": 2,
+                                                                                  "max_workers": 4})})
+        removed: dict = {}
+
+        def remove_node_once(metrics: dict) -> None:
+            reported = metrics.get("checkpoint_reported_step")
+            if not removed and reported is not None and metrics["step"] >= reported + 3:
+                removed.update(step=metrics["step"], world=metrics["world_size"])
+                cluster.remove_node(second)
+
+        summary = run_job(spec, storage_path=str(tmp_path), on_progress=remove_node_once)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert removed["world"] == 4 and summary["world_size"] == 2, (removed, summary["world_size"])
+    assert summary["restarts"] == 1 and summary["steps"] == 20, summary["resumes"]
+    (resume,) = summary["resumes"]
+    assert resume["resumed_at"] % 5 == 0 and resume["resumed_at"] <= removed["step"] + 1, resume
+    history = [h["val_loss"] for h in summary["history"]]
+    assert max(history) < 6.5, history
