@@ -517,6 +517,7 @@ class ShardedLocalStepsExchange(ShardedModelExchange):
         # The node's ranks skip an inner step together: FSDP2's next collectives (and
         # clipping's) run over them. Nothing crosses between nodes for it.
         self.node_group = params[0].device_mesh.get_group() if self.shard_world > 1 else None
+        self.device = params[0].to_local().device  # NCCL's groups take the device's tensors
 
     def begin_step(self, step: int, last: bool) -> None:
         LocalStepsExchange.begin_step(self, step, last)
@@ -525,7 +526,7 @@ class ShardedLocalStepsExchange(ShardedModelExchange):
         ok = self.local.gradient_ok(step)
         if self.node_group is None:
             return not ok
-        flag = torch.tensor([0.0 if ok else 1.0])
+        flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.node_group)
         return bool(flag.item())
 
