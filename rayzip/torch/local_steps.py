@@ -278,20 +278,23 @@ class LocalSteps:
         self.rounds += 1
 
     def _agree(self, compute_s: float, sync_s: float, stats: StepStats | None) -> tuple[float, float]:
-        """Every rank's slowest compute and shortest synchronization: one all-reduced word,
-        counted with the round's control bytes."""
-        if self.state is None:
-            return compute_s, sync_s
-        transport = self.state.transport
-        word = torch.tensor([compute_s, -sync_s], dtype=torch.float64, device=transport.device)
+        """Every rank's slowest compute and shortest synchronization: one all-reduced word
+        (over ``control_group`` where one is given, even with nothing to exchange), counted
+        with the round's control bytes."""
         if self.control_group is not None:  # every shard group takes the same H: the world agrees
+            word = torch.tensor([compute_s, -sync_s], dtype=torch.float64, device=self.anchor[0].device)
             dist.all_reduce(word, op=dist.ReduceOp.MAX, group=self.control_group)
             sent = ring_allreduce_bytes(word.numel() * word.element_size(), dist.get_world_size(self.control_group))
+        elif self.state is None:
+            return compute_s, sync_s
         else:
+            transport = self.state.transport
+            word = torch.tensor([compute_s, -sync_s], dtype=torch.float64, device=transport.device)
             sent = transport.bytes_sent
             transport.all_reduce(word, op=dist.ReduceOp.MAX)
             sent = transport.bytes_sent - sent
-        self.state.totals["bytes_sent"] += sent
+        if self.state is not None:
+            self.state.totals["bytes_sent"] += sent
         if stats is not None:
             stats.bytes_sent += sent
             stats.control_bytes += sent

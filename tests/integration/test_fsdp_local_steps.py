@@ -6,6 +6,7 @@ and each steps its own shards' outer optimizer."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from gloo_world import run_world
@@ -95,8 +96,6 @@ def test_a_nan_in_one_shard_raises_on_every_rank_at_the_synchronization():
 
 
 def test_without_fully_shard_it_says_what_to_do():
-    import pytest
-
     from rayzip.torch.fsdp import local_steps_on_shards
 
     with pytest.raises(ValueError, match="apply torch.distributed.fsdp.fully_shard first"):
@@ -191,14 +190,14 @@ def test_a_resize_from_two_nodes_to_one_reshards_the_outer_momentum_and_trains_o
 
 
 def _tuned(rank, world):
-    """Local steps on shards with a tuned H, each rank reporting another compute time."""
+    """Local steps on shards with a tuned H, each rank reporting another compute time; on
+    two ranks, one shard group alone (no replicas)."""
     from rayzip.adaptive.every import EveryTuner
     from rayzip.engine import CompressionConfig
-    from rayzip.torch.fsdp import hsdp_mesh, local_steps_on_shards
+    from rayzip.torch.fsdp import ShardingConfig, local_steps_on_shards, shard_model
 
-    model = _model()
-    shard_mesh, replicate = hsdp_mesh(2, "cpu")
-    _shard(model, shard_mesh)
+    model, replicate = shard_model(_model(), ShardingConfig(mode="hsdp", shard_size=2), ranks_per_node=2)
+    assert (replicate is None) == (world == 2)
     local = local_steps_on_shards(model, replicate, every=2, compression=CompressionConfig(codec="group_topk",
                                                                                            density=0.1),
                                   tuner=EveryTuner(1, 8, 0.1))
@@ -214,9 +213,11 @@ def _tuned(rank, world):
     return every
 
 
-def test_the_tuned_h_is_every_ranks_across_shard_groups():
-    # The replicate groups {0, 2} and {1, 3} see different compute times; were H agreed within
-    # each alone, the shard groups would synchronize at different steps and FSDP2 would hang.
-    ranks = run_world(_tuned, 4, timeout_s=120)
+@pytest.mark.parametrize("world", [4, 2], ids=["two shard groups", "one shard group alone"])
+def test_the_tuned_h_is_every_ranks_across_shard_groups(world):
+    # The ranks see different compute times; were H agreed within each replicate group (or
+    # not at all, alone), the ranks of a shard group would synchronize at different steps and
+    # FSDP2 would hang.
+    ranks = run_world(_tuned, world, timeout_s=120)
     assert all(r == ranks[0] for r in ranks), ranks
     assert len(set(ranks[0])) > 1, ranks[0]  # the tuner moved H
