@@ -84,6 +84,11 @@ ADAPTIVE = {"enabled": True, "interval": 2.0, "window": 6.0, "min_compression": 
 SCALING_SKIP = 10  # bench scaling: steps left out of the step time (start-up)
 
 
+def _method_name(method: str) -> str:
+    """The method a ``NAME@VALUE:MODIFIER`` argument names."""
+    return method.partition(":")[0].partition("@")[0]
+
+
 def _method_base(method: str) -> tuple[str, dict[str, Any]]:
     """``group_topk@0.05`` is group_topk at a fixed density of 0.05 (any sparse method takes
     @DENSITY); ``dct_quant@4`` is dct_quant at 4 bits. Suffixes for rayzip's hook methods:
@@ -149,7 +154,7 @@ def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 1
     controller or parameter-server section."""
     spec = {**base, "name": f"bench-{slug}",
             "compression": method_compression(method, powersgd_start_iter, base.get("training"))}
-    name = method.partition(":")[0].partition("@")[0]
+    name = _method_name(method)
     if name == "adaptive":
         spec["adaptive"] = dict(ADAPTIVE)
     if name in PS:
@@ -214,7 +219,7 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
                 runs[method].append(_run_method(cluster, method, label, base, powersgd_start_iter, drop_to,
                                                 drop_at_step, workers_per_node, bandwidth, log))
     rows = [aggregate_runs(runs[method]) for method in methods]
-    sharded = any(m.partition(":")[0].partition("@")[0] in SHARDED for m in methods)
+    sharded = any(_method_name(m) in SHARDED for m in methods)
     _compare_with_dense(rows)
     _compare_with_best_fixed(rows, "step_s", "step_vs_best_fixed")
     if drop_to is not None:
@@ -607,7 +612,7 @@ def render_table(report: dict):
 
 def markdown_table(report: dict) -> str:
     """The cluster report as a Markdown table, for the README (generated, not typed)."""
-    if any(r["name"].partition("@")[0] in SHARDED for r in report["methods"]):
+    if any(_method_name(r["name"]) in SHARDED for r in report["methods"]):
         return _sharded_table(report)
     if report.get("workers_per_node", 1) > 1:
         return _hierarchy_table(report)

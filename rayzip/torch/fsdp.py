@@ -271,6 +271,14 @@ class ShardedExchange:
             exchange.load_state_dict(state[name])
 
 
+def _fsdp_modules(model: torch.nn.Module) -> list[tuple[str, FSDPModule]]:
+    """``model``'s FSDP2 modules by name; raises, saying what to do, where there is none."""
+    modules = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    if not modules:
+        raise ValueError("no FSDP2 module in the model: apply torch.distributed.fsdp.fully_shard first")
+    return modules
+
+
 def compress_sharded(model: torch.nn.Module, config: CompressionConfig, replicate_group: dist.ProcessGroup,
                      momentum: float | None = None, adam_betas: tuple[float, float] | None = None,
                      on_nonfinite: str = "raise", emulation: Emulation | None = None,
@@ -299,9 +307,7 @@ def compress_sharded(model: torch.nn.Module, config: CompressionConfig, replicat
 
         exchange = compress_sharded(model, CompressionConfig(codec="group_topk", density=0.01), replicate)
     """
-    modules = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
-    if not modules:
-        raise ValueError("no FSDP2 module in the model: apply torch.distributed.fsdp.fully_shard first")
+    modules = _fsdp_modules(model)
     control_group = control_group if control_group is not None else dist.group.WORLD
     # FSDP2 inside the node is already the hierarchy: the engine exchanges between nodes only.
     config = dataclasses.replace(config, hierarchy="none")
@@ -352,8 +358,7 @@ def local_steps_on_shards(model: torch.nn.Module, replicate_group: dist.ProcessG
 
     Example::
 
-        shard_mesh, replicate = hsdp_mesh(shard_size=2)
-        model, _ = shard_model(model, ShardingConfig(mode="hsdp", shard_size=2), ranks_per_node=2)
+        model, replicate = shard_model(model, ShardingConfig(mode="hsdp", shard_size=2), ranks_per_node=2)
         local = local_steps_on_shards(model, replicate, every=4,
                                       compression=CompressionConfig(codec="group_topk", density=0.02))
         for step, batch in enumerate(loader):
@@ -363,8 +368,7 @@ def local_steps_on_shards(model: torch.nn.Module, replicate_group: dist.ProcessG
             optimizer.zero_grad()
             local.after_inner_step()
     """
-    if not any(isinstance(module, FSDPModule) for module in model.modules()):
-        raise ValueError("no FSDP2 module in the model: apply torch.distributed.fsdp.fully_shard first")
+    _fsdp_modules(model)
     # FSDP2 inside the node is already the hierarchy: the engine exchanges between nodes only.
     compression = dataclasses.replace(compression or CompressionConfig(), hierarchy="none")
     return LocalSteps(model.named_parameters(), every=every, compression=compression, process_group=replicate_group,

@@ -138,9 +138,13 @@ class Exchange:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.training.grad_clip_norm)
         self.optimizer.step()
 
+    def dense_step_bytes(self) -> int:
+        """What the dense exchange this mode is measured against sends a step: DDP's ring."""
+        return ring_allreduce_bytes(4 * self.numel, self.world)
+
     def traffic(self, step_s: float) -> Traffic:
         """Plain DDP: the ring formula's bytes, and what the step took beyond compute."""
-        dense = ring_allreduce_bytes(4 * self.numel, self.world)
+        dense = self.dense_step_bytes()
         comm_s = max(0.0, step_s - self.compute_probe_s) if self.ddp else 0.0
         return Traffic(bytes_sent=dense if self.ddp else 0, dense_bytes=dense, comm_s=comm_s, busy_s=comm_s,
                        network_s=comm_s, comm_source="step minus compute", bytes_source="formula")
@@ -335,7 +339,36 @@ class _ServerLocalState:
         load_optimizer(self.optimizer, state["inner_optimizer"])
 
 
-class LocalStepsExchange(Exchange):
+class _Rounds:
+    """The step of both local-steps exchanges: an inner step, then a synchronization every H
+    (forced at evaluations, checkpoints and the last step), and the traffic of each step
+    against what the per-step dense exchange sends (``dense_step_bytes``: DDP's, or dense
+    HSDP's between nodes)."""
+
+    local: LocalSteps
+
+    def begin_step(self, step: int, last: bool) -> None:
+        # Every rank knows these steps alike. Under a fixed H the spec puts evaluations and
+        # checkpoints on synchronizations; under a tuned one they force them.
+        every_ckpt = self.spec.checkpoint.every_steps
+        self._force = (last or (step + 1) % self.spec.training.eval_every == 0
+                       or bool(every_ckpt and (step + 1) % every_ckpt == 0))
+        self._started = time.perf_counter()
+
+    def apply(self, step: int, lr: float, skipped: bool) -> None:
+        Exchange.apply(self, step, lr, skipped)  # the inner step
+        self.local.after_inner_step(force=self._force, compute_s=time.perf_counter() - self._started)
+
+    def traffic(self, step_s: float) -> Traffic:
+        dense = self.dense_step_bytes()
+        if self.local.synced and self.local.last_sync is not None:
+            traffic = traffic_of(self.local.last_sync)
+            traffic.dense_bytes, traffic.local_every = dense, self.local.every
+            return traffic
+        return Traffic(dense_bytes=dense, comm_source="local step", local_every=self.local.every)
+
+
+class LocalStepsExchange(_Rounds, Exchange):
     """No DDP: each step is this rank's own inner step; every ``local_steps.every`` steps (and
     at the last) the workers synchronize through :class:`~rayzip.torch.local_steps.LocalSteps`.
     Checkpoints fall on synchronizations (the spec requires it), where every rank's
@@ -351,28 +384,8 @@ class LocalStepsExchange(Exchange):
         self.skips_together = False  # inner steps are each rank's own; a round is dropped together
         self.only_step_changes_weights = False  # a synchronization writes the parameters
 
-    def begin_step(self, step: int, last: bool) -> None:
-        # Every rank knows these steps alike. Under a fixed H the spec puts evaluations and
-        # checkpoints on synchronizations; under a tuned one they force them.
-        every_ckpt = self.spec.checkpoint.every_steps
-        self._force = (last or (step + 1) % self.spec.training.eval_every == 0
-                       or bool(every_ckpt and (step + 1) % every_ckpt == 0))
-        self._started = time.perf_counter()
-
     def skipped(self, step: int) -> bool:
         return not self.local.gradient_ok(step)
-
-    def apply(self, step: int, lr: float, skipped: bool) -> None:
-        super().apply(step, lr, skipped)
-        self.local.after_inner_step(force=self._force, compute_s=time.perf_counter() - self._started)
-
-    def traffic(self, step_s: float) -> Traffic:
-        dense = ring_allreduce_bytes(4 * self.numel, self.world)  # what DDP would send this step
-        if self.local.synced and self.local.last_sync is not None:
-            traffic = traffic_of(self.local.last_sync)
-            traffic.dense_bytes, traffic.local_every = dense, self.local.every
-            return traffic
-        return Traffic(dense_bytes=dense, comm_source="local step", local_every=self.local.every)
 
     def restore(self, checkpoint, chain: DeltaChain | None = None) -> tuple[int, dict | None]:
         if checkpoint is None:
@@ -472,9 +485,14 @@ class ShardedModelExchange(Exchange):
         rayzip's engine counts them; FSDP2's own all-reduce by the ring formula."""
         if self.state is not None:
             return traffic_of(self.state.last_step)
-        between = ring_allreduce_bytes(4 * self.numel // self.shard_world, self.nodes) if self.nodes > 1 else 0
+        between = self.dense_step_bytes()
         return Traffic(bytes_sent=between, dense_bytes=between, comm_s=0.0, busy_s=0.0, network_s=0.0,
                        comm_source="none", bytes_source="formula")
+
+    def dense_step_bytes(self) -> int:
+        """What a dense exchange of this rank's shards between the nodes sends a step (dense
+        HSDP's all-reduce)."""
+        return ring_allreduce_bytes(4 * self.numel // self.shard_world, self.nodes) if self.nodes > 1 else 0
 
     def weights(self) -> tuple[dict, dict]:
         return {}, {}  # in write_shards' folder
@@ -497,7 +515,7 @@ class ShardedModelExchange(Exchange):
         return trainer["step"] + 1, trainer
 
 
-class ShardedLocalStepsExchange(ShardedModelExchange):
+class ShardedLocalStepsExchange(_Rounds, ShardedModelExchange):
     """Local steps on shards (DiLoCo on FSDP2): each node trains with FSDP2 alone, and every
     ``local_steps.every`` steps (and at evaluations, checkpoints and the last) each rank's
     pseudo-gradient shard is averaged with the same shard's on the other nodes
@@ -519,9 +537,6 @@ class ShardedLocalStepsExchange(ShardedModelExchange):
         self.node_group = params[0].device_mesh.get_group() if self.shard_world > 1 else None
         self.device = params[0].to_local().device  # NCCL's groups take the device's tensors
 
-    def begin_step(self, step: int, last: bool) -> None:
-        LocalStepsExchange.begin_step(self, step, last)
-
     def skipped(self, step: int) -> bool:
         ok = self.local.gradient_ok(step)
         if self.node_group is None:
@@ -529,20 +544,6 @@ class ShardedLocalStepsExchange(ShardedModelExchange):
         flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.node_group)
         return bool(flag.item())
-
-    def apply(self, step: int, lr: float, skipped: bool) -> None:
-        Exchange.apply(self, step, lr, skipped)
-        self.local.after_inner_step(force=self._force, compute_s=time.perf_counter() - self._started)
-
-    def traffic(self, step_s: float) -> Traffic:
-        """A synchronization's bytes between nodes, counted by the engine; every step's
-        dense figure is what dense HSDP sends between nodes each step."""
-        dense = ring_allreduce_bytes(4 * self.numel // self.shard_world, self.nodes) if self.nodes > 1 else 0
-        if self.local.synced and self.local.last_sync is not None:
-            traffic = traffic_of(self.local.last_sync)
-            traffic.dense_bytes, traffic.local_every = dense, self.local.every
-            return traffic
-        return Traffic(dense_bytes=dense, comm_source="local step", local_every=self.local.every)
 
     def _inner_key(self, nodes: int) -> str:
         """Where this node's inner optimizer is saved, among ``nodes``: the nodes' inner

@@ -29,7 +29,7 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
     """What this rank holds of the model's parameters, their gradients and the optimizer's
     state, counted from the tensors (a sharded model's local shards), in bytes. Gradients are
     counted where they exist: call it after backward."""
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     return {"parameters": sum(_local_nbytes(p) for p in params),
             "gradients": sum(_local_nbytes(p.grad) for p in params if p.grad is not None),
             "optimizer": sum(_local_nbytes(v) for state in (optimizer.state.values() if optimizer is not None else ())
