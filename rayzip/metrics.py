@@ -23,6 +23,11 @@ Worker series (``ray_`` + name):
 ``rayzip_checkpoint_ratio``         gauge      its raw bytes over stored bytes
 ==================================  =========  ==========================================
 
+Driver series (the progress actor's), labelled ``run`` and ``job``: ``rayzip_recoveries_total``
+(counter, worker-group restarts), ``rayzip_steps_lost_total`` (counter, steps done before a
+restart and done again after it) and ``rayzip_recovery_seconds`` (histogram, from the last
+step before a restart to the first step after it).
+
 Controller series: ``rayzip_controller_compression`` (gauge, the decided compression, 1 / density; 1 is
 off), ``rayzip_controller_decisions_total`` (counter, label ``source``: prometheus,
 workers, or held), ``rayzip_controller_pressure`` and ``rayzip_controller_importance``
@@ -39,7 +44,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-__all__ = ["BUCKETS", "ControllerMetrics", "WorkerMetrics", "prometheus_config"]
+__all__ = ["BUCKETS", "ControllerMetrics", "RecoveryMetrics", "WorkerMetrics", "prometheus_config"]
 
 # Seconds, doubling from 0.5 ms to 33 s: from a small model on loopback to a dense exchange
 # over a slow link.
@@ -102,6 +107,32 @@ class WorkerMetrics:
     def _set_checkpoint(self, stored_bytes: float, ratio: float) -> None:
         self.gauges["checkpoint_bytes"].set(stored_bytes, tags=self.tags)
         self.gauges["checkpoint_ratio"].set(ratio, tags=self.tags)
+
+
+@lru_cache(maxsize=None)
+def _recovery_series():
+    from ray.util.metrics import Counter, Histogram
+
+    tags = ("run", "job")
+    return (Counter("rayzip_recoveries_total", description="Worker-group restarts.", tag_keys=tags),
+            Counter("rayzip_steps_lost_total", description="Steps done before a restart and done again after it.",
+                    tag_keys=tags),
+            Histogram("rayzip_recovery_seconds", description="From the last step before a restart to the first "
+                      "step after it.", boundaries=BUCKETS, tag_keys=tags))
+
+
+class RecoveryMetrics:
+    """A run's restarts, recorded by the driver's progress actor."""
+
+    def __init__(self, run: str, job: str):
+        self.tags = {"run": run, "job": job}
+        self.recoveries, self.lost, self.seconds = _recovery_series()
+
+    def record(self, steps_lost: int, seconds: float) -> None:
+        self.recoveries.inc(1, tags=self.tags)
+        if steps_lost:
+            self.lost.inc(steps_lost, tags=self.tags)
+        self.seconds.observe(seconds, tags=self.tags)
 
 
 @lru_cache(maxsize=None)

@@ -9,15 +9,21 @@ that process would import torch and Ray Train first, several seconds of CPU on e
 from __future__ import annotations
 
 import struct
+import time
 
 __all__ = ["Progress"]
 
 
 class Progress:
     """Rank 0 posts each step's metrics here (the runner's ``ProgressActor``); the driver polls it
-    for the progress bar."""
+    for the progress bar. Each restart is a recovery: the steps it lost (done before it and
+    redone after), the seconds from the last step before it to the first step after, and
+    where it resumed from (``memory``: a snapshot; ``storage``: a checkpoint), also exported
+    to Prometheus when ``run`` and ``job`` are given."""
 
-    def __init__(self):
+    def __init__(self, run: str | None = None, job: str | None = None):
+        self.tags = {"run": run, "job": job} if run and job else None
+        self.updated = 0.0
         self.latest: dict | None = None
         self.failure: dict | None = None
         self.history: list[dict] = []  # one entry per evaluation: the accuracy-over-time curve
@@ -34,14 +40,18 @@ class Progress:
         # group: it resumed from a checkpoint (or, in parameter-server mode, where the shards are).
         if self.latest is not None and (step <= self.latest["step"] or metrics.get("pid") != self.latest.get("pid")):
             self.restarts["restarts"] += 1
-            self.restarts["steps_redone"] += max(0, self.latest["step"] - step + 1)
-            self.restarts["resumes"].append({"last_step": self.latest["step"], "resumed_at": step})
+            lost = max(0, self.latest["step"] - step + 1)
+            seconds = time.monotonic() - self.updated
+            self.restarts["steps_redone"] += lost
+            self.restarts["resumes"].append({"last_step": self.latest["step"], "resumed_at": step, "steps_lost": lost,
+                                             "seconds": seconds, "source": metrics.get("resumed_source")})
+            self._export(lost, seconds)
             self.history = [h for h in self.history if h["step"] < step]
             # Steps an earlier attempt reached and the last did not stay comparable too.
             self.before.update({s: v for s, v in self.losses.items() if s >= step})
             self.losses = {s: v for s, v in self.losses.items() if s < step}
         self.restarts["steps_run"] += 1
-        self.latest = metrics
+        self.latest, self.updated = metrics, time.monotonic()
         loss = metrics.get("loss")
         if loss is not None:
             self.losses[step] = loss
@@ -55,6 +65,12 @@ class Progress:
         if metrics.get("evaluated"):
             self.history.append({k: metrics.get(k) for k in ("step", "train_s", "elapsed_s", "test_accuracy", "val_loss",
                                                                    "loss", "local_every")})
+
+    def _export(self, lost: int, seconds: float) -> None:
+        if self.tags is not None:
+            from .metrics import RecoveryMetrics  # here: the actor starts without Ray's metrics
+
+            RecoveryMetrics(**self.tags).record(lost, seconds)
 
     def get(self) -> dict | None:
         return self.latest

@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray.train.torch import TorchTrainer
 
 from .adaptive import controller_name, start_controller
+from .keeper import Keeper
 from .progress import Progress
 from .ps import shard_names, shard_report, start_shards, stop_shards
 from .spec import JobSpec, check_allowed_modules
@@ -43,6 +44,37 @@ class TrainingFailed(RuntimeError):
 
 
 ProgressActor = ray.remote(num_cpus=0)(Progress)
+KeeperActor = ray.remote(num_cpus=0)(Keeper)
+
+
+def start_keepers(spec: JobSpec, run_id: str) -> dict[str, Any]:
+    """One snapshot keeper on each live node, owned by the driver (rayzip.keeper): {node id:
+    actor}. Named, so that every worker finds its node's."""
+    if not spec.snapshots.enabled:
+        return {}
+    keepers = {}
+    for node in ray.nodes():
+        if node.get("Alive"):
+            node_id = node["NodeID"]
+            keepers[node_id] = KeeperActor.options(
+                name=keeper_name(run_id, node_id),
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+            ).remote(spec.snapshots.directory, run_id, node_id, spec.snapshots.max_bytes_per_node)
+    return keepers
+
+
+def keeper_name(run_id: str, node_id: str) -> str:
+    return f"rayzip-keeper-{run_id}-{node_id}"
+
+
+def stop_keepers(keepers: dict[str, Any]) -> None:
+    """Remove every node's snapshots (a keeper whose node is gone took its own with it)."""
+    for keeper in keepers.values():
+        try:
+            ray.get(keeper.close.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - the node is gone
+            pass
+        ray.kill(keeper)
 
 
 def _scaling(spec: JobSpec) -> ScalingConfig:
@@ -144,19 +176,22 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     run_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     storage = storage_path or os.environ.get("RAYZIP_STORAGE_PATH") or os.path.expanduser("~/ray_results")
     progress_name = f"rayzip-progress-{run_id}"
-    progress = ProgressActor.options(name=progress_name, scheduling_strategy=on_this_node()).remote()
+    progress = ProgressActor.options(name=progress_name, scheduling_strategy=on_this_node()).remote(
+        run_id if spec.metrics.enabled else None, spec.name)
     controller = None
     if spec.adaptive.enabled:
         controller = start_controller(run_id, spec.name, spec.adaptive,
                                       initial_compression=1.0 / (spec.compression.density or 0.01),
                                       scheduling_strategy=on_this_node())
     shards = start_shards(run_id, spec) if spec.compression.collective == "ps" else None
+    keepers = start_keepers(spec, run_id)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"spec": spec.model_dump(), "progress": progress_name, "t0": time.time(),
                            "chain_dir": _chain_dir(storage, run_id), "run_id": run_id,
                            "controller": controller_name(run_id) if controller is not None else None,
                            "ps_shards": shard_names(run_id, len(shards)) if shards else None,
+                           "keepers": {node: keeper_name(run_id, node) for node in keepers},
                            "faults": faults},
         scaling_config=_scaling(spec),
         run_config=RunConfig(
@@ -166,7 +201,10 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
             checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.num_to_keep),
         ),
     )
-    outcome, wall_s = _fit_watching(trainer, progress, on_progress)
+    try:
+        outcome, wall_s = _fit_watching(trainer, progress, on_progress)
+    finally:
+        stop_keepers(keepers)
     history = ray.get(progress.get_history.remote())
     failure = ray.get(progress.get_failure.remote())
     restarts = ray.get(progress.get_restarts.remote())

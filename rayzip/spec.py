@@ -335,6 +335,30 @@ class CheckpointSpec(_Strict):
                                                "false: write it before the next step.")
 
 
+class SnapshotsSpec(_Strict):
+    """In-memory snapshots after each step, kept by a keeper on each node (shared memory,
+    outside the worker processes), so that a restarted worker group resumes at the step
+    where the failure struck instead of at the last checkpoint (rayzip.train.snapshots)."""
+
+    enabled: bool = Field(True, description="Snapshot each rank's state after a step; a restart resumes from the "
+                                            "newest step that every rank's snapshot holds, else from storage.")
+    every: int | Literal["auto"] = Field("auto", description="Snapshot every N steps; auto: every step while a "
+                                                             "snapshot costs at most 5% of one, else the fewest "
+                                                             "steps between them that keep it there.")
+    max_bytes_per_node: int = Field(8 * 2 ** 30, gt=0, description="What a node's snapshots may hold (two slots "
+                                                                  "per rank); a rank past it takes no more, "
+                                                                  "with a log line.")
+    directory: str | None = Field(None, description="Where each node keeps them (default /dev/shm, shared "
+                                                    "memory).")
+
+    @field_validator("every")
+    @classmethod
+    def _every_positive(cls, v):
+        if v != "auto" and v < 1:
+            raise ValueError("snapshots.every is a number of steps >= 1, or auto")
+        return v
+
+
 class LocalStepsSpec(_Strict):
     """Local steps with compressed outer updates (DiLoCo-style): each worker takes ``every``
     inner steps with ``training``'s optimizer on its own batches, exchanging nothing; then the
@@ -470,6 +494,7 @@ class JobSpec(_Strict):
     ps: ParameterServerSpec = ParameterServerSpec()
     local_steps: LocalStepsSpec = LocalStepsSpec()
     sharding: ShardingSpec = ShardingSpec()
+    snapshots: SnapshotsSpec = SnapshotsSpec()
 
     @field_validator("ps")
     @classmethod

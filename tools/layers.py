@@ -8,7 +8,7 @@ Layers, lowest first; a module imports from its own layer or those below:
     comm       comm                   collectives over torch.distributed
     engine     engine                 the gradient-exchange engine (no DDP)
     torch      torch                  config and the adapters: DDP hook, local steps (no pydantic, no Ray)
-    ray        spec, train, ps, adaptive, metrics, progress, runner, submit, package, k8s
+    ray        spec, train, ps, adaptive, metrics, progress, keeper, runner, submit, package, k8s
     cli        cli, bench, __main__
 """
 
@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rayzip"
 LAYERS = {"base": ("xp", "cuda"), "codecs": ("codecs", "checkpoint"), "comm": ("comm",), "engine": ("engine",), "torch": ("torch",),
-          "ray": ("spec", "train", "ps", "adaptive", "metrics", "progress", "runner", "submit", "package", "k8s"),
+          "ray": ("spec", "train", "ps", "adaptive", "metrics", "progress", "keeper", "runner", "submit", "package",
+                  "k8s"),
           "cli": ("cli", "bench", "__main__", "__init__")}
 ORDER = list(LAYERS)
 LAYER_OF = {top: layer for layer, tops in LAYERS.items() for top in tops}

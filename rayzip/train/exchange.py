@@ -100,6 +100,13 @@ class Exchange:
     # write_shards, a collective) while weights() returns nothing; otherwise rank 0 writes
     # weights() whole.
     sharded_weights = False
+    # Whether the loop keeps in-memory snapshots of this mode (rayzip.train.snapshots): a
+    # checkpoint's parts at a step, with weights() whole on any rank.
+    takes_snapshots = True
+
+    def snapshot_due(self, step: int) -> bool:
+        """After ``step``: whether a checkpoint's parts taken now hold the whole state."""
+        return True
 
     def take_shards(self, copy: Callable[[Any], Any] | None) -> dict:
         """This rank's shards of the model and optimizer: through ``copy`` (a snapshot to host
@@ -215,6 +222,7 @@ class ParameterServerExchange(Exchange):
     died) are loaded from the checkpoint, or from this model at step 0."""
 
     name = "ps"
+    takes_snapshots = False  # the live shards hold the truth, and a new group resumes where they are
     every = 1  # training steps per push (local steps: H), for the shards' count of pushes
 
     def __init__(self, spec: JobSpec, model: torch.nn.Module, rank: int, world: int, client: ParameterServerClient):
@@ -387,6 +395,11 @@ class LocalStepsExchange(_Rounds, Exchange):
     def skipped(self, step: int) -> bool:
         return not self.local.gradient_ok(step)
 
+    def snapshot_due(self, step: int) -> bool:
+        # Between synchronizations each rank's parameters are its own, and a checkpoint's parts
+        # hold rank 0's only.
+        return self.local.synced
+
     def restore(self, checkpoint, chain: DeltaChain | None = None) -> tuple[int, dict | None]:
         if checkpoint is None:
             return 0, None
@@ -453,6 +466,7 @@ class ShardedModelExchange(Exchange):
 
     name = "fsdp"
     sharded_weights = True
+    takes_snapshots = False  # DCP shards: not yet snapshotted in memory
 
     def __init__(self, *args, nodes: int, shard_world: int, **kwargs):
         super().__init__(*args, **kwargs)

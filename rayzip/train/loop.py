@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from .checkpoints import GroupCheckpoints, Parts, take_parts, unwrap, write_take
 from .exchange import Exchange, build_exchange, compute_time
 from .faults import Faults
 from .records import StepRecord, Totals, held_bytes
+from .snapshots import Snapshots
 from .tasks import Task, agreed_accuracy, build_task, shard_plan
 from .telemetry import Adoption, Telemetry
 
@@ -105,6 +107,8 @@ class _Run:
     progress: Any = None  # the driver's progress actor, on rank 0
     started: float = 0.0  # the job's start (wall clock)
     resumed_from: int = 0  # the step this attempt started at
+    snapshots: Snapshots | None = None  # this rank's in-memory snapshots, where the mode takes them
+    resumed_source: str = "start"  # start, memory (a snapshot) or storage (a checkpoint)
     checkpoint_steps: dict = field(default_factory=dict)  # checkpoint directory -> its step, until reported
     uploading_step: int | None = None  # the last checkpoint handed to Ray Train, maybe not yet registered
     reported_step: int | None = None  # the last checkpoint Ray Train has taken from this attempt
@@ -121,19 +125,46 @@ def run_task(spec: JobSpec, config: dict, task: Task, exchange: Exchange) -> Non
     chain = None
     if rank == 0 and config.get("chain_dir") and spec.checkpoint.full_every > 1:
         chain = DeltaChain(config["chain_dir"], spec.checkpoint.full_every, spec.checkpoint.num_to_keep)
-    start, saved = exchange.restore(ray.train.get_checkpoint(), chain)
+    snapshots = open_snapshots(spec, config, exchange)
+    checkpoint = ray.train.get_checkpoint()
+    source = "storage" if checkpoint is not None else "start"
+    found = snapshots.newest() if snapshots is not None else None  # every rank, together
+    memory = snapshots.checkpoint(*found) if found is not None else None
+    try:
+        if memory is not None:
+            checkpoint, source = ray.train.Checkpoint.from_directory(str(memory)), "memory"
+        start, saved = exchange.restore(checkpoint, chain)
+    finally:
+        if memory is not None:
+            shutil.rmtree(memory, ignore_errors=True)
+    if source != "start":
+        print(f"rayzip: rank {rank}: resuming at step {start} from {source}")
     run = _Run(totals=Totals.from_dict(saved.get("totals") if saved else None),
                metric=(saved.get("metric", saved.get("test_accuracy")) if saved else None),
                checkpoints=GroupCheckpoints(world, task.device, spec.checkpoint.background,
                                             write_delay_s=faults.checkpoint_write_delay_s), chain=chain,
                progress=ray.get_actor(config["progress"]) if config.get("progress") and rank == 0 else None,
-               started=float(config.get("t0", time.time())), resumed_from=start)
+               started=float(config.get("t0", time.time())), resumed_from=start, snapshots=snapshots,
+               resumed_source=source)
     if exchange.only_step_changes_weights:
         run.checkpoints.guard(exchange.optimizer)
     try:
         _train(spec, config, task, exchange, run, start, saved)
     finally:
         run.checkpoints.close()
+        if snapshots is not None:
+            snapshots.close()
+
+
+def open_snapshots(spec: JobSpec, config: dict, exchange: Exchange) -> Snapshots | None:
+    """This rank's snapshots, where the spec and the exchange mode take them (None: not)."""
+    keepers = config.get("keepers")
+    if not (spec.snapshots.enabled and exchange.takes_snapshots and keepers):
+        return None
+    context = ray.train.get_context()
+    handles = {node: ray.get_actor(name) for node, name in keepers.items()}
+    return Snapshots(handles, exchange.rank, exchange.world, ray.get_runtime_context().get_node_id(),
+                     spec.snapshots.every, writes_trainer=context.get_local_rank() == 0)
 
 
 def _train(spec: JobSpec, config: dict, task: Task, exchange: Exchange, run: _Run, start: int,
@@ -225,6 +256,10 @@ def _after_step(spec: JobSpec, task: Task, exchange: Exchange, telemetry: Teleme
     }
     checkpoints = run.checkpoints
     ready = _checkpoint(spec, task, exchange, run, step, done)
+    if not done:
+        _snapshot(spec, task, exchange, run, record)
+    metrics.update({"resumed_source": run.resumed_source, "snapshot_every": run.snapshots.every if run.snapshots else None,
+                    "mean_snapshot_s": (totals.snapshot_s / totals.snapshots) if totals.snapshots else None})
     metrics.update({"checkpoint_stall_s": totals.checkpoint_stall_s, "resumed_from": run.resumed_from,
                     "checkpoint_reported_step": run.reported_step, "checkpoint_uploading_step": run.uploading_step,
                     "checkpoint_pending_step": run.checkpoint_steps.get(checkpoints.pending)})
@@ -256,6 +291,33 @@ def _after_step(spec: JobSpec, task: Task, exchange: Exchange, telemetry: Teleme
         run.taken()
     run.train_start += time.perf_counter() - paused
     return done
+
+
+def _snapshot(spec: JobSpec, task: Task, exchange: Exchange, run: _Run, record: StepRecord) -> None:
+    """This rank's snapshot of the step where one is due (a checkpoint's step always), on the
+    training thread: the step is not over before its snapshot is (rayzip.train.snapshots)."""
+    snapshots, step, every = run.snapshots, record.step, spec.checkpoint.every_steps
+    if snapshots is None or not exchange.snapshot_due(step):
+        return
+    if not snapshots.due(step, forced=bool(every and (step + 1) % every == 0)):
+        return
+
+    def trainer() -> dict:
+        model_state, optimizer_state = exchange.weights()
+        chain = {"chain": list(run.chain.history)} if run.chain is not None else {}
+        return {"model": model_state, "optimizer": optimizer_state, "step": step, "totals": run.totals.to_dict(),
+                "data": task.data_state(step + 1), "metric": run.metric, **chain}
+
+    # Rank 0's part on the first rank of every node, so that each node's keeper holds the weights.
+    def parts() -> Parts:
+        taken = take_parts(0 if snapshots.writes_trainer else exchange.rank, exchange.world, trainer, exchange.state)
+        taken.rank = exchange.rank
+        return taken
+
+    took = snapshots.take(step, parts, record.step_s)
+    run.totals.snapshot_s += took
+    run.totals.snapshots += 1
+    run.train_start -= took  # on the training thread: training time
 
 
 def _checkpoint(spec: JobSpec, task: Task, exchange: Exchange, run: _Run, step: int, done: bool) -> list[Path]:

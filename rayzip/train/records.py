@@ -9,7 +9,7 @@ Usage::
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -110,6 +110,8 @@ class Totals:
     skipped_steps: int = 0
     checkpoints: int = 0
     checkpoint_stall_s: float = 0.0  # time the loop waited on checkpoints (snapshots, writes)
+    snapshot_s: float = 0.0  # time the loop spent on in-memory snapshots (rayzip.train.snapshots)
+    snapshots: int = 0
     time_to_target_s: float | None = None
     steps_to_target: int | None = None
     verify_max_abs_err: float | None = None
@@ -121,7 +123,7 @@ class Totals:
         return cls(**{k: v for k, v in (saved or {}).items() if k in known})
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # scalars only: no deep copy
 
     def add(self, record: StepRecord) -> None:
         t = record.traffic

@@ -30,6 +30,7 @@ def _lm_spec(name: str) -> JobSpec:
         "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 2},
         "compression": {"codec": "group_topk", "density": 0.05},
         "checkpoint": {"every_steps": 20, "num_to_keep": 2},
+        "snapshots": {"enabled": False},  # the resume from storage, with a write in flight
     })
 
 

@@ -14,13 +14,14 @@ from paths import ROOT
 
 def _example(name: str, every_steps: int = 50):
     """jobs/digits-local.yaml for 150 steps whatever the accuracy, a checkpoint every
-    ``every_steps``, and a worker group that may restart."""
+    ``every_steps``, and a worker group that may restart, from storage (no snapshots)."""
     spec = load_spec(ROOT / "jobs" / "digits-local.yaml")
     return spec.model_copy(update={
         "name": name,
         "training": spec.training.model_copy(update={"steps": 150, "stop_at_target": False}),
         "checkpoint": spec.checkpoint.model_copy(update={"every_steps": every_steps, "background": False}),
-        "scaling": spec.scaling.model_copy(update={"max_failures": 2})})
+        "scaling": spec.scaling.model_copy(update={"max_failures": 2}),
+        "snapshots": spec.snapshots.model_copy(update={"enabled": False})})
 
 
 def test_the_example_job_trains_and_a_killed_worker_resumes_exactly(local_ray, tmp_path):

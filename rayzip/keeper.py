@@ -1,0 +1,115 @@
+"""A node's keeper of in-memory snapshots: the process that outlives the workers.
+
+Each rank writes its snapshot after a step into a pair of slot files in the keeper's
+directory, on the node's shared memory (``/dev/shm``): one memory copy, no serialization
+through Ray (:mod:`rayzip.train.snapshots`). A worker's death leaves its last committed slot
+there; the keeper owns the directory: it bounds the memory that snapshots hold on its node,
+lists what it holds, hands it to ranks on other nodes (zstd on the wire), and removes it at
+the end of the run.
+
+Like :mod:`rayzip.progress`, this module imports nothing heavy at its top, because Ray
+starts the actor in a fresh process that imports the class's module.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from pathlib import Path
+
+__all__ = ["HEADER", "MAGIC", "Keeper", "default_root", "read_header"]
+
+MAGIC = b"RZSNAP01"
+# magic, committed (1; 2: sealed with its CRC-32), step, world, rank (-1: the trainer's part), skeleton bytes, data bytes, CRC-32
+HEADER = struct.Struct("<8sIqiiQQI")
+HEADER_BYTES = 64  # the skeleton starts here
+
+
+def default_root() -> str:
+    """Shared memory where the host has it (a page-cache copy survives the worker's death)."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else "/tmp"
+
+
+def read_header(path: str | os.PathLike) -> dict | None:
+    """A slot's header if the slot is committed, else None (torn, empty, or not a slot)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER.size)
+    except OSError:
+        return None
+    if len(raw) < HEADER.size:
+        return None
+    magic, committed, step, world, rank, skeleton, data, crc = HEADER.unpack(raw)
+    if magic != MAGIC or committed not in (1, 2):  # 2: sealed, its CRC-32 written
+        return None
+    return {"step": step, "world": world, "rank": rank, "skeleton_bytes": skeleton, "data_bytes": data,
+            "sealed": committed == 2}
+
+
+class Keeper:
+    """One node's snapshots of one run (the runner's ``KeeperActor``, one per node).
+
+    Args:
+        root: the folder for the run's folder (default: ``/dev/shm``).
+        run_id: the run, a folder of its own.
+        node_id: this node's Ray id.
+        max_bytes: what all the node's slots may hold together; a rank whose slots would
+            pass it takes no more snapshots (its restarts fall back to storage), with a log line.
+    """
+
+    def __init__(self, root: str | None, run_id: str, node_id: str, max_bytes: int):
+        self.node_id, self.max_bytes = node_id, int(max_bytes)
+        self.path = Path(root or default_root()) / "rayzip-snapshots" / run_id / node_id[:16]
+        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.reserved: dict[str, int] = {}
+        self.refused: set[str] = set()
+
+    def directory(self) -> str:
+        return str(self.path)
+
+    def reserve(self, owner: str, nbytes: int) -> bool:
+        """Whether ``owner``'s slots (both) may hold ``nbytes``; a refusal is logged once."""
+        others = sum(b for o, b in self.reserved.items() if o != owner)
+        if others + nbytes > self.max_bytes:
+            if owner not in self.refused:
+                self.refused.add(owner)
+                print(f"rayzip: snapshots on node {self.node_id[:12]} would hold {others + nbytes:,} bytes, over "
+                      f"snapshots.max_bytes_per_node {self.max_bytes:,}: {owner} takes no more snapshots, and a "
+                      f"restart falls back to the checkpoint in storage")
+            self.reserved.pop(owner, None)
+            return False
+        self.reserved[owner] = nbytes
+        return True
+
+    def held_bytes(self) -> int:
+        """Bytes the node's slot files take now."""
+        return sum(p.stat().st_size for p in self.path.iterdir() if p.is_file())
+
+    def inventory(self) -> dict[str, list[dict]]:
+        """{slot owner ("trainer", "rank0", ...): its committed slots' headers, with ``file``}."""
+        held: dict[str, list[dict]] = {}
+        for p in sorted(self.path.iterdir()):
+            owner, _, index = p.name.rpartition(".")
+            header = read_header(p) if index in ("0", "1") else None
+            if header is not None:
+                held.setdefault(owner, []).append({**header, "file": p.name})
+        return held
+
+    def read(self, name: str) -> bytes | None:
+        """A slot file's bytes, zstd-compressed, for a rank on another node (None: gone)."""
+        import zstandard
+
+        p = self.path / name
+        if p.parent != self.path or not p.is_file():
+            return None
+        return zstandard.ZstdCompressor(level=1, threads=-1).compress(p.read_bytes())
+
+    def close(self) -> None:
+        """Remove the node's snapshots (the run's end)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        for parent in (self.path.parent, self.path.parent.parent):
+            try:
+                parent.rmdir()  # only when empty: another node's keeper on this host may still hold its own
+            except OSError:
+                break

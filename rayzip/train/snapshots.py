@@ -1,0 +1,420 @@
+"""In-memory snapshots after each step, kept off the worker, so that a killed worker loses no step.
+
+After a step, each rank copies what a checkpoint at that step would hold (rank 0's part:
+model, optimizer, step, byte totals, data position, RNG; every rank's part: its error
+feedback and codec state) into one of two slot files in its node's keeper directory on
+shared memory (:class:`rayzip.keeper.Keeper`). The copy is one pass over the tensors, on the
+training thread, so the step is not over before its snapshot is: a worker killed at any
+moment leaves the previous slot, or this one, committed. A slot is committed by the last
+write of its header, after its bytes and their CRC-32.
+
+On a restart every rank lists every keeper's slots and takes the newest step that the keepers
+hold complete (the trainer's part and each saved rank's), every rank agreeing by an
+all-reduce; that step's parts become an ordinary checkpoint folder that the loop's restore
+reads, so a world that changed size re-shards error feedback as it does from storage. A
+snapshot is taken at every checkpoint's step too, so the newest complete snapshot is never
+older than the newest checkpoint; with none complete, the restart reads storage.
+
+The slot format (little-endian): a 64-byte header (:data:`rayzip.keeper.HEADER`), each
+array's bytes, 64-byte aligned (their places stay put from step to step, so the copy is one
+call), then the nest's skeleton as JSON (tensors and arrays replaced by their index). JSON,
+not pickle: reading a slot runs no code from it. The CRC-32 is written by a thread after the
+commit (a "sealed" slot); a reader checks it where it is written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+import mmap
+import os
+import tempfile
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..keeper import HEADER, HEADER_BYTES, MAGIC
+from .checkpoints import Parts, write_taken
+
+__all__ = ["SnapshotError", "Snapshots", "decode_nest", "read_slot", "write_slot"]
+
+ALIGN = 64
+COST_SHARE = 0.05  # snapshots every step while they cost at most this share of it
+
+
+class SnapshotError(RuntimeError):
+    """A slot that is not what its header says (its file is named)."""
+
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _encode(value: Any, arrays: list) -> Any:
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if kind is dict or kind is OrderedDict:
+        return {"__d": [[_encode(k, arrays), _encode(v, arrays)] for k, v in value.items()]}
+    if kind is list:
+        return [v if type(v) in _PLAIN else _encode(v, arrays) for v in value]
+    if isinstance(value, torch.Tensor):
+        arrays.append(value.detach())
+        return {"__a": len(arrays) - 1, "dtype": str(value.dtype)[6:], "shape": list(value.shape), "kind": "torch"}
+    if kind is tuple:
+        return {"__t": [_encode(v, arrays) for v in value]}
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        arrays.append(value)
+        return {"__a": len(arrays) - 1, "dtype": value.dtype.str, "shape": list(value.shape), "kind": "numpy"}
+    if isinstance(value, (np.integer, np.floating, np.bool_)):
+        return {"__np": value.dtype.str, "v": value.item()}
+    if kind is bytes:
+        return {"__b": value.hex()}
+    if kind is torch.dtype:
+        return {"__dtype": str(value)[6:]}
+    if isinstance(value, dict):
+        return {"__d": [[_encode(k, arrays), _encode(v, arrays)] for k, v in value.items()]}
+    raise TypeError(f"a snapshot holds tensors, arrays, numbers, strings and containers of them, not {kind!r}")
+
+
+def _decode(value: Any, arrays: list) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, arrays) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__a" in value:
+        return arrays[value["__a"]]
+    if "__d" in value:
+        return {_decode(k, arrays): _decode(v, arrays) for k, v in value["__d"]}
+    if "__t" in value:
+        return tuple(_decode(v, arrays) for v in value["__t"])
+    if "__np" in value:
+        return np.dtype(value["__np"]).type(value["v"])
+    if "__b" in value:
+        return bytes.fromhex(value["__b"])
+    if "__dtype" in value:
+        return getattr(torch, value["__dtype"])
+    raise SnapshotError(f"unknown entry in a snapshot's skeleton: {sorted(value)}")
+
+
+def _nbytes(a) -> int:
+    return a.numel() * a.element_size() if isinstance(a, torch.Tensor) else a.nbytes
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class _Slot:
+    """One slot file, mapped, with views onto its arrays' places kept while their layout
+    holds (a step's snapshot then copies every tensor in one call); it grows when a
+    snapshot does."""
+
+    def __init__(self, path: Path):
+        self.path, self.size, self.map, self.fd = path, 0, None, None
+        self.layout: tuple | None = None
+        self.views: list = []
+
+    def mapped(self, size: int) -> mmap.mmap:
+        if size > self.size:
+            self.close()
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            os.ftruncate(self.fd, size)
+            self.map, self.size = mmap.mmap(self.fd, size), size
+        return self.map
+
+    def place(self, arrays: list, skeleton_bytes: int) -> tuple[list, int]:
+        """Views onto each array's place in the data region, and the region's bytes."""
+        layout = tuple((a.dtype, _nbytes(a)) for a in arrays)
+        if layout != self.layout:
+            self.views, self.layout = [], None
+        data = sum(_align(n) for _, n in layout)
+        needed = HEADER_BYTES + data + skeleton_bytes
+        if needed > self.size:
+            self.close()
+            self.mapped(needed + max(4096, skeleton_bytes))  # room for the skeleton to grow
+        if self.layout is None:
+            at = HEADER_BYTES
+            for dtype, n in layout:
+                if isinstance(dtype, torch.dtype):
+                    self.views.append(torch.frombuffer(self.map, dtype=torch.uint8, count=n, offset=at).view(dtype)
+                                      if n else None)
+                else:
+                    self.views.append(np.frombuffer(self.map, dtype=np.uint8, count=n, offset=at).view(dtype))
+                at += _align(n)
+            self.layout = layout
+        return self.views, data
+
+    def close(self) -> None:
+        self.views, self.layout = [], None  # they hold the map's buffer
+        if self.map is not None:
+            self.map.close()
+            os.close(self.fd)
+            self.map = self.fd = None
+        self.size = 0
+
+
+def write_slot(slot: _Slot, nest: Any, step: int, world: int, rank: int, seal: bool = True) -> int:
+    """Copy ``nest`` into ``slot`` and commit it; the bytes it takes. ``seal``: its CRC-32
+    now, else later by :func:`seal_slot` (a committed slot is whole without it: a worker
+    killed before the commit leaves it uncommitted)."""
+    arrays: list = []
+    skeleton = json.dumps(_encode(nest, arrays), separators=(",", ":")).encode()
+    views, data = slot.place(arrays, len(skeleton))
+    m = slot.map
+    m[8:12] = b"\0\0\0\0"  # uncommitted while its bytes change
+    dst, src = [], []
+    for view, a in zip(views, arrays):
+        if isinstance(a, torch.Tensor):
+            if view is not None:
+                dst.append(view)
+                src.append(a.reshape(-1))
+        else:
+            view[:] = a.reshape(-1)
+    if dst:
+        torch._foreach_copy_(dst, src)
+    end = HEADER_BYTES + data + len(skeleton)
+    m[HEADER_BYTES + data:end] = skeleton
+    m[:HEADER.size] = HEADER.pack(MAGIC, 0, step, world, rank, len(skeleton), data, 0)
+    m[8:12] = COMMITTED  # the commit: the last write
+    if seal:
+        seal_slot(slot, end)
+    return end
+
+
+COMMITTED, SEALED = (1).to_bytes(4, "little"), (2).to_bytes(4, "little")
+_CRC = slice(HEADER.size - 4, HEADER.size)
+
+
+def seal_slot(slot: _Slot, size: int) -> None:
+    """Write the CRC-32 of a committed slot's bytes, then mark it sealed: a reader checks it."""
+    with memoryview(slot.map) as view:
+        crc = zlib.crc32(view[HEADER_BYTES:size])  # without the GIL: on a thread, beside training
+    slot.map[_CRC] = crc.to_bytes(4, "little")
+    slot.map[8:12] = SEALED
+
+
+def read_slot(path: str | os.PathLike, raw: bytes | np.ndarray | None = None) -> tuple[dict, Any]:
+    """(header, nest) of a committed slot, from its file or its bytes; a slot that is not
+    committed, or whose bytes do not match their CRC-32, raises :class:`SnapshotError`."""
+    buf = np.fromfile(path, dtype=np.uint8) if raw is None else np.frombuffer(raw, dtype=np.uint8).copy()
+    if len(buf) < HEADER.size:
+        raise SnapshotError(f"{path}: not a snapshot slot ({len(buf)} bytes)")
+    magic, committed, step, world, rank, skel_n, data_n, crc = HEADER.unpack(buf[:HEADER.size].tobytes())
+    if magic != MAGIC or committed not in (1, 2):
+        raise SnapshotError(f"{path}: not a committed snapshot slot")
+    end = HEADER_BYTES + data_n + skel_n
+    if len(buf) < end:
+        raise SnapshotError(f"{path}: snapshot of step {step} is cut short ({len(buf)} of {end} bytes)")
+    if committed == 2 and zlib.crc32(buf[HEADER_BYTES:end]) != crc:
+        raise SnapshotError(f"{path}: snapshot of step {step} fails its CRC-32")
+    skeleton = json.loads(buf[HEADER_BYTES + data_n:end].tobytes())
+    return ({"step": step, "world": world, "rank": rank}, decode_nest(skeleton, buf, HEADER_BYTES))
+
+
+def decode_nest(skeleton: Any, buf: np.ndarray, data_start: int) -> Any:
+    """The nest a skeleton describes, its arrays copied out of ``buf``."""
+    specs: list[dict] = []
+
+    def collect(v):
+        if isinstance(v, list):
+            for x in v:
+                collect(x)
+        elif isinstance(v, dict):
+            if "__a" in v:
+                specs.append(v)
+            for x in v.values():
+                collect(x)
+
+    collect(skeleton)
+    specs.sort(key=lambda s: s["__a"])
+    arrays, at = [], _align(data_start)
+    for s in specs:
+        if s["kind"] == "torch":
+            dtype = getattr(torch, s["dtype"])
+            n = math.prod(s["shape"]) * torch.empty((), dtype=dtype).element_size()
+            t = torch.from_numpy(buf[at:at + n].copy()).view(dtype) if n else torch.empty(0, dtype=dtype)
+            arrays.append(t.reshape(s["shape"]))
+        else:
+            dtype = np.dtype(s["dtype"])
+            n = math.prod(s["shape"]) * dtype.itemsize
+            arrays.append(buf[at:at + n].view(dtype).reshape(s["shape"]).copy())
+        at = _align(at + n)
+    return _decode(skeleton, arrays)
+
+
+class Snapshots:
+    """This rank's snapshots (the built-in loop's; see the module's docstring).
+
+    Args:
+        keepers: {node id: keeper actor handle} of the run (the runner's).
+        rank, world: this rank and the world.
+        node_id: this rank's node.
+        every: snapshot every N steps, or ``"auto"``: every step while a snapshot costs at
+            most 5% of one, else the fewest steps between them that keep it there (agreed by
+            every rank after the first three).
+        writes_trainer: whether this rank writes the trainer's part (rank 0, and the first rank
+            on every other node, so that a node's keeper holds the weights on its own).
+    """
+
+    def __init__(self, keepers: dict, rank: int, world: int, node_id: str, every: int | str,
+                 writes_trainer: bool):
+        import ray
+
+        self.ray, self.keepers, self.rank, self.world, self.node_id = ray, keepers, rank, world, node_id
+        self.keeper = keepers.get(node_id)
+        self.directory = Path(ray.get(self.keeper.directory.remote())) if self.keeper is not None else None
+        self.writes_trainer = writes_trainer
+        self.fixed = None if every == "auto" else int(every)
+        self.every = self.fixed or 1
+        self.slots = {}
+        self.sealing: dict = {}  # slot -> its pending seal
+        self.sealer = ThreadPoolExecutor(1, thread_name_prefix="rayzip-seal")
+        self.count = 0
+        self.reserved = 0
+        self.enabled = self.keeper is not None
+        self.costs: list[tuple[float, float]] = []  # (snapshot s, step s) of the first snapshots
+        self.total_s = 0.0
+        self.taken = 0
+        if not self.enabled:
+            print(f"rayzip: rank {rank}: no snapshot keeper on node {node_id[:12]} (it joined after the start): "
+                  "its restarts fall back to the checkpoint in storage")
+
+    def due(self, step: int, forced: bool) -> bool:
+        """Whether ``step`` is snapshotted: every rank's same answer (a rank whose snapshots
+        are off still goes through :meth:`take`, for the agreement on the interval)."""
+        return forced or (step + 1) % self.every == 0
+
+    def take(self, step: int, parts: Callable[[], Parts], step_s: float) -> float:
+        """Write this rank's ``parts()`` of ``step`` into the next slot; the seconds it took."""
+        t0 = time.perf_counter()
+        if self.enabled:
+            self._write(step, parts())
+        took = time.perf_counter() - t0
+        self.total_s += took
+        self.taken += 1
+        if self.fixed is None and len(self.costs) < 3:
+            self.costs.append((took, step_s))
+            if len(self.costs) == 3:
+                self.every = self._agreed_every()
+        return took
+
+    def _write(self, step: int, parts: Parts) -> None:
+        index, written = self.count % 2, 0
+        owners = [("trainer", parts.trainer)] if self.writes_trainer and parts.trainer is not None else []
+        owners.append((f"rank{self.rank}", parts.hook if parts.hook is not None else {}))
+        for owner, nest in owners:
+            slot = self.slots.setdefault((owner, index), _Slot(self.directory / f"{owner}.{index}"))
+            pending = self.sealing.pop(slot, None)
+            if pending is not None:
+                pending.result()  # sealed two snapshots ago: long done
+            size = write_slot(slot, nest, step, self.world, self.rank, seal=False)
+            self.sealing[slot] = self.sealer.submit(seal_slot, slot, size)
+            written += size
+        self.count += 1
+        need = 2 * written
+        if need > self.reserved:  # both slots, each as big as this one
+            if not self.ray.get(self.keeper.reserve.remote(f"rank{self.rank}", need)):
+                self.enabled = False
+                self.close(remove=True)
+            self.reserved = need
+
+    def _agreed_every(self) -> int:
+        cost = sorted(c for c, _ in self.costs)[1]
+        step = sorted(s for _, s in self.costs)[1]
+        every = max(1, math.ceil(cost / (COST_SHARE * step))) if step > 0 else 1
+        if dist.is_available() and dist.is_initialized() and self.world > 1:
+            t = torch.tensor([every], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank snapshots the same steps
+            every = int(t)
+        if every > 1:
+            print(f"rayzip: rank {self.rank}: a snapshot takes {cost * 1e3:.1f} ms of a {step * 1e3:.1f} ms step: "
+                  f"one every {every} steps")
+        return every
+
+    def close(self, remove: bool = False) -> None:
+        for pending in self.sealing.values():
+            pending.result()
+        self.sealing.clear()
+        for slot in self.slots.values():
+            slot.close()
+            if remove:
+                slot.path.unlink(missing_ok=True)
+        self.slots.clear()
+
+    # -- a restart -----------------------------------------------------------------------
+
+    def newest(self) -> tuple[int, dict] | None:
+        """The newest step every keeper holds complete, agreed by every rank, with where its
+        parts are: (step, {owner: (node id, file)}); None when there is none."""
+        held = {}
+        for node, keeper in self.keepers.items():
+            try:
+                held[node] = self.ray.get(keeper.inventory.remote(), timeout=30)
+            except Exception as exc:  # noqa: BLE001 - a lost node's keeper: its slots are gone with it
+                print(f"rayzip: rank {self.rank}: the snapshot keeper of node {node[:12]} is gone "
+                      f"({type(exc).__name__}); its slots are lost")
+        where: dict[int, dict[str, tuple[str, str]]] = {}
+        worlds: dict[int, int] = {}
+        writer: dict[int, int] = {}  # the rank whose trainer's part is taken: the lowest (rank 0's RNG)
+        for node, owners in held.items():
+            for owner, slots in owners.items():
+                for s in slots:
+                    if owner != "trainer":
+                        where.setdefault(s["step"], {}).setdefault(owner, (node, s["file"]))
+                    elif s["rank"] < writer.get(s["step"], s["rank"] + 1):
+                        writer[s["step"]], worlds[s["step"]] = s["rank"], s["world"]
+                        where.setdefault(s["step"], {})["trainer"] = (node, s["file"])
+        best = -1
+        for step, owners in where.items():
+            world = worlds.get(step)
+            if world is not None and all(f"rank{r}" in owners for r in range(world)):
+                best = max(best, step)
+        agreed = self._agree(best)
+        if agreed < 0:
+            return None
+        return agreed, where[agreed]
+
+    def _agree(self, step: int) -> int:
+        if not (dist.is_available() and dist.is_initialized() and self.world > 1):
+            return step
+        t = torch.tensor([step, -step], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        high, low = int(t[0]), -int(t[1])
+        if high != low:  # ranks that saw different keepers: storage is what they all see alike
+            print(f"rayzip: rank {self.rank}: ranks found different newest snapshots ({low}..{high}); "
+                  "resuming from storage")
+            return -1
+        return high
+
+    def checkpoint(self, step: int, owners: dict[str, tuple[str, str]]) -> Path:
+        """Step ``step``'s parts, read (from this node's folder, else through its node's
+        keeper) and written as a checkpoint folder for the loop's restore."""
+        directory = Path(tempfile.mkdtemp(prefix="rayzip-snapshot-"))
+        trainer = None
+        for owner, (node, name) in sorted(owners.items()):
+            header, nest = self._read(node, name)
+            if header["step"] != step:  # the slot was written again since it was listed
+                raise SnapshotError(f"{name} on node {node[:12]} holds step {header['step']}, not {step}")
+            if owner == "trainer":
+                trainer = nest
+            else:  # the rank's own, as a checkpoint holds it
+                write_taken(directory, Parts(header["rank"], header["world"], None, nest))
+        write_taken(directory, Parts(0, self.world, trainer, None))
+        return directory
+
+    def _read(self, node: str, name: str) -> tuple[dict, Any]:
+        if node == self.node_id and self.directory is not None:
+            return read_slot(self.directory / name)
+        import zstandard
+
+        packed = self.ray.get(self.keepers[node].read.remote(name), timeout=300)
+        if packed is None:
+            raise SnapshotError(f"{name} is gone from node {node[:12]}'s keeper")
+        return read_slot(f"{name} (node {node[:12]})", zstandard.ZstdDecompressor().decompress(packed))
