@@ -351,6 +351,34 @@ def bench_encoder(
     _write_report(report, json_path)
 
 
+@bench_app.command("chaos")
+def bench_chaos(
+    spec: Path = typer.Option(Path("jobs/digits-group-topk.yaml"), help="Job spec (YAML)."),
+    kills: int = typer.Option(5, min=1, help="Worker processes killed per run, at random steps."),
+    steps: Optional[int] = typer.Option(None, min=1, help="Training steps (default: the spec's)."),
+    repeat: int = typer.Option(3, min=1, help="Rounds; each runs every variant, in a rotated order."),
+    seed: int = typer.Option(0, help="Draws the kill steps (round r: seed + r)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+):
+    """Killed workers with snapshots in memory against Ray Train's resume from storage.
+
+    Example: rayzip bench chaos --steps 800 --json docs/bench-chaos-digits.json
+    """
+    from .bench.chaos import markdown_table, run_chaos_bench
+
+    job = _load_or_exit(spec)
+    if steps is not None:
+        job = job.model_copy(update={"training": job.training.model_copy(update={"steps": steps})})
+    try:
+        report = run_chaos_bench(job, kills=kills, repeat=repeat, seed=seed,
+                                 log=lambda line: console.print(line, highlight=False))
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    console.print(markdown_table(report))
+    _write_report(report, json_path)
+
+
 @bench_app.command("collectives")
 def bench_collectives(
     workers: str = typer.Option("2,4,8", help="Worker counts, comma-separated (gloo processes on this machine)."),

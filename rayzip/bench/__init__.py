@@ -10,7 +10,7 @@ __all__ = ["markdown_table", "provenance", "write_json"]
 
 def markdown_table(report: dict, part: str | None = None) -> str | None:
     """A ``bench cluster``, ``scaling``, ``collectives``, ``codecs``, ``checkpoint``,
-    ``sharded-checkpoint`` or ``encoder`` report as
+    ``sharded-checkpoint``, ``encoder`` or ``chaos`` report as
     the Markdown table the README shows (generated from the JSON, never typed); None for
     other reports, or for a ``part`` the report does not have (``stall``: a checkpoint
     report's stall table; ``threads``: its speed on its default threads over one thread;
@@ -50,6 +50,10 @@ def markdown_table(report: dict, part: str | None = None) -> str | None:
         from .cluster import scaling_markdown_table
 
         return scaling_markdown_table(report)
+    if report.get("bench") == "chaos":
+        from .chaos import markdown_table as chaos_table
+
+        return chaos_table(report)
     if report.get("bench") == "encoder":
         from .encoder import markdown_table as encoder_table
 
