@@ -54,7 +54,7 @@ class Keeper:
         root: the folder for the run's folder (default: ``/dev/shm``).
         run_id: the run, a folder of its own.
         node_id: this node's Ray id.
-        max_bytes: what all the node's slots may hold together; a rank whose slots would
+        max_bytes: what all the node's slot files may hold together; a rank whose slots would
             pass it takes no more snapshots (its restarts fall back to storage), with a log line.
     """
 
@@ -69,7 +69,7 @@ class Keeper:
         return str(self.path)
 
     def reserve(self, owner: str, nbytes: int) -> bool:
-        """Whether ``owner``'s slots (both) may hold ``nbytes``; a refusal is logged once."""
+        """Whether ``owner``'s slots (all of them) may hold ``nbytes``; a refusal is logged once."""
         others = sum(b for o, b in self.reserved.items() if o != owner)
         if others + nbytes > self.max_bytes:
             if owner not in self.refused:
@@ -91,7 +91,7 @@ class Keeper:
         held: dict[str, list[dict]] = {}
         for p in sorted(self.path.iterdir()):
             owner, _, index = p.name.rpartition(".")
-            header = read_header(p) if index in ("0", "1") else None
+            header = read_header(p) if index.isdigit() else None
             if header is not None:
                 held.setdefault(owner, []).append({**header, "file": p.name})
         return held

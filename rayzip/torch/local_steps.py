@@ -322,6 +322,42 @@ class LocalSteps:
                 "compression": self.state.state_dict() if self.state is not None else None,
                 "tuner": self.tuner.state_dict() if self.tuner is not None else None}
 
+    @property
+    def in_flight(self) -> bool:
+        """A round's exchange still runs (overlap)."""
+        return self._pending is not None
+
+    @property
+    def mid_round(self) -> bool:
+        """Inner steps taken since the last synchronization (each rank's parameters are then
+        its own)."""
+        return self.inner > 0
+
+    def round_state_dict(self) -> dict:
+        """:meth:`state_dict` at any step between synchronizations, not with a round in
+        flight: with the synchronized parameters and this round's inner steps, so that a
+        rank that loads it and its own parameters goes on with the round where it was."""
+        if self._pending is not None:
+            raise RuntimeError("a round is in flight (overlap): its state is taken at a forced synchronization")
+        inner, self.inner = self.inner, 0
+        try:
+            state = self.state_dict()
+        finally:
+            self.inner = inner
+        return {**state, "inner": inner, "anchor": list(self.anchor), "bad": self.bad, "compute_s": self.compute_s}
+
+    def load_round_state_dict(self, state: dict, compression: dict | None = None) -> None:
+        """Restore :meth:`round_state_dict` (this rank's own parameters already loaded)."""
+        params = [_local(p).detach().clone() for p in self.params]
+        self.load_state_dict(state, compression)
+        with torch.no_grad():
+            for anchor, base, saved, p, own in zip(self.anchor, self.base, state["anchor"], self.params, params):
+                anchor.copy_(saved)
+                if base is not anchor:
+                    base.copy_(anchor)
+                _local(p).copy_(own)
+        self.inner, self.bad, self.compute_s = int(state["inner"]), state["bad"], float(state["compute_s"])
+
     def load_state_dict(self, state: dict, compression: dict | None = None) -> None:
         """Restore :meth:`state_dict` onto parameters already loaded with the checkpoint's
         model: they become the synchronized ones. ``compression``: the compression state to

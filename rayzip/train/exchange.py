@@ -108,6 +108,12 @@ class Exchange:
         """After ``step``: whether a checkpoint's parts taken now hold the whole state."""
         return True
 
+    @property
+    def snapshot_slots(self) -> int:
+        """Snapshots each rank keeps: each step's exchange keeps the ranks within a step of
+        each other, so the newest step every rank holds is among the last two."""
+        return 2
+
     def take_shards(self, copy: Callable[[Any], Any] | None) -> dict:
         """This rank's shards of the model and optimizer: through ``copy`` (a snapshot to host
         memory), else the live tensors; only where :attr:`sharded_weights`."""
@@ -376,6 +382,9 @@ class _Rounds:
         return Traffic(dense_bytes=dense, comm_source="local step", local_every=self.local.every)
 
 
+MAX_SNAPSHOT_SLOTS = 33
+
+
 class LocalStepsExchange(_Rounds, Exchange):
     """No DDP: each step is this rank's own inner step; every ``local_steps.every`` steps (and
     at the last) the workers synchronize through :class:`~rayzip.torch.local_steps.LocalSteps`.
@@ -387,7 +396,7 @@ class LocalStepsExchange(_Rounds, Exchange):
 
     def __init__(self, spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
                  optimizer: torch.optim.Optimizer, local: LocalSteps):
-        super().__init__(spec, model, rank, world, optimizer, state=_LocalState(local, optimizer, rank, world))
+        super().__init__(spec, model, rank, world, optimizer, state=_LocalState(local, optimizer, rank, world, model))
         self.local = local
         self.skips_together = False  # inner steps are each rank's own; a round is dropped together
         self.only_step_changes_weights = False  # a synchronization writes the parameters
@@ -396,9 +405,16 @@ class LocalStepsExchange(_Rounds, Exchange):
         return not self.local.gradient_ok(step)
 
     def snapshot_due(self, step: int) -> bool:
-        # Between synchronizations each rank's parameters are its own, and a checkpoint's parts
-        # hold rank 0's only.
-        return self.local.synced
+        # Between synchronizations each rank's part holds its own parameters (not with a
+        # round in flight: overlap snapshots at the forced synchronizations only).
+        return not self.local.in_flight
+
+    @property
+    def snapshot_slots(self) -> int:
+        # A rank runs on alone until the next synchronization after another dies: the step
+        # they share may be a round old. (A tuned H past the cap falls back to storage.)
+        spec = self.spec.local_steps
+        return min(MAX_SNAPSHOT_SLOTS, (spec.max_every if spec.adaptive else spec.every) + 1)
 
     def restore(self, checkpoint, chain: DeltaChain | None = None) -> tuple[int, dict | None]:
         if checkpoint is None:
@@ -415,15 +431,29 @@ class _LocalState:
     """A :class:`LocalSteps` as the loop's checkpoints see a hook's state: ``state_dict`` is
     this rank's part, ``holders`` every rank."""
 
-    def __init__(self, local: LocalSteps, optimizer: torch.optim.Optimizer, rank: int, world: int):
-        self.local, self.optimizer, self.rank, self.world = local, optimizer, rank, world
+    def __init__(self, local: LocalSteps, optimizer: torch.optim.Optimizer, rank: int, world: int,
+                 model: torch.nn.Module):
+        self.local, self.optimizer, self.rank, self.world, self.model = local, optimizer, rank, world, model
 
     @property
     def holders(self) -> dict[int, tuple[int, int]]:
         return {r: (r, self.world) for r in range(self.world)}
 
     def state_dict(self) -> dict:
+        """At a synchronization; between them (a snapshot's), with this rank's own parameters
+        and the round's state (:meth:`LocalSteps.round_state_dict`)."""
+        if self.local.mid_round:
+            return {"round": self.local.round_state_dict(), "inner_optimizer": self.optimizer.state_dict(),
+                    "own_model": unwrap(self.model).state_dict()}
         return {"local_steps": self.local.state_dict(), "inner_optimizer": self.optimizer.state_dict()}
+
+    def _load(self, saved: dict, compression: dict | None = None) -> None:
+        load_optimizer(self.optimizer, saved["inner_optimizer"])
+        if "round" in saved:  # between synchronizations: this rank's own parameters, then the round
+            unwrap(self.model).load_state_dict(saved["own_model"])
+            self.local.load_round_state_dict(saved["round"], compression=compression)
+        else:
+            self.local.load_state_dict(saved["local_steps"], compression=compression)
 
     def restore(self, path: Path, trainer: dict) -> None:
         """This rank's part when the world is unchanged; after a resize, rank r takes the
@@ -432,9 +462,7 @@ class _LocalState:
         old_world = int(trainer["world_size"])
         own = path / f"rank{self.rank}"
         if old_world == self.world and own.exists():
-            saved = load_checkpoint(own)["hook"]
-            load_optimizer(self.optimizer, saved["inner_optimizer"])
-            self.local.load_state_dict(saved["local_steps"])
+            self._load(load_checkpoint(own)["hook"])
             return
         donor = self.rank % old_world
         sharded = [r for r in range(old_world) if r % self.world == self.rank]
@@ -444,13 +472,13 @@ class _LocalState:
                 raise FileNotFoundError(f"{path / f'rank{r}'}: the checkpoint lacks the local-steps state of rank {r}")
             parts[r] = load_checkpoint(path / f"rank{r}")["hook"]
         saved = parts[donor]
-        load_optimizer(self.optimizer, saved["inner_optimizer"])
-        compression = saved["local_steps"].get("compression")
+        key = "round" if "round" in saved else "local_steps"
+        compression = saved[key].get("compression")
         if compression is not None:
-            memory = {r: parts[r]["local_steps"]["compression"]["memory"] for r in sharded}
+            memory = {r: parts[r][key]["compression"]["memory"] for r in sharded}
             compression = {**compression, "memory": reshard_state(memory, old_world, self.world, self.rank),
                            "drained": False}
-        self.local.load_state_dict(saved["local_steps"], compression=compression)
+        self._load(saved, compression)  # between synchronizations: the donor's own parameters
         print(f"rayzip: rank {self.rank}: world size {old_world} -> {self.world}: local steps resume from rank "
               f"{self.rank % old_world}'s inner optimizer; error feedback re-sharded")
 

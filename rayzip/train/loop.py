@@ -164,7 +164,8 @@ def open_snapshots(spec: JobSpec, config: dict, exchange: Exchange) -> Snapshots
     context = ray.train.get_context()
     handles = {node: ray.get_actor(name) for node, name in keepers.items()}
     return Snapshots(handles, exchange.rank, exchange.world, ray.get_runtime_context().get_node_id(),
-                     spec.snapshots.every, writes_trainer=context.get_local_rank() == 0)
+                     spec.snapshots.every, writes_trainer=context.get_local_rank() == 0,
+                     slots=exchange.snapshot_slots)
 
 
 def _train(spec: JobSpec, config: dict, task: Task, exchange: Exchange, run: _Run, start: int,

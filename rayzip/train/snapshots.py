@@ -29,6 +29,7 @@ import math
 from collections import OrderedDict
 import mmap
 import os
+import statistics
 import tempfile
 import time
 import zlib
@@ -47,6 +48,7 @@ __all__ = ["SnapshotError", "Snapshots", "decode_nest", "read_slot", "write_slot
 
 ALIGN = 64
 COST_SHARE = 0.05  # snapshots every step while they cost at most this share of it
+WARMUP, MEASURED = 2, 5  # auto: snapshots left out of the cost (both slots made), then measured
 
 
 class SnapshotError(RuntimeError):
@@ -258,13 +260,16 @@ class Snapshots:
         node_id: this rank's node.
         every: snapshot every N steps, or ``"auto"``: every step while a snapshot costs at
             most 5% of one, else the fewest steps between them that keep it there (agreed by
-            every rank after the first three).
+            every rank after the first few, all taken).
         writes_trainer: whether this rank writes the trainer's part (rank 0, and the first rank
             on every other node, so that a node's keeper holds the weights on its own).
+        slots: the snapshots each rank keeps, newest first: 2 where ranks are never more than a
+            step apart (each step's exchange), more where one may run ahead of another that
+            died (local steps: a round's inner steps and its start).
     """
 
     def __init__(self, keepers: dict, rank: int, world: int, node_id: str, every: int | str,
-                 writes_trainer: bool):
+                 writes_trainer: bool, slots: int = 2):
         import ray
 
         self.ray, self.keepers, self.rank, self.world, self.node_id = ray, keepers, rank, world, node_id
@@ -274,6 +279,7 @@ class Snapshots:
         self.fixed = None if every == "auto" else int(every)
         self.every = self.fixed or 1
         self.slots = {}
+        self.slot_count = int(slots)
         self.sealing: dict = {}  # slot -> its pending seal
         self.sealer = ThreadPoolExecutor(1, thread_name_prefix="rayzip-seal")
         self.count = 0
@@ -299,35 +305,37 @@ class Snapshots:
         took = time.perf_counter() - t0
         self.total_s += took
         self.taken += 1
-        if self.fixed is None and len(self.costs) < 3:
+        # Auto: the first snapshots make the slots and reserve their memory; the next few
+        # are the cost, against the same steps' time.
+        if self.fixed is None and self.taken > WARMUP and len(self.costs) < MEASURED:
             self.costs.append((took, step_s))
-            if len(self.costs) == 3:
+            if len(self.costs) == MEASURED:
                 self.every = self._agreed_every()
         return took
 
     def _write(self, step: int, parts: Parts) -> None:
-        index, written = self.count % 2, 0
+        index, written = self.count % self.slot_count, 0
         owners = [("trainer", parts.trainer)] if self.writes_trainer and parts.trainer is not None else []
         owners.append((f"rank{self.rank}", parts.hook if parts.hook is not None else {}))
         for owner, nest in owners:
             slot = self.slots.setdefault((owner, index), _Slot(self.directory / f"{owner}.{index}"))
             pending = self.sealing.pop(slot, None)
             if pending is not None:
-                pending.result()  # sealed two snapshots ago: long done
+                pending.result()  # sealed a few snapshots ago: long done
             size = write_slot(slot, nest, step, self.world, self.rank, seal=False)
             self.sealing[slot] = self.sealer.submit(seal_slot, slot, size)
             written += size
         self.count += 1
-        need = 2 * written
-        if need > self.reserved:  # both slots, each as big as this one
+        need = self.slot_count * written
+        if need > self.reserved:  # every slot, each as big as this one
             if not self.ray.get(self.keeper.reserve.remote(f"rank{self.rank}", need)):
                 self.enabled = False
                 self.close(remove=True)
             self.reserved = need
 
     def _agreed_every(self) -> int:
-        cost = sorted(c for c, _ in self.costs)[1]
-        step = sorted(s for _, s in self.costs)[1]
+        cost = statistics.median(c for c, _ in self.costs)
+        step = statistics.median(s for _, s in self.costs)
         every = max(1, math.ceil(cost / (COST_SHARE * step))) if step > 0 else 1
         if dist.is_available() and dist.is_initialized() and self.world > 1:
             t = torch.tensor([every], dtype=torch.int64)

@@ -71,3 +71,41 @@ def test_five_killed_workers_lose_no_step_and_end_bitwise_equal(local_ray, tmp_p
     assert summary["metrics"]["snapshot_every"] == 1 and summary["metrics"]["mean_snapshot_s"] > 0
     # The keepers removed the run's snapshots at its end.
     assert not (Path(default_root()) / "rayzip-snapshots" / summary["run_id"]).exists()
+
+
+def _local(name: str, snapshots: bool):
+    """jobs/digits-local.yaml (local steps, H = 10, group top-k on the pseudo-gradients) for
+    300 steps whatever the accuracy."""
+    spec = load_spec(ROOT / "jobs" / "digits-local.yaml")
+    return spec.model_copy(update={
+        "name": name,
+        "training": spec.training.model_copy(update={"steps": 300, "stop_at_target": False}),
+        "scaling": spec.scaling.model_copy(update={"max_failures": 4}),
+        "snapshots": spec.snapshots.model_copy(update={"enabled": snapshots, "every": 1})})
+
+
+def test_local_steps_killed_inside_a_round_lose_no_step_and_end_bitwise_equal(local_ray, tmp_path):
+    """Between synchronizations each rank's snapshot holds its own parameters, its inner
+    optimizer and the round's state, so a kill inside a round loses nothing either."""
+    plain = run_job(_local("snap-local-plain", snapshots=False), storage_path=str(tmp_path / "plain"))
+    killed: list[tuple[int, int]] = []
+
+    def kill(metrics: dict) -> None:
+        # Three kills, each at the first step the driver sees past a mark that is not a
+        # synchronization's step (every 10th).
+        marks = (65, 143, 217)
+        if len(killed) < len(marks) and metrics["step"] >= marks[len(killed)] and \
+                metrics["pid"] not in {pid for _, pid in killed}:
+            killed.append((metrics["step"], metrics["pid"]))
+            os.kill(metrics["pid"], signal.SIGKILL)
+
+    summary = run_job(_local("snap-local-killed", snapshots=True), storage_path=str(tmp_path / "killed"),
+                      on_progress=kill)
+    assert len(killed) == 3 and summary["restarts"] == 3, (killed, summary["resumes"])
+    # At least one resumed inside a round (a round starts at a multiple of 10).
+    assert any(r["resumed_at"] % 10 for r in summary["resumes"]), summary["resumes"]
+    for resume in summary["resumes"]:
+        assert resume["source"] == "memory" and resume["steps_lost"] == 0, summary["resumes"]
+    mine, theirs = _final_weights(summary), _final_weights(plain)
+    for name in mine:
+        assert torch.equal(mine[name].view(torch.int32), theirs[name].view(torch.int32)), name
