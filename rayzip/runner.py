@@ -13,6 +13,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -100,9 +101,36 @@ def init_ray(verbose: bool = True) -> str | None:
     else:
         # Metrics reach Prometheus every 2 s instead of Ray's default 10 s, so that the
         # adaptive controller's rate() windows hold several points.
-        context = ray.init(address="local", _system_config={"metrics_report_interval_ms": 2000}, **quiet)
+        with _own_address():
+            context = ray.init(address="local", _system_config={"metrics_report_interval_ms": 2000}, **quiet)
     session = getattr(context, "address_info", {}).get("session_dir")  # Ray's context: only a local start has it
     return os.path.join(session, "logs") if session else None
+
+
+@contextlib.contextmanager
+def _own_address():
+    """While an embedded Ray starts: its GCS on a port chosen here, and RAY_ADDRESS naming it,
+    inherited by every process it spawns. Ray Train's own actors (its placement-group cleaner
+    asks the State API whether the controller lives) otherwise find "the" cluster on their
+    own: another Ray on the same host (its ``ray_current_cluster`` file, or several GCS
+    processes), which does not know the controller, so the cleaner removed this run's
+    placement group or died. The driver's environment is left as it was."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    own = {"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"{ray.util.get_node_ip_address()}:{port}"}
+    before = {k: os.environ.get(k) for k in own}
+    os.environ.update(own)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def on_this_node() -> NodeAffinitySchedulingStrategy:
