@@ -356,6 +356,9 @@ def bench_chaos(
     spec: Path = typer.Option(Path("jobs/digits-group-topk.yaml"), help="Job spec (YAML)."),
     kills: int = typer.Option(5, min=1, help="Worker processes killed per run, at random steps."),
     steps: Optional[int] = typer.Option(None, min=1, help="Training steps (default: the spec's)."),
+    checkpoint_every: Optional[int] = typer.Option(None, min=1, help="Steps between checkpoints in storage "
+                                                                      "(default: the spec's)."),
+    every: str = typer.Option("auto", help="snapshots.every of the runs with snapshots: auto, or steps."),
     repeat: int = typer.Option(3, min=1, help="Rounds; each runs every variant, in a rotated order."),
     seed: int = typer.Option(0, help="Draws the kill steps (round r: seed + r)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
@@ -369,7 +372,12 @@ def bench_chaos(
     job = _load_or_exit(spec)
     if steps is not None:
         job = job.model_copy(update={"training": job.training.model_copy(update={"steps": steps})})
+    if checkpoint_every is not None:
+        job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"every_steps": checkpoint_every})})
+    job = job.model_copy(update={"snapshots": job.snapshots.model_copy(
+        update={"every": int(every) if every.isdigit() else every})})
     try:
+        job = type(job).model_validate(job.model_dump())  # the options checked as the spec's own fields
         report = run_chaos_bench(job, kills=kills, repeat=repeat, seed=seed,
                                  log=lambda line: console.print(line, highlight=False))
     except ValueError as exc:

@@ -3,7 +3,8 @@
 Each round runs one job spec four ways on the local Ray, in an order rotated per round:
 
 - ``plain``: no snapshots, no kills (the uninterrupted run);
-- ``snapshots``: snapshots every step, no kills (their cost: training time against plain's);
+- ``snapshots``: snapshots (the spec's ``snapshots.every``), no kills (their cost: training
+  time against plain's);
 - ``memory``: snapshots, and rank 0's worker process killed at ``kills`` random steps;
 - ``storage``: no snapshots, killed at the same steps (Ray Train's resume from the last
   checkpoint in storage, the old path).
@@ -111,6 +112,7 @@ def run_chaos_bench(spec, kills: int = 5, repeat: int = 3, seed: int = 0,
             if all(r["mean_snapshot_s"] for r in done) else None,
             "runs": done})
     return {"bench": "chaos", "spec": spec.name, "steps": steps, "workers": spec.scaling.max_workers,
+            "snapshot_every": spec.snapshots.every,
             "kills_per_run": kills, "repeat": repeat, "seed": seed,
             "checkpoint_every_steps": spec.checkpoint.every_steps, "metric": runs["plain"][0]["metric"],
             "rows": rows}
