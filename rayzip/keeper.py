@@ -18,12 +18,21 @@ import shutil
 import struct
 from pathlib import Path
 
-__all__ = ["HEADER", "MAGIC", "Keeper", "default_root", "read_header"]
+__all__ = ["HEADER", "MAGIC", "Keeper", "default_root", "keeper_name", "keeper_prefix", "read_header"]
 
 MAGIC = b"RZSNAP01"
 # magic, committed (1; 2: sealed with its CRC-32), step, world, rank (-1: the trainer's part), skeleton bytes, data bytes, CRC-32
 HEADER = struct.Struct("<8sIqiiQQI")
 HEADER_BYTES = 64  # the skeleton starts here
+
+
+def keeper_prefix(run_id: str) -> str:
+    """The names of a run's keepers start with this."""
+    return f"rayzip-keeper-{run_id}-"
+
+
+def keeper_name(run_id: str, node_id: str) -> str:
+    return keeper_prefix(run_id) + node_id
 
 
 def default_root() -> str:

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -29,12 +30,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray.train.torch import TorchTrainer
 
 from .adaptive import controller_name, start_controller
-from .keeper import Keeper
+from .keeper import default_root
 from .progress import Progress
 from .ps import shard_names, shard_report, start_shards, stop_shards
 from .spec import JobSpec, check_allowed_modules
 from .train.faults import Faults
 from .train.loop import train_loop
+from .train.snapshots import find_keepers, start_keeper
 
 __all__ = ["ProgressActor", "TrainingFailed", "run_job", "summarize"]
 
@@ -45,37 +47,32 @@ class TrainingFailed(RuntimeError):
 
 
 ProgressActor = ray.remote(num_cpus=0)(Progress)
-KeeperActor = ray.remote(num_cpus=0)(Keeper)
-
-
 def start_keepers(spec: JobSpec, run_id: str) -> dict[str, Any]:
     """One snapshot keeper on each live node, owned by the driver (rayzip.keeper): {node id:
-    actor}. Named, so that every worker finds its node's."""
+    actor}. Named, so that every worker finds its node's; a node that joins later gets its
+    keeper from its first worker."""
     if not spec.snapshots.enabled:
         return {}
-    keepers = {}
-    for node in ray.nodes():
-        if node.get("Alive"):
-            node_id = node["NodeID"]
-            keepers[node_id] = KeeperActor.options(
-                name=keeper_name(run_id, node_id),
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-            ).remote(spec.snapshots.directory, run_id, node_id, spec.snapshots.max_bytes_per_node)
-    return keepers
+    return {node["NodeID"]: start_keeper(run_id, node["NodeID"], spec.snapshots.directory,
+                                         spec.snapshots.max_bytes_per_node)
+            for node in ray.nodes() if node.get("Alive")}
 
 
-def keeper_name(run_id: str, node_id: str) -> str:
-    return f"rayzip-keeper-{run_id}-{node_id}"
-
-
-def stop_keepers(keepers: dict[str, Any]) -> None:
-    """Remove every node's snapshots (a keeper whose node is gone took its own with it)."""
+def stop_keepers(keepers: dict[str, Any], spec: JobSpec, run_id: str) -> None:
+    """Remove every node's snapshots, those of keepers that workers started on nodes that
+    joined later too. A keeper whose node is gone cannot: what its node left on this host
+    (nodes emulated on one machine) is removed here."""
+    if spec.snapshots.enabled:
+        keepers = {**keepers, **{n: k for n, k in find_keepers(run_id).items() if k is not None}}
     for keeper in keepers.values():
         try:
             ray.get(keeper.close.remote(), timeout=30)
         except Exception:  # noqa: BLE001 - the node is gone
             pass
         ray.kill(keeper)
+    if keepers:
+        shutil.rmtree(Path(spec.snapshots.directory or default_root()) / "rayzip-snapshots" / run_id,
+                      ignore_errors=True)
 
 
 def _scaling(spec: JobSpec) -> ScalingConfig:
@@ -219,7 +216,7 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
                            "chain_dir": _chain_dir(storage, run_id), "run_id": run_id,
                            "controller": controller_name(run_id) if controller is not None else None,
                            "ps_shards": shard_names(run_id, len(shards)) if shards else None,
-                           "keepers": {node: keeper_name(run_id, node) for node in keepers},
+                           "keepers": list(keepers),  # the nodes that had one at the start
                            "faults": faults},
         scaling_config=_scaling(spec),
         run_config=RunConfig(
@@ -232,7 +229,7 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     try:
         outcome, wall_s = _fit_watching(trainer, progress, on_progress)
     finally:
-        stop_keepers(keepers)
+        stop_keepers(keepers, spec, run_id)
     history = ray.get(progress.get_history.remote())
     failure = ray.get(progress.get_failure.remote())
     restarts = ray.get(progress.get_restarts.remote())

@@ -89,6 +89,7 @@ def run_chaos_bench(spec, kills: int = 5, repeat: int = 3, seed: int = 0,
                     "train_s": summary["train_s"], "step_s": summary["train_s"] / summary["steps"],
                     "mean_snapshot_s": summary["metrics"].get("mean_snapshot_s"),
                     "snapshot_every": summary["metrics"].get("snapshot_every"),
+                    "snapshot_bytes": summary["metrics"].get("snapshot_bytes"),  # rank 0's, a snapshot
                     "metric": summary["metric"],
                     "final": summary["final_val_loss"] if summary["metric"] == "val_loss"
                     else summary["final_test_accuracy"]})
@@ -120,12 +121,14 @@ def run_chaos_bench(spec, kills: int = 5, repeat: int = 3, seed: int = 0,
 
 def markdown_table(report: dict) -> str:
     metric = "accuracy" if report["metric"] == "test_accuracy" else "val loss"
-    lines = [f"| run | kills | steps lost (each run) | recovery, median | step vs plain | snapshot | final {metric} "
-             "| weights = plain's |", "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| run | kills | steps lost (each run) | recovery, median | step vs plain | snapshot every (each run) "
+             f"| mean snapshot | final {metric} | weights = plain's |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         recovery = f"{r['median_recovery_s']:.1f} s" if r["median_recovery_s"] is not None else "–"
         snapshot = f"{r['mean_snapshot_s'] * 1e3:.2f} ms" if r["mean_snapshot_s"] else "–"
+        every = [x.get("snapshot_every") for x in r["runs"]]
+        every = ", ".join(str(x) for x in every) if any(every) else "–"
         lines.append(f"| {r['variant']} | {r['kills']} | {', '.join(str(x) for x in r['steps_lost'])} | {recovery} | "
-                     f"{r['step_vs_plain']:.3f}× | {snapshot} | {r['median_final']:.4f} | "
+                     f"{r['step_vs_plain']:.3f}× | {every} | {snapshot} | {r['median_final']:.4f} | "
                      f"{'yes' if r['bitwise_equal'] else 'no'} |")
     return "\n".join(lines)

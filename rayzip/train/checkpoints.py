@@ -148,8 +148,9 @@ def restore_hook(path: Path, rank: int, world: int, trainer: dict, state) -> Non
                  if (path / f"rank{r}").exists()}
         # The codec's state (a seeded codec's call count) is the same on every rank.
         template = next(iter(saved.values()), None)
-        if template is None and (path / "rank0").exists():
-            template = load_checkpoint(path / "rank0")["hook"]
+        if template is None:  # any saved rank's (rank 0's may be lost with its node)
+            kept = sorted(path.glob("rank*"), key=lambda p: int(p.name[4:]) if p.name[4:].isdigit() else 1 << 30)
+            template = load_checkpoint(kept[0])["hook"] if kept else None
         if template is not None:
             old_count = next(iter(old_holders.values()))[1]
             memory = {} if mine is None else \

@@ -464,13 +464,14 @@ class _LocalState:
         if old_world == self.world and own.exists():
             self._load(load_checkpoint(own)["hook"])
             return
-        donor = self.rank % old_world
-        sharded = [r for r in range(old_world) if r % self.world == self.rank]
-        parts = {}
-        for r in sorted({donor, *sharded}):  # each old rank's part read once
-            if not (path / f"rank{r}").exists():
-                raise FileNotFoundError(f"{path / f'rank{r}'}: the checkpoint lacks the local-steps state of rank {r}")
-            parts[r] = load_checkpoint(path / f"rank{r}")["hook"]
+        kept = [r for r in range(old_world) if (path / f"rank{r}").exists()]
+        if not kept:
+            raise FileNotFoundError(f"{path}: the checkpoint lacks the local-steps state of every rank")
+        # Old rank r mod the old world; where its part was lost with its node (a snapshot's
+        # restore), the next one kept.
+        donor = next(r for r in (*range(self.rank % old_world, old_world), *range(old_world)) if r in kept)
+        sharded = [r for r in kept if r % self.world == self.rank]
+        parts = {r: load_checkpoint(path / f"rank{r}")["hook"] for r in sorted({donor, *sharded})}
         saved = parts[donor]
         key = "round" if "round" in saved else "local_steps"
         compression = saved[key].get("compression")
@@ -480,7 +481,7 @@ class _LocalState:
                            "drained": False}
         self._load(saved, compression)  # between synchronizations: the donor's own parameters
         print(f"rayzip: rank {self.rank}: world size {old_world} -> {self.world}: local steps resume from rank "
-              f"{self.rank % old_world}'s inner optimizer; error feedback re-sharded")
+              f"{donor}'s inner optimizer; error feedback re-sharded")
 
 
 class ShardedModelExchange(Exchange):

@@ -41,7 +41,7 @@ from .checkpoints import GroupCheckpoints, Parts, take_parts, unwrap, write_take
 from .exchange import Exchange, build_exchange, compute_time
 from .faults import Faults
 from .records import StepRecord, Totals, held_bytes
-from .snapshots import Snapshots
+from .snapshots import Snapshots, find_keepers, start_keeper
 from .tasks import Task, agreed_accuracy, build_task, shard_plan
 from .telemetry import Adoption, Telemetry
 
@@ -158,14 +158,23 @@ def run_task(spec: JobSpec, config: dict, task: Task, exchange: Exchange) -> Non
 
 def open_snapshots(spec: JobSpec, config: dict, exchange: Exchange) -> Snapshots | None:
     """This rank's snapshots, where the spec and the exchange mode take them (None: not)."""
-    keepers = config.get("keepers")
-    if not (spec.snapshots.enabled and exchange.takes_snapshots and keepers):
+    if not (spec.snapshots.enabled and exchange.takes_snapshots and config.get("keepers") is not None):
         return None
     context = ray.train.get_context()
-    handles = {node: ray.get_actor(name) for node, name in keepers.items()}
-    return Snapshots(handles, exchange.rank, exchange.world, ray.get_runtime_context().get_node_id(),
+    return Snapshots(_keepers(spec, config), exchange.rank, exchange.world, ray.get_runtime_context().get_node_id(),
                      spec.snapshots.every, writes_trainer=context.get_local_rank() == 0,
                      slots=exchange.snapshot_slots)
+
+
+def _keepers(spec: JobSpec, config: dict) -> dict:
+    """{node: its keeper's handle, or None where the keeper is gone with its node}; this
+    node's keeper started here (detached) when the node joined after the run started."""
+    found = find_keepers(config["run_id"], config["keepers"])
+    node = ray.get_runtime_context().get_node_id()
+    if found.get(node) is None and node not in config["keepers"]:
+        found[node] = start_keeper(config["run_id"], node, spec.snapshots.directory,
+                                   spec.snapshots.max_bytes_per_node, detached=True)
+    return found
 
 
 def _train(spec: JobSpec, config: dict, task: Task, exchange: Exchange, run: _Run, start: int,
@@ -260,7 +269,8 @@ def _after_step(spec: JobSpec, task: Task, exchange: Exchange, telemetry: Teleme
     if not done:
         _snapshot(spec, task, exchange, run, record)
     metrics.update({"resumed_source": run.resumed_source, "snapshot_every": run.snapshots.every if run.snapshots else None,
-                    "mean_snapshot_s": (totals.snapshot_s / totals.snapshots) if totals.snapshots else None})
+                    "mean_snapshot_s": (totals.snapshot_s / totals.snapshots) if totals.snapshots else None,
+                    "snapshot_bytes": run.snapshots.bytes if run.snapshots else None})
     metrics.update({"checkpoint_stall_s": totals.checkpoint_stall_s, "resumed_from": run.resumed_from,
                     "checkpoint_reported_step": run.reported_step, "checkpoint_uploading_step": run.uploading_step,
                     "checkpoint_pending_step": run.checkpoint_steps.get(checkpoints.pending)})
@@ -364,6 +374,7 @@ class LoopContext:
             for step in range(extra.get("step", -1) + 1, config["steps"]):
                 ctx.telemetry.begin_step()
                 ...                                        # forward, backward, optimizer.step()
+                ctx.snapshot(step, model, optimizer, extra={"step": step})  # a lost worker resumes here
                 ctx.telemetry.end_step(step, float(loss))  # Prometheus, controller, progress
                 if (step + 1) % 50 == 0:
                     ctx.report({"loss": float(loss)}, model=model, optimizer=optimizer, extra={"step": step})
@@ -377,6 +388,9 @@ class LoopContext:
         self.model: torch.nn.Module | None = None
         self._telemetry: Telemetry | None = None
         self._progress = ray.get_actor(config["progress"]) if config.get("progress") and self.rank == 0 else None
+        self._snapshots: Snapshots | None = None
+        self._snapshot_at: float | None = None  # when the last snapshot ended: a step's time, for every: auto
+        self.resumed_source = "start"
 
     def prepare_model(self, model: torch.nn.Module, **prepare_kwargs: Any) -> torch.nn.Module:
         """:func:`rayzip.train.prepare_model` with the spec's compression and sharding sections."""
@@ -405,16 +419,65 @@ class LoopContext:
     def telemetry(self) -> Telemetry:
         if self._telemetry is None:
             controller = self._config.get("controller")
-            self._telemetry = _ProgressTelemetry(self._progress, model=self.model, rank=self.rank,
+            self._telemetry = _ProgressTelemetry(self._progress, context=self, model=self.model, rank=self.rank,
                                                  run=self._config.get("run_id", self.spec.name), job=self.spec.name,
                                                  metrics=self.spec.metrics.enabled,
                                                  controller=ray.get_actor(controller) if controller else None)
         return self._telemetry
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+        """:func:`rayzip.train.restore`, from the newest in-memory snapshot that every rank took
+        (:meth:`snapshot`) where there is one, else from the checkpoint in storage. Every rank
+        calls it."""
         from .api import restore
 
-        return restore(model, optimizer)
+        snapshots = self._open_snapshots(model)
+        found = snapshots.newest() if snapshots is not None else None  # every rank, together
+        if found is None:
+            self.resumed_source = "storage" if ray.train.get_checkpoint() is not None else "start"
+            return restore(model, optimizer)
+        directory = snapshots.checkpoint(*found)
+        try:
+            self.resumed_source = "memory"
+            return restore(model, optimizer, checkpoint=ray.train.Checkpoint.from_directory(str(directory)))
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def snapshot(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 extra: dict | None = None) -> None:
+        """Keep this rank's state after ``step`` in its node's keeper (the spec's ``snapshots``),
+        so that a restart's :meth:`restore` resumes here: what :meth:`report` would checkpoint,
+        as a memory copy. Every rank calls it after the same steps; ``extra`` is what
+        :meth:`restore` returns (your step, your data's position). Nothing where snapshots are
+        off, or for a sharded model."""
+        from .api import _trainer_part
+
+        snapshots = self._open_snapshots(model)
+        if snapshots is None:
+            return
+        now = time.perf_counter()
+        step_s = now - self._snapshot_at if self._snapshot_at is not None else 0.0
+        if snapshots.due(step, forced=False):
+            trainer, state = _trainer_part(model, optimizer, extra)
+
+            def parts() -> Parts:
+                taken = take_parts(0 if snapshots.writes_trainer else self.rank, self.world, trainer, state)
+                taken.rank = self.rank
+                return taken
+
+            snapshots.take(step, parts, step_s)
+        self._snapshot_at = time.perf_counter()
+
+    def _open_snapshots(self, model: torch.nn.Module) -> Snapshots | None:
+        from .api import _is_sharded
+
+        if self._snapshots is None and self.spec.snapshots.enabled and self._config.get("keepers") is not None \
+                and not _is_sharded(model):
+            self._snapshots = Snapshots(_keepers(self.spec, self._config), self.rank,
+                                        self.world, ray.get_runtime_context().get_node_id(),
+                                        self.spec.snapshots.every,
+                                        writes_trainer=ray.train.get_context().get_local_rank() == 0)
+        return self._snapshots
 
     def report(self, metrics: dict, model: torch.nn.Module | None = None,
                optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None,
@@ -436,9 +499,9 @@ class LoopContext:
 class _ProgressTelemetry(Telemetry):
     """A user loop's steps also reach ``rayzip run``'s progress bar (rank 0)."""
 
-    def __init__(self, progress, **kwargs):
+    def __init__(self, progress, context: LoopContext, **kwargs):
         super().__init__(**kwargs)
-        self.progress = progress
+        self.progress, self.context = progress, context
 
     def record(self, record: StepRecord) -> None:
         super().record(record)
@@ -446,15 +509,20 @@ class _ProgressTelemetry(Telemetry):
             t = record.traffic
             self.progress.update.remote({"step": record.step, "loss": record.loss, "pid": os.getpid(),
                                          "evaluated": False, "bytes_sent": t.bytes_sent,
-                                         "compressed": t.compressed, "density": t.density})
+                                         "compressed": t.compressed, "density": t.density,
+                                         "resumed_source": self.context.resumed_source})
 
 
 def train_loop(config: dict) -> None:
     spec = JobSpec.model_validate(config["spec"])
     if spec.training.loop not in BUILTIN_LOOPS:
         ctx = LoopContext(spec, config)
-        import_callable(spec.training.loop)(dict(spec.training.config), ctx)
-        ctx.flush()  # a last checkpoint the loop reported in the background
+        try:
+            import_callable(spec.training.loop)(dict(spec.training.config), ctx)
+            ctx.flush()  # a last checkpoint the loop reported in the background
+        finally:
+            if ctx._snapshots is not None:
+                ctx._snapshots.close()
         return
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()

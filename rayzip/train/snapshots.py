@@ -41,14 +41,60 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..keeper import HEADER, HEADER_BYTES, MAGIC
+from ..keeper import HEADER, HEADER_BYTES, MAGIC, Keeper, keeper_name, keeper_prefix
 from .checkpoints import Parts, write_taken
 
-__all__ = ["SnapshotError", "Snapshots", "decode_nest", "read_slot", "write_slot"]
+__all__ = ["SnapshotError", "Snapshots", "decode_nest", "find_keepers", "keeper_actor", "read_slot", "start_keeper",
+           "write_slot"]
 
 ALIGN = 64
 COST_SHARE = 0.05  # snapshots every step while they cost at most this share of it
 WARMUP, MEASURED = 2, 5  # auto: snapshots left out of the cost (both slots made), then measured
+
+
+_KEEPER_ACTOR = None
+
+
+def keeper_actor():
+    """:class:`rayzip.keeper.Keeper` as a Ray actor class (no CPU of its own)."""
+    global _KEEPER_ACTOR
+    if _KEEPER_ACTOR is None:
+        import ray
+
+        _KEEPER_ACTOR = ray.remote(num_cpus=0)(Keeper)
+    return _KEEPER_ACTOR
+
+
+def start_keeper(run_id: str, node_id: str, root: str | None, max_bytes: int, detached: bool = False):
+    """The keeper of ``node_id`` for ``run_id``, started on that node if it is not there yet.
+    The driver starts one per node at the start (owned by it); a worker on a node that joined
+    later starts its node's ``detached``, so that it outlives the worker (the driver removes
+    every keeper of the run at the end, :func:`find_keepers`)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    options = {"lifetime": "detached"} if detached else {}
+    return keeper_actor().options(
+        name=keeper_name(run_id, node_id), get_if_exists=True,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False), **options,
+    ).remote(root, run_id, node_id, max_bytes)
+
+
+def find_keepers(run_id: str, known: list[str] = ()) -> dict:
+    """{node: keeper handle} of every keeper of ``run_id`` now, and None for each node of
+    ``known`` whose keeper is gone (with its node)."""
+    import ray
+
+    prefix = keeper_prefix(run_id)
+    found = {}
+    for entry in ray.util.list_named_actors(all_namespaces=False):
+        name = entry if isinstance(entry, str) else entry.get("name", "")
+        if name.startswith(prefix):
+            try:
+                found[name[len(prefix):]] = ray.get_actor(name)
+            except ValueError:  # gone since it was listed
+                pass
+    return {**{node: None for node in known}, **found}
 
 
 class SnapshotError(RuntimeError):
@@ -255,7 +301,8 @@ class Snapshots:
     """This rank's snapshots (the built-in loop's; see the module's docstring).
 
     Args:
-        keepers: {node id: keeper actor handle} of the run (the runner's).
+        keepers: {node id: keeper actor handle} of the run (the runner's; None where the keeper
+            is gone with its node).
         rank, world: this rank and the world.
         node_id: this rank's node.
         every: snapshot every N steps, or ``"auto"``: every step while a snapshot costs at
@@ -288,8 +335,9 @@ class Snapshots:
         self.costs: list[tuple[float, float]] = []  # (snapshot s, step s) of the first snapshots
         self.total_s = 0.0
         self.taken = 0
+        self.bytes = 0  # what this rank's last snapshot wrote (its slots on this node's shared memory)
         if not self.enabled:
-            print(f"rayzip: rank {rank}: no snapshot keeper on node {node_id[:12]} (it joined after the start): "
+            print(f"rayzip: rank {rank}: no snapshot keeper on node {node_id[:12]} (it joined after the run started): "
                   "its restarts fall back to the checkpoint in storage")
 
     def due(self, step: int, forced: bool) -> bool:
@@ -326,6 +374,7 @@ class Snapshots:
             self.sealing[slot] = self.sealer.submit(seal_slot, slot, size)
             written += size
         self.count += 1
+        self.bytes = written
         need = self.slot_count * written
         if need > self.reserved:  # every slot, each as big as this one
             if not self.ray.get(self.keeper.reserve.remote(f"rank{self.rank}", need)):
@@ -359,13 +408,21 @@ class Snapshots:
     # -- a restart -----------------------------------------------------------------------
 
     def newest(self) -> tuple[int, dict] | None:
-        """The newest step every keeper holds complete, agreed by every rank, with where its
-        parts are: (step, {owner: (node id, file)}); None when there is none."""
-        held = {}
+        """The newest step the keepers hold complete, agreed by every rank, with where its
+        parts are: (step, {owner: (node id, file)}); None when there is none.
+
+        Complete: the trainer's part and every saved rank's. When a node's keeper is gone (the
+        node with it), the ranks that no surviving keeper ever held are taken as that node's:
+        a step is then complete without them, and their error feedback is lost (the restore
+        re-shards what is left)."""
+        held, lost = {}, []
         for node, keeper in self.keepers.items():
             try:
+                if keeper is None:
+                    raise LookupError("no such actor")
                 held[node] = self.ray.get(keeper.inventory.remote(), timeout=30)
             except Exception as exc:  # noqa: BLE001 - a lost node's keeper: its slots are gone with it
+                lost.append(node)
                 print(f"rayzip: rank {self.rank}: the snapshot keeper of node {node[:12]} is gone "
                       f"({type(exc).__name__}); its slots are lost")
         where: dict[int, dict[str, tuple[str, str]]] = {}
@@ -379,14 +436,24 @@ class Snapshots:
                     elif s["rank"] < writer.get(s["step"], s["rank"] + 1):
                         writer[s["step"]], worlds[s["step"]] = s["rank"], s["world"]
                         where.setdefault(s["step"], {})["trainer"] = (node, s["file"])
+        surviving = {owner for owners in held.values() for owner in owners if owner != "trainer"}
         best = -1
         for step, owners in where.items():
             world = worlds.get(step)
-            if world is not None and all(f"rank{r}" in owners for r in range(world)):
+            if world is None:
+                continue
+            needed = {f"rank{r}" for r in range(world)}
+            if lost:
+                needed &= surviving
+            if needed <= set(owners):
                 best = max(best, step)
         agreed = self._agree(best)
         if agreed < 0:
             return None
+        missing = sorted(set(f"rank{r}" for r in range(worlds[agreed])) - set(where[agreed]))
+        if missing:
+            print(f"rayzip: rank {self.rank}: step {agreed} is restored without {', '.join(missing)} "
+                  f"(lost with node(s) {', '.join(n[:12] for n in lost)}): their error feedback is dropped")
         return agreed, where[agreed]
 
     def _agree(self, step: int) -> int:

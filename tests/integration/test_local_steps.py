@@ -65,11 +65,14 @@ def _local_rank(rank, world, steps, every, codec="none", outer=(1.0, 0.0), nan_a
     params, sent = [], []
     for step in range(steps):
         if step == restart_at:
-            saved = ({k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict(), local.state_dict())
+            # Inside a round (a snapshot's restart): this rank's own parameters and the round.
+            mid = local.mid_round
+            saved = ({k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict(),
+                     local.round_state_dict() if mid else local.state_dict())
             model, local, optimizer = build()
             model.load_state_dict(saved[0])
             optimizer.load_state_dict(saved[1])
-            local.load_state_dict(saved[2])
+            (local.load_round_state_dict if mid else local.load_state_dict)(saved[2])
         optimizer.zero_grad()
         x, y = _batch(gen)
         if nan_at == (rank, step):
@@ -123,6 +126,15 @@ def test_a_restart_at_a_synchronization_resumes_exactly():
     restarted = run_world(_local_rank, 2, steps, every, "group_topk", (0.7, 0.9), None, "raise", 6)
     for rank in range(2):
         np.testing.assert_array_equal(straight[rank][0][-1], restarted[rank][0][-1])
+
+
+def test_a_restart_inside_a_round_resumes_exactly():
+    steps, every = 9, 3
+    straight = run_world(_local_rank, 2, steps, every, "group_topk", (0.7, 0.9))
+    restarted = run_world(_local_rank, 2, steps, every, "group_topk", (0.7, 0.9), None, "raise", 7)  # inner step 2 of 3
+    for rank in range(2):
+        for step in range(7, steps):
+            np.testing.assert_array_equal(straight[rank][0][step], restarted[rank][0][step])
 
 
 def test_a_nan_on_one_rank_stops_every_rank_at_the_next_synchronization():

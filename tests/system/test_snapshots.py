@@ -109,3 +109,76 @@ def test_local_steps_killed_inside_a_round_lose_no_step_and_end_bitwise_equal(lo
     mine, theirs = _final_weights(summary), _final_weights(plain)
     for name in mine:
         assert torch.equal(mine[name].view(torch.int32), theirs[name].view(torch.int32)), name
+
+
+def test_a_lost_node_resumes_from_the_surviving_keepers_snapshot(tmp_path):
+    """An elastic run (1 to 2 workers) on a real two-node Ray, one worker per node. Removing
+    the second node takes that node's worker and keeper with it: the restart, on the one
+    worker left, resumes from the surviving keeper's snapshot of the last step (its weights,
+    optimizer and data position; the lost rank's error feedback is dropped), not from
+    storage, and trains to the end."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        second = cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        spec = _digits("snap-node-lost", snapshots=True)
+        spec = spec.model_copy(update={
+            "training": spec.training.model_copy(update={"steps": 600}),
+            "scaling": spec.scaling.model_copy(update={"min_workers": 1, "max_workers": 2, "cpus_per_worker": 1})})
+        removed: dict = {}
+
+        def remove_node_once(metrics: dict) -> None:
+            if not removed and metrics["step"] >= 150:
+                removed.update(step=metrics["step"], world=metrics["world_size"])
+                cluster.remove_node(second)
+
+        summary = run_job(spec, storage_path=str(tmp_path), on_progress=remove_node_once)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert removed["world"] == 2 and summary["world_size"] == 1, (removed, summary["world_size"])
+    assert summary["restarts"] == 1 and summary["steps"] == 600, summary["resumes"]
+    (resume,) = summary["resumes"]
+    # From memory, not from the checkpoint at step 99: at most the step in flight is redone.
+    assert resume["source"] == "memory" and resume["steps_lost"] <= 1, resume
+    assert resume["resumed_at"] > 100, resume
+    assert summary["final_test_accuracy"] >= 0.9, summary["history"]
+
+
+def _user_loop(name: str, snapshots: bool):
+    from rayzip.spec import JobSpec
+
+    return JobSpec.model_validate({
+        "name": name,
+        "training": {"loop": "user_loops:digits_loop", "lr": 0.05,
+                     "config": {"hidden": 64, "steps": 1200, "checkpoint_every": 400, "snapshots": snapshots}},
+        "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 3},
+        "compression": {"codec": "group_topk", "density": 0.05, "momentum_correction": True},
+        "snapshots": {"enabled": snapshots, "every": 1},
+    })
+
+
+def test_a_user_loop_snapshots_through_the_context_and_loses_no_step(local_ray, tmp_path):
+    """`ctx.snapshot` after each step, and `ctx.restore` reads memory first."""
+    plain = run_job(_user_loop("snap-user-plain", snapshots=False), storage_path=str(tmp_path / "plain"))
+    killed: list[tuple[int, int]] = []
+
+    def kill(metrics: dict) -> None:
+        marks = (150, 700)
+        if len(killed) < len(marks) and metrics["step"] >= marks[len(killed)] and \
+                metrics["pid"] not in {pid for _, pid in killed}:
+            killed.append((metrics["step"], metrics["pid"]))
+            os.kill(metrics["pid"], signal.SIGKILL)
+
+    summary = run_job(_user_loop("snap-user-killed", snapshots=True), storage_path=str(tmp_path / "killed"),
+                      on_progress=kill)
+    assert len(killed) == 2 and summary["restarts"] == 2, (killed, summary["resumes"])
+    for resume in summary["resumes"]:
+        assert resume["source"] == "memory" and resume["steps_lost"] == 0, summary["resumes"]
+    mine, theirs = _final_weights(summary), _final_weights(plain)
+    for name in mine:
+        assert torch.equal(mine[name].view(torch.int32), theirs[name].view(torch.int32)), name
