@@ -160,10 +160,8 @@ def open_snapshots(spec: JobSpec, config: dict, exchange: Exchange) -> Snapshots
     """This rank's snapshots, where the spec and the exchange mode take them (None: not)."""
     if not (spec.snapshots.enabled and exchange.takes_snapshots and config.get("keepers") is not None):
         return None
-    context = ray.train.get_context()
     return Snapshots(_keepers(spec, config), exchange.rank, exchange.world, ray.get_runtime_context().get_node_id(),
-                     spec.snapshots.every, writes_trainer=context.get_local_rank() == 0,
-                     slots=exchange.snapshot_slots)
+                     spec.snapshots.every, slots=exchange.snapshot_slots)
 
 
 def _keepers(spec: JobSpec, config: dict) -> dict:
@@ -475,8 +473,7 @@ class LoopContext:
                 and not _is_sharded(model):
             self._snapshots = Snapshots(_keepers(self.spec, self._config), self.rank,
                                         self.world, ray.get_runtime_context().get_node_id(),
-                                        self.spec.snapshots.every,
-                                        writes_trainer=ray.train.get_context().get_local_rank() == 0)
+                                        self.spec.snapshots.every)
         return self._snapshots
 
     def report(self, metrics: dict, model: torch.nn.Module | None = None,

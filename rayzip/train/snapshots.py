@@ -298,7 +298,8 @@ def decode_nest(skeleton: Any, buf: np.ndarray, data_start: int) -> Any:
 
 
 class Snapshots:
-    """This rank's snapshots (the built-in loop's; see the module's docstring).
+    """This rank's snapshots (the built-in loop's; see the module's docstring). Every rank
+    builds its own at the same point (a collective finds each node's first rank).
 
     Args:
         keepers: {node id: keeper actor handle} of the run (the runner's; None where the keeper
@@ -308,21 +309,25 @@ class Snapshots:
         every: snapshot every N steps, or ``"auto"``: every step while a snapshot costs at
             most 5% of one, else the fewest steps between them that keep it there (agreed by
             every rank after the first few, all taken).
-        writes_trainer: whether this rank writes the trainer's part (rank 0, and the first rank
-            on every other node, so that a node's keeper holds the weights on its own).
         slots: the snapshots each rank keeps, newest first: 2 where ranks are never more than a
             step apart (each step's exchange), more where one may run ahead of another that
             died (local steps: a round's inner steps and its start).
     """
 
-    def __init__(self, keepers: dict, rank: int, world: int, node_id: str, every: int | str,
-                 writes_trainer: bool, slots: int = 2):
+    def __init__(self, keepers: dict, rank: int, world: int, node_id: str, every: int | str, slots: int = 2):
         import ray
 
         self.ray, self.keepers, self.rank, self.world, self.node_id = ray, keepers, rank, world, node_id
         self.keeper = keepers.get(node_id)
         self.directory = Path(ray.get(self.keeper.directory.remote())) if self.keeper is not None else None
-        self.writes_trainer = writes_trainer
+        # The trainer's part (rank 0's) is written by the first rank on every node too, so that
+        # each node's keeper holds the weights on its own. By Ray node, not by Ray Train's local
+        # rank, which counts by IP address (nodes that share a host share one).
+        nodes = [node_id]
+        if dist.is_available() and dist.is_initialized() and world > 1:
+            nodes = [None] * world
+            dist.all_gather_object(nodes, node_id)
+        self.writes_trainer = rank == 0 or nodes.index(node_id) == rank
         self.fixed = None if every == "auto" else int(every)
         self.every = self.fixed or 1
         self.slots = {}

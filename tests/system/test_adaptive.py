@@ -37,7 +37,7 @@ DASHBOARD = ROOT / "dashboards" / "rayzip.json"
 def evaluate_dashboard(url: str, job: str) -> dict[str, list]:
     """{panel title: [(expr, result rows)]} for every target of the Grafana dashboard, with its
     variables as Grafana would fill them: the job's run, all ranks, a rate interval of 8 s
-    (four scrapes)."""
+    (four scrapes), a time range of an hour."""
     rows = requests.get(f"{url}/api/v1/query", params={"query": f'ray_rayzip_step{{job="{job}"}}'},
                         timeout=5).json()["data"]["result"]
     run = rows[0]["metric"]["run"] if rows else "none"
@@ -45,7 +45,7 @@ def evaluate_dashboard(url: str, job: str) -> dict[str, list]:
     for panel in json.loads(DASHBOARD.read_text())["panels"]:
         results = []
         for target in panel["targets"]:
-            expr = (target["expr"].replace("$__rate_interval", "8s").replace("$run", run)
+            expr = (target["expr"].replace("$__rate_interval", "8s").replace("$__range", "1h").replace("$run", run)
                     .replace("$rank", ".*"))
             answer = requests.get(f"{url}/api/v1/query", params={"query": expr}, timeout=5).json()
             results.append((expr, answer["data"]["result"] if answer.get("status") == "success" else []))

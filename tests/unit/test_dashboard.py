@@ -33,7 +33,7 @@ def test_dashboard_has_datasource_run_and_rank_variables_and_object_datasource_r
     titles = " | ".join(p["title"] for p in DASHBOARD["panels"])
     for needed in ("Wire reduction per worker", "Wire bytes/s", "Communication against compute",
                    "Step time p50 and p95", "Batch loss", "Controller decisions", "Checkpoint",
-                   "Recoveries and steps lost", "Recovery time"):
+                   "Recoveries and steps lost", "Time spent recovering"):
         assert needed in titles, titles
 
 
