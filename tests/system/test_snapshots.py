@@ -19,7 +19,7 @@ from rayzip.spec import load_spec
 
 from paths import ROOT
 
-STEPS = 800
+STEPS = 500
 
 
 def _digits(name: str, snapshots: bool):
@@ -41,7 +41,9 @@ def test_five_killed_workers_lose_no_step_and_end_bitwise_equal(local_ray, tmp_p
     plain = run_job(_digits("snap-plain", snapshots=False), storage_path=str(tmp_path / "plain"))
     assert plain["restarts"] == 0 and plain["steps"] == STEPS
 
-    kill_at = sorted(random.Random(48).sample(range(20, STEPS - 60), 5))
+    # Not near the end: the last step takes no snapshot (its checkpoint goes to storage), so a
+    # kill there redoes it.
+    kill_at = sorted(random.Random(48).sample(range(20, STEPS - 150), 5))
     killed: list[tuple[int, int]] = []
 
     def kill(metrics: dict) -> None:
@@ -86,14 +88,15 @@ def _local(name: str, snapshots: bool):
 
 def test_local_steps_killed_inside_a_round_lose_no_step_and_end_bitwise_equal(local_ray, tmp_path):
     """Between synchronizations each rank's snapshot holds its own parameters, its inner
-    optimizer and the round's state, so a kill inside a round loses nothing either."""
+    optimizer and the round's state, so a kill inside a round loses nothing either (H + 1
+    slots: the rank left alive runs on to the round's end)."""
     plain = run_job(_local("snap-local-plain", snapshots=False), storage_path=str(tmp_path / "plain"))
     killed: list[tuple[int, int]] = []
 
     def kill(metrics: dict) -> None:
-        # Three kills, each at the first step the driver sees past a mark that is not a
+        # Two kills, each at the first step the driver sees past a mark that is not a
         # synchronization's step (every 10th).
-        marks = (65, 143, 217)
+        marks = (65, 143)
         if len(killed) < len(marks) and metrics["step"] >= marks[len(killed)] and \
                 metrics["pid"] not in {pid for _, pid in killed}:
             killed.append((metrics["step"], metrics["pid"]))
@@ -101,7 +104,7 @@ def test_local_steps_killed_inside_a_round_lose_no_step_and_end_bitwise_equal(lo
 
     summary = run_job(_local("snap-local-killed", snapshots=True), storage_path=str(tmp_path / "killed"),
                       on_progress=kill)
-    assert len(killed) == 3 and summary["restarts"] == 3, (killed, summary["resumes"])
+    assert len(killed) == 2 and summary["restarts"] == 2, (killed, summary["resumes"])
     # At least one resumed inside a round (a round starts at a multiple of 10).
     assert any(r["resumed_at"] % 10 for r in summary["resumes"]), summary["resumes"]
     for resume in summary["resumes"]:
@@ -127,12 +130,12 @@ def test_a_lost_node_resumes_from_the_surviving_keepers_snapshot(tmp_path):
         cluster.wait_for_nodes()
         spec = _digits("snap-node-lost", snapshots=True)
         spec = spec.model_copy(update={
-            "training": spec.training.model_copy(update={"steps": 600}),
+            "training": spec.training.model_copy(update={"steps": 300}),
             "scaling": spec.scaling.model_copy(update={"min_workers": 1, "max_workers": 2, "cpus_per_worker": 1})})
         removed: dict = {}
 
         def remove_node_once(metrics: dict) -> None:
-            if not removed and metrics["step"] >= 150:
+            if not removed and metrics["step"] >= 120:
                 removed.update(step=metrics["step"], world=metrics["world_size"])
                 cluster.remove_node(second)
 
@@ -141,7 +144,7 @@ def test_a_lost_node_resumes_from_the_surviving_keepers_snapshot(tmp_path):
         ray.shutdown()
         cluster.shutdown()
     assert removed["world"] == 2 and summary["world_size"] == 1, (removed, summary["world_size"])
-    assert summary["restarts"] == 1 and summary["steps"] == 600, summary["resumes"]
+    assert summary["restarts"] == 1 and summary["steps"] == 300, summary["resumes"]
     (resume,) = summary["resumes"]
     # From memory, not from the checkpoint at step 99: at most the step in flight is redone.
     assert resume["source"] == "memory" and resume["steps_lost"] <= 1, resume
@@ -155,7 +158,7 @@ def _user_loop(name: str, snapshots: bool):
     return JobSpec.model_validate({
         "name": name,
         "training": {"loop": "user_loops:digits_loop", "lr": 0.05,
-                     "config": {"hidden": 64, "steps": 1200, "checkpoint_every": 400, "snapshots": snapshots}},
+                     "config": {"hidden": 64, "steps": 700, "checkpoint_every": 200, "snapshots": snapshots}},
         "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 3},
         "compression": {"codec": "group_topk", "density": 0.05, "momentum_correction": True},
         "snapshots": {"enabled": snapshots, "every": 1},
@@ -168,7 +171,7 @@ def test_a_user_loop_snapshots_through_the_context_and_loses_no_step(local_ray, 
     killed: list[tuple[int, int]] = []
 
     def kill(metrics: dict) -> None:
-        marks = (150, 700)
+        marks = (150, 450)
         if len(killed) < len(marks) and metrics["step"] >= marks[len(killed)] and \
                 metrics["pid"] not in {pid for _, pid in killed}:
             killed.append((metrics["step"], metrics["pid"]))
