@@ -58,10 +58,11 @@ def test_five_killed_workers_lose_no_step_and_end_bitwise_equal(local_ray, tmp_p
                       on_progress=kill)
     assert len(killed) == 5 and summary["restarts"] == 5, (killed, summary["resumes"])
     assert summary["steps"] == STEPS
-    # Every restart resumed from memory, at the step after the last one rank 0 reported.
+    # Every restart resumed from memory, past the last step rank 0 reported: at the next one,
+    # or one further when the kill fell between a step's committed snapshot and its report.
     for resume in summary["resumes"]:
         assert resume["source"] == "memory" and resume["steps_lost"] == 0, summary["resumes"]
-        assert resume["resumed_at"] == resume["last_step"] + 1 and resume["seconds"] > 0
+        assert resume["last_step"] + 1 <= resume["resumed_at"] <= resume["last_step"] + 2 and resume["seconds"] > 0
     assert summary["steps_redone"] == 0
     # Weights, momentum, error feedback, velocities, RNG and the data position came back
     # exactly: the killed run ends where the uninterrupted run (no snapshots at all) ends.
