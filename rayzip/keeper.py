@@ -21,9 +21,9 @@ from pathlib import Path
 __all__ = ["HEADER", "MAGIC", "Keeper", "default_root", "keeper_name", "keeper_prefix", "read_header"]
 
 MAGIC = b"RZSNAP01"
-# magic, committed (1; 2: sealed with its CRC-32), step, world, rank (-1: the trainer's part), skeleton bytes, data bytes, CRC-32
+# magic, committed (1; 2: sealed with its CRC-32), step, world, the writer's rank, skeleton bytes, data bytes, CRC-32
 HEADER = struct.Struct("<8sIqiiQQI")
-HEADER_BYTES = 64  # the skeleton starts here
+HEADER_BYTES = 64  # the arrays start here, the skeleton after them
 
 
 def keeper_prefix(run_id: str) -> str:

@@ -26,9 +26,28 @@ from typing import Any, Callable
 
 from .timing import interleaved
 
-__all__ = ["VARIANTS", "markdown_table", "run_chaos_bench"]
+__all__ = ["VARIANTS", "killer", "markdown_table", "run_chaos_bench"]
 
 VARIANTS = ("plain", "snapshots", "memory", "storage")
+
+
+def killer(steps, when: Callable[[int], bool] = lambda step: True
+           ) -> tuple[Callable[[dict], None], list[tuple[int, int]]]:
+    """An ``on_progress`` callback for :func:`rayzip.runner.run_job` that SIGKILLs rank 0's
+    worker process the first time it reports a step at or past each of ``steps`` (in order,
+    each kill a process of its own) for which ``when(step)`` holds, and the (step, pid) of
+    each kill so far. The driver polls twice a second: a kill lands at whatever step rank 0
+    is on then, anywhere inside it."""
+    pending, killed = sorted(steps), []
+
+    def kill(metrics: dict) -> None:
+        step = metrics["step"]
+        if pending and step >= pending[0] and when(step) and metrics["pid"] not in {pid for _, pid in killed}:
+            pending.pop(0)
+            killed.append((metrics["step"], metrics["pid"]))
+            os.kill(metrics["pid"], signal.SIGKILL)
+
+    return kill, killed
 
 
 def _variant(spec, variant: str, kills: int):
@@ -69,14 +88,7 @@ def run_chaos_bench(spec, kills: int = 5, repeat: int = 3, seed: int = 0,
             weights = {}
             for variant in interleaved(list(VARIANTS), round_):
                 log(f"{variant} (round {round_ + 1} of {repeat})")
-                pending = list(schedule) if variant in ("memory", "storage") else []
-                killed: list[tuple[int, int]] = []
-
-                def kill(metrics: dict, pending=pending, killed=killed) -> None:
-                    if pending and metrics["step"] >= pending[0] and metrics["pid"] not in {p for _, p in killed}:
-                        pending.pop(0)
-                        killed.append((metrics["step"], metrics["pid"]))
-                        os.kill(metrics["pid"], signal.SIGKILL)
+                kill, killed = killer(schedule if variant in ("memory", "storage") else [])
 
                 summary = run_job(_variant(spec, variant, kills), storage_path=str(Path(tmp) / f"{variant}-{round_}"),
                                   on_progress=kill, verbose=False)

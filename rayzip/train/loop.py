@@ -16,9 +16,9 @@ state (re-sharded when the world size changed).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -126,17 +126,9 @@ def run_task(spec: JobSpec, config: dict, task: Task, exchange: Exchange) -> Non
     if rank == 0 and config.get("chain_dir") and spec.checkpoint.full_every > 1:
         chain = DeltaChain(config["chain_dir"], spec.checkpoint.full_every, spec.checkpoint.num_to_keep)
     snapshots = open_snapshots(spec, config, exchange)
-    checkpoint = ray.train.get_checkpoint()
-    source = "storage" if checkpoint is not None else "start"
-    found = snapshots.newest() if snapshots is not None else None  # every rank, together
-    memory = snapshots.checkpoint(*found) if found is not None else None
-    try:
-        if memory is not None:
-            checkpoint, source = ray.train.Checkpoint.from_directory(str(memory)), "memory"
+    with _newest_snapshot(snapshots) as memory:  # every rank, together
+        checkpoint, source = (memory, "memory") if memory is not None else _stored()
         start, saved = exchange.restore(checkpoint, chain)
-    finally:
-        if memory is not None:
-            shutil.rmtree(memory, ignore_errors=True)
     if source != "start":
         print(f"rayzip: rank {rank}: resuming at step {start} from {source}")
     run = _Run(totals=Totals.from_dict(saved.get("totals") if saved else None),
@@ -154,6 +146,16 @@ def run_task(spec: JobSpec, config: dict, task: Task, exchange: Exchange) -> Non
         run.checkpoints.close()
         if snapshots is not None:
             snapshots.close()
+
+
+def _newest_snapshot(snapshots: Snapshots | None):
+    return snapshots.newest_checkpoint() if snapshots is not None else contextlib.nullcontext()
+
+
+def _stored() -> tuple[Any, str]:
+    """Ray Train's checkpoint in storage and where a resume from it comes from."""
+    checkpoint = ray.train.get_checkpoint()
+    return checkpoint, "storage" if checkpoint is not None else "start"
 
 
 def open_snapshots(spec: JobSpec, config: dict, exchange: Exchange) -> Snapshots | None:
@@ -317,13 +319,7 @@ def _snapshot(spec: JobSpec, task: Task, exchange: Exchange, run: _Run, record: 
         return {"model": model_state, "optimizer": optimizer_state, "step": step, "totals": run.totals.to_dict(),
                 "data": task.data_state(step + 1), "metric": run.metric, **chain}
 
-    # Rank 0's part on the first rank of every node, so that each node's keeper holds the weights.
-    def parts() -> Parts:
-        taken = take_parts(0 if snapshots.writes_trainer else exchange.rank, exchange.world, trainer, exchange.state)
-        taken.rank = exchange.rank
-        return taken
-
-    took = snapshots.take(step, parts, record.step_s)
+    took = snapshots.take(step, trainer, exchange.state, record.step_s)
     run.totals.snapshot_s += took
     run.totals.snapshots += 1
     run.train_start -= took  # on the training thread: training time
@@ -429,17 +425,9 @@ class LoopContext:
         calls it."""
         from .api import restore
 
-        snapshots = self._open_snapshots(model)
-        found = snapshots.newest() if snapshots is not None else None  # every rank, together
-        if found is None:
-            self.resumed_source = "storage" if ray.train.get_checkpoint() is not None else "start"
-            return restore(model, optimizer)
-        directory = snapshots.checkpoint(*found)
-        try:
-            self.resumed_source = "memory"
-            return restore(model, optimizer, checkpoint=ray.train.Checkpoint.from_directory(str(directory)))
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
+        with _newest_snapshot(self._open_snapshots(model)) as memory:  # every rank, together
+            checkpoint, self.resumed_source = (memory, "memory") if memory is not None else _stored()
+            return restore(model, optimizer, checkpoint=checkpoint)
 
     def snapshot(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  extra: dict | None = None) -> None:
@@ -456,14 +444,7 @@ class LoopContext:
         now = time.perf_counter()
         step_s = now - self._snapshot_at if self._snapshot_at is not None else 0.0
         if snapshots.due(step, forced=False):
-            trainer, state = _trainer_part(model, optimizer, extra)
-
-            def parts() -> Parts:
-                taken = take_parts(0 if snapshots.writes_trainer else self.rank, self.world, trainer, state)
-                taken.rank = self.rank
-                return taken
-
-            snapshots.take(step, parts, step_s)
+            snapshots.take(step, *_trainer_part(model, optimizer, extra), step_s)
         self._snapshot_at = time.perf_counter()
 
     def _open_snapshots(self, model: torch.nn.Module) -> Snapshots | None:

@@ -2,7 +2,7 @@
 
 After a step, each rank copies what a checkpoint at that step would hold (rank 0's part:
 model, optimizer, step, byte totals, data position, RNG; every rank's part: its error
-feedback and codec state) into one of two slot files in its node's keeper directory on
+feedback and codec state) into one of its few slot files in its node's keeper directory on
 shared memory (:class:`rayzip.keeper.Keeper`). The copy is one pass over the tensors, on the
 training thread, so the step is not over before its snapshot is: a worker killed at any
 moment leaves the previous slot, or this one, committed. A slot is committed by the last
@@ -24,11 +24,13 @@ commit (a "sealed" slot); a reader checks it where it is written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections import OrderedDict
 import mmap
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -42,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..keeper import HEADER, HEADER_BYTES, MAGIC, Keeper, keeper_name, keeper_prefix
-from .checkpoints import Parts, write_taken
+from .checkpoints import Parts, take_parts, write_taken
 
 __all__ = ["SnapshotError", "Snapshots", "decode_nest", "find_keepers", "keeper_actor", "read_slot", "start_keeper",
            "write_slot"]
@@ -350,11 +352,15 @@ class Snapshots:
         are off still goes through :meth:`take`, for the agreement on the interval)."""
         return forced or (step + 1) % self.every == 0
 
-    def take(self, step: int, parts: Callable[[], Parts], step_s: float) -> float:
-        """Write this rank's ``parts()`` of ``step`` into the next slot; the seconds it took."""
+    def take(self, step: int, trainer: Callable[[], dict], state, step_s: float) -> float:
+        """Write this rank's parts of ``step`` into the next slot (:func:`take_parts`: rank 0's
+        ``trainer()``, here on the first rank of every node too, and the hook's ``state``);
+        the seconds it took."""
         t0 = time.perf_counter()
         if self.enabled:
-            self._write(step, parts())
+            parts = take_parts(0 if self.writes_trainer else self.rank, self.world, trainer, state)
+            parts.rank = self.rank
+            self._write(step, parts)
         took = time.perf_counter() - t0
         self.total_s += took
         self.taken += 1
@@ -472,6 +478,20 @@ class Snapshots:
                   "resuming from storage")
             return -1
         return high
+
+    @contextlib.contextmanager
+    def newest_checkpoint(self):
+        """The newest complete snapshot (:meth:`newest`, every rank together) as a Ray Train
+        checkpoint in a folder removed afterwards, or None."""
+        import ray.train
+
+        found = self.newest()
+        directory = self.checkpoint(*found) if found is not None else None
+        try:
+            yield ray.train.Checkpoint.from_directory(str(directory)) if directory is not None else None
+        finally:
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
 
     def checkpoint(self, step: int, owners: dict[str, tuple[str, str]]) -> Path:
         """Step ``step``'s parts, read (from this node's folder, else through its node's

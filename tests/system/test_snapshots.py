@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 from pathlib import Path
 
 import torch
 
 from rayzip import checkpoint
+from rayzip.bench.chaos import killer
 from rayzip.keeper import default_root
 from rayzip.runner import run_job
 from rayzip.spec import load_spec
@@ -43,16 +43,7 @@ def test_five_killed_workers_lose_no_step_and_end_bitwise_equal(local_ray, tmp_p
 
     # Not near the end: the last step takes no snapshot (its checkpoint goes to storage), so a
     # kill there redoes it.
-    kill_at = sorted(random.Random(48).sample(range(20, STEPS - 150), 5))
-    killed: list[tuple[int, int]] = []
-
-    def kill(metrics: dict) -> None:
-        # The driver polls every 0.5 s: each kill lands at whatever step rank 0 is on then,
-        # anywhere inside it (forward, backward, the exchange, the snapshot).
-        if kill_at and metrics["step"] >= kill_at[0] and metrics["pid"] not in {pid for _, pid in killed}:
-            kill_at.pop(0)
-            killed.append((metrics["step"], metrics["pid"]))
-            os.kill(metrics["pid"], signal.SIGKILL)
+    kill, killed = killer(random.Random(48).sample(range(20, STEPS - 150), 5))
 
     summary = run_job(_digits("snap-killed", snapshots=True), storage_path=str(tmp_path / "killed"),
                       on_progress=kill)
@@ -92,17 +83,10 @@ def test_local_steps_killed_inside_a_round_lose_no_step_and_end_bitwise_equal(lo
     optimizer and the round's state, so a kill inside a round loses nothing either (H + 1
     slots: the rank left alive runs on to the round's end)."""
     plain = run_job(_local("snap-local-plain", snapshots=False), storage_path=str(tmp_path / "plain"))
-    killed: list[tuple[int, int]] = []
-
-    def kill(metrics: dict) -> None:
-        # Two kills, each at the first step the driver sees past a mark that is early in a
-        # round (rounds end at every 10th step). Rank 0 seen at a round's last step is
-        # likely waiting in the synchronization, where a kill would land between rounds.
-        marks = (65, 143)
-        if len(killed) < len(marks) and metrics["step"] >= marks[len(killed)] and \
-                1 <= metrics["step"] % 10 <= 6 and metrics["pid"] not in {pid for _, pid in killed}:
-            killed.append((metrics["step"], metrics["pid"]))
-            os.kill(metrics["pid"], signal.SIGKILL)
+    # Two kills, each at the first step the driver sees past a mark that is early in a round
+    # (rounds end at every 10th step). Rank 0 seen at a round's last step is likely waiting
+    # in the synchronization, where a kill would land between rounds.
+    kill, killed = killer((65, 143), when=lambda step: 1 <= step % 10 <= 6)
 
     summary = run_job(_local("snap-local-killed", snapshots=True), storage_path=str(tmp_path / "killed"),
                       on_progress=kill)
@@ -170,14 +154,7 @@ def _user_loop(name: str, snapshots: bool):
 def test_a_user_loop_snapshots_through_the_context_and_loses_no_step(local_ray, tmp_path):
     """`ctx.snapshot` after each step, and `ctx.restore` reads memory first."""
     plain = run_job(_user_loop("snap-user-plain", snapshots=False), storage_path=str(tmp_path / "plain"))
-    killed: list[tuple[int, int]] = []
-
-    def kill(metrics: dict) -> None:
-        marks = (150, 450)
-        if len(killed) < len(marks) and metrics["step"] >= marks[len(killed)] and \
-                metrics["pid"] not in {pid for _, pid in killed}:
-            killed.append((metrics["step"], metrics["pid"]))
-            os.kill(metrics["pid"], signal.SIGKILL)
+    kill, killed = killer((150, 450))
 
     summary = run_job(_user_loop("snap-user-killed", snapshots=True), storage_path=str(tmp_path / "killed"),
                       on_progress=kill)
