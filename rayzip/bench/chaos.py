@@ -31,18 +31,17 @@ __all__ = ["VARIANTS", "killer", "markdown_table", "run_chaos_bench"]
 VARIANTS = ("plain", "snapshots", "memory", "storage")
 
 
-def killer(steps, when: Callable[[int], bool] = lambda step: True
-           ) -> tuple[Callable[[dict], None], list[tuple[int, int]]]:
+def killer(steps) -> tuple[Callable[[dict], None], list[tuple[int, int]]]:
     """An ``on_progress`` callback for :func:`rayzip.runner.run_job` that SIGKILLs rank 0's
     worker process the first time it reports a step at or past each of ``steps`` (in order,
-    each kill a process of its own) for which ``when(step)`` holds, and the (step, pid) of
-    each kill so far. The driver polls twice a second: a kill lands at whatever step rank 0
-    is on then, anywhere inside it."""
+    each kill a process of its own), and the (step, pid) of each kill so far. The driver polls
+    twice a second: a kill lands at whatever step rank 0 is on then, anywhere inside it.
+    (:class:`rayzip.train.Faults` ``kill_after_steps`` kills at a known place instead.)"""
     pending, killed = sorted(steps), []
 
     def kill(metrics: dict) -> None:
         step = metrics["step"]
-        if pending and step >= pending[0] and when(step) and metrics["pid"] not in {pid for _, pid in killed}:
+        if pending and step >= pending[0] and metrics["pid"] not in {pid for _, pid in killed}:
             pending.pop(0)
             killed.append((metrics["step"], metrics["pid"]))
             os.kill(metrics["pid"], signal.SIGKILL)

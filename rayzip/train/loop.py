@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -109,6 +110,7 @@ class _Run:
     resumed_from: int = 0  # the step this attempt started at
     snapshots: Snapshots | None = None  # this rank's in-memory snapshots, where the mode takes them
     resumed_source: str = "start"  # start, memory (a snapshot) or storage (a checkpoint)
+    faults: Faults = field(default_factory=Faults)
     checkpoint_steps: dict = field(default_factory=dict)  # checkpoint directory -> its step, until reported
     uploading_step: int | None = None  # the last checkpoint handed to Ray Train, maybe not yet registered
     reported_step: int | None = None  # the last checkpoint Ray Train has taken from this attempt
@@ -137,7 +139,7 @@ def run_task(spec: JobSpec, config: dict, task: Task, exchange: Exchange) -> Non
                                             write_delay_s=faults.checkpoint_write_delay_s), chain=chain,
                progress=ray.get_actor(config["progress"]) if config.get("progress") and rank == 0 else None,
                started=float(config.get("t0", time.time())), resumed_from=start, snapshots=snapshots,
-               resumed_source=source)
+               resumed_source=source, faults=faults)
     if exchange.only_step_changes_weights:
         run.checkpoints.guard(exchange.optimizer)
     try:
@@ -274,6 +276,8 @@ def _after_step(spec: JobSpec, task: Task, exchange: Exchange, telemetry: Teleme
     metrics.update({"checkpoint_stall_s": totals.checkpoint_stall_s, "resumed_from": run.resumed_from,
                     "checkpoint_reported_step": run.reported_step, "checkpoint_uploading_step": run.uploading_step,
                     "checkpoint_pending_step": run.checkpoint_steps.get(checkpoints.pending)})
+    if rank == 0 and step in run.faults.kill_after_steps:
+        os.kill(os.getpid(), signal.SIGKILL)
     if rank == 0:
         for directory in ready:
             sizes = inspect_checkpoint(directory / "trainer")

@@ -15,6 +15,8 @@ from rayzip import checkpoint
 from rayzip.runner import run_job
 from rayzip.spec import JobSpec
 
+from two_nodes import two_node_ray
+
 
 def _spec(name: str, compression: dict, **sections) -> JobSpec:
     return JobSpec.model_validate({**sections,
@@ -120,14 +122,7 @@ def test_local_steps_on_shards_lose_a_node_and_go_on_with_half_the_workers(tmp_p
     shard group. Removing the second node, 3 steps after a reported checkpoint, restarts the
     group on the first alone: DCP reshards the model, the inner optimizer (node 0's) and
     the outer momentum onto the 2 workers left, and training goes on to the end."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    try:
-        second = cluster.add_node(num_cpus=1)
-        ray.init(address=cluster.address)
-        cluster.wait_for_nodes()
+    with two_node_ray() as (cluster, second):
         spec = _spec("hsdp-local-resize", {"codec": "group_topk", "density": 0.05},
                      local_steps={"enabled": True, "every": 5})
         spec = spec.model_copy(update={"scaling": spec.scaling.model_copy(update={"min_workers": 2,
@@ -141,9 +136,6 @@ def test_local_steps_on_shards_lose_a_node_and_go_on_with_half_the_workers(tmp_p
                 cluster.remove_node(second)
 
         summary = run_job(spec, storage_path=str(tmp_path), on_progress=remove_node_once)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     assert removed["world"] == 4 and summary["world_size"] == 2, (removed, summary["world_size"])
     assert summary["restarts"] == 1 and summary["steps"] == 20, summary["resumes"]
     (resume,) = summary["resumes"]

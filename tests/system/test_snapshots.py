@@ -15,9 +15,11 @@ from rayzip import checkpoint
 from rayzip.bench.chaos import killer
 from rayzip.keeper import default_root
 from rayzip.runner import run_job
+from rayzip.train import Faults
 from rayzip.spec import load_spec
 
 from paths import ROOT
+from two_nodes import two_node_ray
 
 STEPS = 500
 
@@ -83,16 +85,15 @@ def test_local_steps_killed_inside_a_round_lose_no_step_and_end_bitwise_equal(lo
     optimizer and the round's state, so a kill inside a round loses nothing either (H + 1
     slots: the rank left alive runs on to the round's end)."""
     plain = run_job(_local("snap-local-plain", snapshots=False), storage_path=str(tmp_path / "plain"))
-    # Two kills, each at the first step the driver sees past a mark that is early in a round
-    # (rounds end at every 10th step). Rank 0 seen at a round's last step is likely waiting
-    # in the synchronization, where a kill would land between rounds.
-    kill, killed = killer((65, 143), when=lambda step: 1 <= step % 10 <= 6)
-
+    # Rank 0 kills itself after steps inside two rounds (rounds end at every 10th step): a
+    # kill from the driver lands where rank 0 spends its time, which on a loaded machine is
+    # the synchronization between rounds.
+    kills = (65, 143)
     summary = run_job(_local("snap-local-killed", snapshots=True), storage_path=str(tmp_path / "killed"),
-                      on_progress=kill)
-    assert len(killed) == 2 and summary["restarts"] == 2, (killed, summary["resumes"])
-    # At least one resumed inside a round (a round starts at a multiple of 10).
-    assert any(r["resumed_at"] % 10 for r in summary["resumes"]), summary["resumes"]
+                      faults=Faults(kill_after_steps=kills))
+    assert summary["restarts"] == 2, summary["resumes"]
+    # Each resumed at the step after its kill, inside its round.
+    assert [r["resumed_at"] for r in summary["resumes"]] == [k + 1 for k in kills], summary["resumes"]
     for resume in summary["resumes"]:
         assert resume["source"] == "memory" and resume["steps_lost"] == 0, summary["resumes"]
     mine, theirs = _final_weights(summary), _final_weights(plain)
@@ -106,14 +107,7 @@ def test_a_lost_node_resumes_from_the_surviving_keepers_snapshot(tmp_path):
     worker left, resumes from the surviving keeper's snapshot of the last step (its weights,
     optimizer and data position; the lost rank's error feedback is dropped), not from
     storage, and trains to the end."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    try:
-        second = cluster.add_node(num_cpus=1)
-        ray.init(address=cluster.address)
-        cluster.wait_for_nodes()
+    with two_node_ray() as (cluster, second):
         spec = _digits("snap-node-lost", snapshots=True)
         spec = spec.model_copy(update={
             "training": spec.training.model_copy(update={"steps": 300}),
@@ -126,9 +120,6 @@ def test_a_lost_node_resumes_from_the_surviving_keepers_snapshot(tmp_path):
                 cluster.remove_node(second)
 
         summary = run_job(spec, storage_path=str(tmp_path), on_progress=remove_node_once)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     assert removed["world"] == 2 and summary["world_size"] == 1, (removed, summary["world_size"])
     assert summary["restarts"] == 1 and summary["steps"] == 300, summary["resumes"]
     (resume,) = summary["resumes"]
