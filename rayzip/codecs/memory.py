@@ -101,6 +101,18 @@ class ErrorFeedback:
         self.residuals[name] = residual
         return payload
 
+    def add_back(self, name: str, indices, values, scale: float = 1.0) -> None:
+        """Return to the residual of ``name`` entries of its last payload (global ``indices``,
+        ``values`` as sent, at ``scale``) that the collective left out of the sum
+        (:class:`rayzip.comm.BalancedAllReduce`): they are sent later, as if the codec had
+        not picked them."""
+        if not len(indices):
+            return
+        residual = self.residuals[name]
+        xp = array_module(residual)
+        # The residual is this step's own array (encode replaced it), so snapshot() holds.
+        residual[_on(indices, xp)] += _on(values, xp) / scale if scale != 1.0 else _on(values, xp)
+
     def snapshot(self) -> dict:
         """The state as it is now, to :meth:`restore` if this step is dropped on every rank.
         Costs nothing: encode replaces arrays instead of writing into them."""
@@ -385,6 +397,9 @@ class NoMemory(ErrorFeedback):
 
     def update(self, name: str, compensated, decoded) -> None:
         pass
+
+    def add_back(self, name: str, indices, values, scale: float = 1.0) -> None:
+        pass  # nothing is held: what the collective leaves out is lost, as the codec's drop is
 
     def encode(self, codec, name: str, x, scale: float = 1.0):
         return codec.encode(x * scale if scale != 1.0 else x)

@@ -6,12 +6,17 @@
   (``topk``, ``group_topk``, ``randomk``).
 * :class:`AllGather`: gather every payload, decode each, average locally (any codec; the
   only choice for ``qsgd`` and ``dct_quant``, which cannot be summed compressed).
+* :class:`BalancedAllReduce`: balanced sparse reduce-scatter, the sum cut back to about k
+  entries, all-gather (sparse codecs; :mod:`rayzip.comm.balanced`): bytes per worker flat
+  in the number of workers. What it cuts goes back to each rank's error feedback.
 
 Usage::
 
     communicator = make_communicator("auto", codec, Transport())
     payload = codec.encode(grad * communicator.input_scale)     # allreduce: each rank sends grad / n
-    average = communicator.average(codec, payload)              # flat float32, same device
+    average = communicator.average(codec, payload, "seg0")      # flat float32, same device
+    if communicator.feeds_back:                                  # what the sum left out of mine
+        memory.add_back("seg0", *communicator.take_dropped("seg0"), scale=communicator.input_scale)
 """
 
 from __future__ import annotations
@@ -23,15 +28,23 @@ import torch
 from ..codecs import Codec, CodecError, Payload
 from ..codecs.sparse import summed_value_bytes, summed_value_dtype
 from ..xp import array_module, as_array, to_torch
-from .cost import Cost, Link, collective_costs
+from .balanced import Plan, balanced_sparse_allreduce
+from .cost import Cost, Link, collective_costs, kept_entries
 from .ring import chunk_nbytes, sparse_ring_allreduce
 from .transport import HEADER_BYTES, Transport, ring_allreduce_bytes
 
-__all__ = ["AllGather", "AllReduce", "COLLECTIVES", "Communicator", "Ring", "choose_collective",
-           "make_communicator"]
+__all__ = ["AllGather", "AllReduce", "BalancedAllReduce", "COLLECTIVES", "Communicator", "Ring",
+           "choose_collective", "make_communicator"]
+
 
 class Communicator:
+    """Args of :meth:`average` and :meth:`start`: the codec, this rank's payload, and the
+    segment's name (collectives that keep state per segment key it by the name)."""
+
     name = ""
+    # Whether the mean leaves out some of what the ranks sent (beyond the codec's own loss):
+    # then take_dropped(segment) gives this rank's share of it, for its error feedback.
+    feeds_back = False
 
     def __init__(self, transport: Transport):
         self.transport = transport
@@ -41,20 +54,37 @@ class Communicator:
         """What the caller multiplies a gradient by before encoding it for :meth:`average`."""
         return 1.0
 
-    def average(self, codec: Codec, payload: Payload):
+    def average(self, codec: Codec, payload: Payload, segment: str = ""):
         """The mean over all workers of the decoded payloads (encoded at ``input_scale``)."""
         raise NotImplementedError
 
-    def start(self, codec: Codec, payload: Payload) -> Callable[[], Any]:
+    def start(self, codec: Codec, payload: Payload, segment: str = "") -> Callable[[], Any]:
         """Begin :meth:`average`; the returned call finishes it and gives the mean. Between
         the two, the caller may encode and agree on the next segment (every rank in the
         same order) while this payload is on the wire. By default all the work is done here."""
-        average = self.average(codec, payload)
+        average = self.average(codec, payload, segment)
         return lambda: average
 
     def documented_bytes(self, codec: Codec, payload: Payload) -> int:
         """What the last ``average`` of ``payload`` should have sent, by the wire formulas."""
         raise NotImplementedError
+
+    def expected(self, mean, segment: str = ""):
+        """What the last :meth:`average` of ``segment`` should equal, given the exact mean of
+        every rank's decoded payload (verify mode's reference)."""
+        return mean
+
+    def take_dropped(self, segment: str) -> tuple[Any, Any]:
+        """(global indices, values) of this rank's payload that the last :meth:`average` of
+        ``segment`` left out, in the payload's units; forgotten once taken."""
+        raise NotImplementedError(f"the {self.name} collective drops nothing")
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the next steps' results depend on (for checkpoints): nothing by default."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 class AllReduce(Communicator):
@@ -67,7 +97,7 @@ class AllReduce(Communicator):
     def input_scale(self) -> float:
         return 1.0 / self.transport.world
 
-    def average(self, codec, payload):
+    def average(self, codec, payload, segment=""):
         # A zero-copy view: the in-place sum lands in the payload itself, which then decodes.
         tensor = to_torch(payload.arrays["values"])
         if codec.name == "bf16":  # bf16 travels as its uint16 bit pattern
@@ -82,10 +112,10 @@ class AllReduce(Communicator):
 class AllGather(Communicator):
     name = "allgather"
 
-    def average(self, codec, payload):
+    def average(self, codec, payload, segment=""):
         return self.start(codec, payload)()
 
-    def start(self, codec, payload):
+    def start(self, codec, payload, segment=""):
         gathered = self.transport.start_all_gather(to_torch(payload.to_array()))
         return lambda: self._sum(codec, payload, gathered())
 
@@ -113,7 +143,7 @@ class AllGather(Communicator):
 class Ring(Communicator):
     name = "ring"
 
-    def average(self, codec, payload):
+    def average(self, codec, payload, segment=""):
         indices, values = codec.to_coo(payload)
         self.sent: list[tuple[int, int]] = []
         total = sparse_ring_allreduce(indices, values, payload.numel, self.transport,
@@ -131,7 +161,56 @@ class Ring(Communicator):
         return summed_value_dtype(codec.value_dtype or "fp32")
 
 
-COLLECTIVES = {cls.name: cls for cls in (AllReduce, AllGather, Ring)}
+class BalancedAllReduce(Ring):
+    """:func:`~rayzip.comm.balanced.balanced_sparse_allreduce`: about k entries of the sum
+    reach every rank, k the codec's own count for the segment; each rank's entries that the
+    sum left out wait in its error feedback (:meth:`take_dropped`)."""
+
+    name = "balanced"
+    feeds_back = True
+
+    def __init__(self, transport: Transport):
+        super().__init__(transport)
+        self.plans: dict[str, Plan] = {}
+        self.kept: dict[str, Any] = {}
+        self.dropped: dict[str, tuple[Any, Any]] = {}
+
+    def average(self, codec, payload, segment=""):
+        indices, values = codec.to_coo(payload)
+        plan = self.plans.setdefault(segment, Plan())
+        self.sent = []
+        total, kept = balanced_sparse_allreduce(indices, values, payload.numel, self.transport, plan,
+                                                kept_entries(codec, payload.numel),
+                                                value_dtype=self._value_dtype(codec), sent=self.sent)
+        xp = array_module(values)
+        left_out = ~xp.isin(indices, kept)
+        self.kept[segment] = kept
+        self.dropped[segment] = (indices[left_out], values[left_out])
+        total /= self.transport.world
+        return total
+
+    def expected(self, mean, segment=""):
+        out = torch.zeros_like(mean)
+        kept = to_torch(self.kept[segment]).to(mean.device)
+        out[kept] = mean[kept]
+        return out
+
+    def take_dropped(self, segment):
+        return self.dropped.pop(segment)
+
+    def documented_bytes(self, codec, payload):
+        value_bytes = summed_value_bytes(codec)
+        return sum(HEADER_BYTES + chunk_nbytes(span, span if entries < 0 else entries, value_bytes, coded=True)[0]
+                   for span, entries in self.sent)
+
+    def state_dict(self):
+        return {"plans": {name: plan.state_dict() for name, plan in self.plans.items()}}
+
+    def load_state_dict(self, state):
+        self.plans = {name: Plan.from_state(saved) for name, saved in (state or {}).get("plans", {}).items()}
+
+
+COLLECTIVES = {cls.name: cls for cls in (AllReduce, AllGather, Ring, BalancedAllReduce)}
 
 
 def choose_collective(requested: str, codec: Codec, sizes: list[int] | None = None, world: int | None = None,
@@ -148,8 +227,8 @@ def choose_collective(requested: str, codec: Codec, sizes: list[int] | None = No
             for name, cost in collective_costs(codec, numel, world).items():
                 totals[name] = totals[name] + cost if name in totals else cost
         return min(totals, key=lambda name: (totals[name].seconds(link), totals[name].bytes, name))
-    if requested == "ring" and not codec.sparse:
-        raise CodecError(f"the ring collective needs a sparse codec (topk, group_topk, randomk), not {codec.name}")
+    if requested in ("ring", "balanced") and not codec.sparse:
+        raise CodecError(f"the {requested} collective needs a sparse codec (topk, group_topk, randomk), not {codec.name}")
     if requested == "allreduce" and not codec.summable:
         raise CodecError(f"{codec.name} payloads cannot be summed in compressed form; use allgather")
     if requested not in COLLECTIVES:

@@ -15,6 +15,12 @@ For a gradient of ``numel`` entries over n workers:
   entries, independently placed, the union of s holds 1 - (1 - d)^s: the fill-in that makes
   the ring's cost grow with n (15% at d = 1%, n = 16). Workers whose selections overlap fill
   in less, so the model is an upper bound for the ring.
+* balanced (sparse codecs: :mod:`rayzip.comm.balanced`): n-1 direct sends of this worker's
+  entries in each other worker's region, then n-1 all-gather steps of one region's kept
+  entries each; with k kept of ``numel`` and regions holding k/n each, every message holds
+  k/n entries of a numel/n span: 2(n-1) messages of that, whatever the fill-in. The sum's
+  cut back to k is what makes it flat in n (about 2k entries at any n, against the ring's
+  union of n), at the price of the entries it cuts waiting in error feedback.
 
 Usage::
 
@@ -30,7 +36,7 @@ from ..codecs.sparse import summed_value_bytes
 from .ring import chunk_nbytes
 from .transport import HEADER_BYTES, ring_allreduce_bytes
 
-__all__ = ["Cost", "Link", "collective_costs", "ring_cost"]
+__all__ = ["Cost", "Link", "balanced_cost", "collective_costs", "kept_entries", "ring_cost"]
 
 
 @dataclass(frozen=True)
@@ -73,9 +79,31 @@ def ring_cost(numel: int, density: float, world: int, value_bytes: int) -> Cost:
     return Cost(total // world + steps * HEADER_BYTES, 2 * steps)
 
 
+def kept_entries(codec, numel: int) -> int:
+    """How many entries a sparse ``codec`` keeps of ``numel``: the same on every rank."""
+    return {f.name: f for f in codec.wire_fields(numel)}["values"].count
+
+
+def balanced_cost(numel: int, kept: int, world: int, value_bytes: int) -> Cost:
+    """The balanced sparse allreduce's expected cost, ``kept`` entries of the sum kept and
+    each worker sending as many (see the module docstring)."""
+    if world < 2:
+        return Cost(0, 0)
+    total = 0
+    for c in range(world):  # equal regions, each holding its share of the kept entries
+        span = (c + 1) * numel // world - c * numel // world
+        share = (c + 1) * kept // world - c * kept // world
+        total += chunk_nbytes(span, min(span, share), value_bytes, coded=True)[0]
+    # Each worker sends every region but one twice (its entries there, then that region's
+    # kept entries on their way round), averaged over the workers: 2(n-1)/n of the total.
+    steps = 2 * (world - 1)
+    return Cost(2 * (world - 1) * total // world + steps * HEADER_BYTES, 2 * steps)
+
+
 def collective_costs(codec, numel: int, world: int) -> dict[str, Cost]:
     """The cost of every collective that can carry ``codec``'s payloads of ``numel``
-    entries among ``world`` workers, by name (``allreduce``, ``allgather``, ``ring``)."""
+    entries among ``world`` workers, by name (``allreduce``, ``allgather``, ``ring``,
+    ``balanced``)."""
     fields = {f.name: f for f in codec.wire_fields(numel)}
     costs = {"allgather": Cost((world - 1) * codec.wire_nbytes(numel), world - 1)}
     if codec.summable:  # only the values are summed (randomk's seed stays home)
@@ -84,6 +112,7 @@ def collective_costs(codec, numel: int, world: int) -> dict[str, Cost]:
         # bytes at n = 2), and its sum is what every other rayzip path computes.
         del costs["allgather"]
     if codec.sparse:
-        costs["ring"] = ring_cost(numel, fields["values"].count / numel if numel else 0.0, world,
-                                  summed_value_bytes(codec))
+        kept = kept_entries(codec, numel)
+        costs["ring"] = ring_cost(numel, kept / numel if numel else 0.0, world, summed_value_bytes(codec))
+        costs["balanced"] = balanced_cost(numel, kept, world, summed_value_bytes(codec))
     return costs

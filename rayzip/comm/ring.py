@@ -13,7 +13,10 @@ Chunk wire format, for a chunk spanning ``span`` entries with ``nnz`` present an
   ``offsets`` (uint16, nnz, position inside the block): 4*ceil(span/65536) + nnz*(v + 2)
   bytes. Values come before the offsets so that every field starts aligned for its type
   (after an odd count of uint16 offsets, fp32 values would not be, which cupy refuses);
-* dense: ``values`` (span): span*v bytes, used when that is no larger.
+* dense: ``values`` (span): span*v bytes, used when that is no larger;
+* coded (the balanced collective's, :mod:`rayzip.comm.balanced`): ``values`` (nnz), then the
+  offsets Elias-Fano coded over the span (:mod:`rayzip.codecs.elias_fano`): about
+  2 + log2(span / nnz) bits an offset, against 16 plus the block counts.
 
 Every chunk is preceded by a 16-byte header (byte count, entry count or -1 when dense).
 """
@@ -26,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from .. import cuda
+from ..codecs import elias_fano
 from ..codecs.sparse import VALUE_DTYPES, coo_sum
 from ..xp import array_module, as_array, to_torch
 
@@ -34,9 +38,13 @@ __all__ = ["Chunk", "chunk_nbytes", "sparse_ring_allreduce"]
 BLOCK = 1 << 16
 
 
-def chunk_nbytes(span: int, nnz: int, value_bytes: int) -> tuple[int, bool]:
-    """(bytes on the wire, dense?) for a chunk: the smaller of the two encodings."""
-    sparse = 4 * (-(-span // BLOCK)) + nnz * (2 + value_bytes)
+def chunk_nbytes(span: int, nnz: int, value_bytes: int, coded: bool = False) -> tuple[int, bool]:
+    """(bytes on the wire, dense?) for a chunk: the smaller of the two encodings (with
+    ``coded``, the sparse one's offsets Elias-Fano coded)."""
+    if coded:
+        sparse = nnz * value_bytes + sum(elias_fano.nbytes(1, nnz, span))
+    else:
+        sparse = 4 * (-(-span // BLOCK)) + nnz * (2 + value_bytes)
     dense = span * value_bytes
     return (dense, True) if dense <= sparse else (sparse, False)
 
@@ -78,25 +86,33 @@ class Chunk:
         out[self.indices] = self.values
         return out
 
-    def pack(self, value_dtype: str):
+    def pack(self, value_dtype: str, coded: bool = False):
         """(uint8 wire bytes, entry count or -1 when dense)."""
         xp = array_module(self.values)
         wire_dtype = VALUE_DTYPES[value_dtype]
         vbytes = np.dtype(wire_dtype).itemsize
         nnz = self.span if self.dense else int(self.indices.size)
-        _, send_dense = chunk_nbytes(self.span, nnz, vbytes)
+        _, send_dense = chunk_nbytes(self.span, nnz, vbytes, coded)
         if send_dense:
             return _bytes(_narrow(self.to_dense(xp), value_dtype), xp), -1
+        if coded:
+            low, high = elias_fano.encode(self.indices.reshape(1, -1), self.span, xp)
+            return xp.concatenate([_bytes(_narrow(self.values, value_dtype), xp), low, high]), nnz
         counts = xp.bincount(self.indices >> 16, minlength=-(-self.span // BLOCK)).astype("<u4")
         parts = [counts, _narrow(self.values, value_dtype), (self.indices & 0xFFFF).astype("<u2")]
         return xp.concatenate([_bytes(p, xp) for p in parts]), nnz
 
     @classmethod
-    def unpack(cls, buf, span: int, entries: int, value_dtype: str) -> "Chunk":
+    def unpack(cls, buf, span: int, entries: int, value_dtype: str, coded: bool = False) -> "Chunk":
         xp = array_module(buf)
         wire_dtype = VALUE_DTYPES[value_dtype]
         if entries < 0:
             return cls(span, None, buf.view(wire_dtype).astype(xp.float32))
+        if coded:
+            vbytes = np.dtype(wire_dtype).itemsize * entries
+            low_bytes, _ = elias_fano.nbytes(1, entries, span)
+            offsets = elias_fano.decode(buf[vbytes:vbytes + low_bytes], buf[vbytes + low_bytes:], 1, entries, span, xp)
+            return cls(span, offsets.reshape(-1), buf[:vbytes].view(wire_dtype).astype(xp.float32))
         blocks = -(-span // BLOCK)
         vbytes = np.dtype(wire_dtype).itemsize
         counts = buf[: 4 * blocks].view("<u4")

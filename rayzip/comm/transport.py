@@ -113,13 +113,14 @@ class Transport:
             self._count(nbytes)
         return tensor
 
-    def shift(self, payload: torch.Tensor, entries: int) -> tuple[torch.Tensor, int]:
-        """Send uint8 ``payload`` to the next rank, receive the previous rank's.
+    def shift(self, payload: torch.Tensor, entries: int, distance: int = 1) -> tuple[torch.Tensor, int]:
+        """Send uint8 ``payload`` to the rank ``distance`` ahead, receive the one as far behind's.
 
         A header with the byte count and ``entries`` goes first so the receiver can size its
         buffer; returns the received bytes and the sender's ``entries``.
         """
-        nxt, prev = self._global((self.rank + 1) % self.world), self._global((self.rank - 1) % self.world)
+        nxt = self._global((self.rank + distance) % self.world)
+        prev = self._global((self.rank - distance) % self.world)
         wire = torch.device("cpu") if self._host_p2p else self.device
         header = torch.tensor([payload.numel(), entries], dtype=torch.int64, device=wire)
         incoming = torch.empty(HEADER_INTS, dtype=torch.int64, device=wire)

@@ -306,17 +306,28 @@ class GradientExchange(Knobs):
         stats.numel += grad.numel()
         stats.buckets.append(grad.numel())
         if hierarchy is None:
-            pending = communicator.start(codec, payload)
+            pending = communicator.start(codec, payload, name)
             if not self.config.verify:  # the caller finishes it once the next segment is under way
-                return lambda: _checked(to_torch(pending()), communicator, codec), None
-            average = to_torch(pending())
+                return lambda: _checked(self._fed_back(name, communicator, pending), communicator, codec), None
+            average = self._fed_back(name, communicator, pending)
         else:  # one node alone: its sum is already everyone's mean
-            average = to_torch(communicator.average(codec, payload)) if payload is not None else grad
+            if payload is not None:
+                average = self._fed_back(name, communicator, lambda: communicator.average(codec, payload, name))
+            else:
+                average = grad
             average = hierarchy.broadcast(average.to(torch.float32).contiguous())
         result = _checked(average, communicator, codec)
         if self.config.verify and result[1] is None:
-            verify_segment(stats, communicator, codec, payload, average, control, hierarchy, grad.numel())
+            verify_segment(stats, communicator, codec, payload, average, control, hierarchy, grad.numel(), name)
         return lambda: result, None
+
+    def _fed_back(self, name: str, communicator, finish) -> torch.Tensor:
+        """``finish()``'s average; what the collective left out of this rank's payload goes
+        back to its error feedback (a skipped step restores the memory as it was anyway)."""
+        average = to_torch(finish())
+        if communicator.feeds_back:
+            self.encoder.memory.add_back(name, *communicator.take_dropped(name), scale=communicator.input_scale)
+        return average
 
     def agree(self, bad: int = 0, failure: Exception | None = None):
         """(the control word agreed by every rank, the bytes it cost); raises on every rank
@@ -364,7 +375,8 @@ class GradientExchange(Knobs):
 
     def state_dict(self) -> dict:
         return {"step": self.step, "enabled": self.enabled, "density": self.density, **self.encoder.state_dict(),
-                "totals": dict(self.totals), "drained": self.drained}
+                "totals": dict(self.totals), "drained": self.drained,
+                "collective": self.communicator.state_dict() if self.communicator is not None else {}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; residuals and velocities land on this engine's device,
@@ -376,6 +388,8 @@ class GradientExchange(Knobs):
         self.encoder.load_state_dict(state, self.segments, self.numel, like=torch.empty(0, device=self.transport.device))
         self.totals.update(state.get("totals", {}))
         self.drained = bool(state.get("drained", False))
+        if self.communicator is not None:  # a plan made for another world size or layout is not used
+            self.communicator.load_state_dict(state.get("collective") or {})
 
 
 def _checked(average: torch.Tensor, communicator, codec):

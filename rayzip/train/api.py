@@ -117,7 +117,7 @@ def prepare_model(model: torch.nn.Module,
     if isinstance(compression, CompressionSpec):
         if compression.collective == "ps":
             raise ValueError("collective ps runs parameter-server shards, which `rayzip run` starts; "
-                             "in your own loop, choose auto, ring, allreduce or allgather")
+                             "in your own loop, choose auto, ring, balanced, allreduce or allgather")
         compression = compression.to_config()
     if compression is not None:
         warn_for_optimizer(compression, optimizer)

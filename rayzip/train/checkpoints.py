@@ -156,7 +156,9 @@ def restore_hook(path: Path, rank: int, world: int, trainer: dict, state) -> Non
             memory = {} if mine is None else \
                 reshard_state({i: h["memory"] for i, h in saved.items()}, old_count, mine[1], mine[0])
             # Re-sharded velocities differ between ranks: no longer the dense steps' shared ones.
-            state.load_state_dict({**template, "memory": memory, "drained": False})
+            # A collective's plans (the balanced allreduce's regions) start afresh on every
+            # rank alike: the templates may come from different old ranks.
+            state.load_state_dict({**template, "memory": memory, "drained": False, "collective": {}})
         print(f"rayzip: rank {rank}: world size {old_world} -> {world}: error feedback re-sharded from "
               f"rank(s) {sorted(parts) or 'none'}")
     state.step = trainer["step"] + 1

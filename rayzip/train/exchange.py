@@ -478,7 +478,7 @@ class _LocalState:
         if compression is not None:
             memory = {r: parts[r][key]["compression"]["memory"] for r in sharded}
             compression = {**compression, "memory": reshard_state(memory, old_world, self.world, self.rank),
-                           "drained": False}
+                           "drained": False, "collective": {}}
         self._load(saved, compression)  # between synchronizations: the donor's own parameters
         print(f"rayzip: rank {self.rank}: world size {old_world} -> {self.world}: local steps resume from rank "
               f"{donor}'s inner optimizer; error feedback re-sharded")

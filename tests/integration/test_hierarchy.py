@@ -69,11 +69,13 @@ def test_dense_hierarchy_gives_the_mean_of_every_worker(nodes):
         assert all(np.array_equal(results[0][0][step][0], r[0][step][0]) for r in results)
 
 
-def test_compressed_hierarchy_is_the_flat_exchange_of_node_shares_bitwise():
+@pytest.mark.parametrize("collective", ["allgather", "balanced"])
+def test_compressed_hierarchy_is_the_flat_exchange_of_node_shares_bitwise(collective):
     """Four workers on two nodes send what two workers holding their nodes' shares send, and
-    average to the same bits, step after step (error feedback included)."""
+    average to the same bits, step after step (error feedback included: with the balanced
+    allreduce, what its cut hands back to the leaders' memory)."""
     nodes = ["a", "a", "b", "b"]
-    spec = {"codec": "group_topk", "density": 0.05, "collective": "allgather", "verify": True}
+    spec = {"codec": "group_topk", "density": 0.05, "collective": collective, "verify": True}
     hier = run_world(_run, 4, {**spec, "hierarchy": "node"}, nodes, _grad, 3, timeout_s=120)
     flat = run_world(_run, 2, {**spec, "hierarchy": "none"}, None, functools.partial(_node_share, nodes), 3, timeout_s=120)
     assert [h for _, h in hier] == [(2, True, 2), (2, False, 2), (2, True, 2), (2, False, 2)]
@@ -94,8 +96,8 @@ def test_compressed_hierarchy_is_the_flat_exchange_of_node_shares_bitwise():
             expected = sum(ring_allreduce_bytes(4 * n, 2) + ring_allreduce_bytes(8, 2) + (4 * n if leader else 0)
                            for n in SIZES)
             assert local == expected
-            if leader:
-                assert err is not None and err < 1e-5
+            if leader:  # the balanced allreduce's sums travel in fp16 (group top-k's value type)
+                assert err is not None and err < (1e-5 if collective == "allgather" else 1e-2)
 
 
 def _bad_grads(rank, step):

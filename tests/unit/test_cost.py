@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rayzip.codecs import get_codec
-from rayzip.comm import Cost, Link, choose_collective, chunk_nbytes, collective_costs, ring_cost
+from rayzip.comm import Cost, Link, balanced_cost, choose_collective, chunk_nbytes, collective_costs, ring_cost
 from rayzip.comm.transport import HEADER_BYTES
 
 
@@ -42,9 +42,26 @@ def test_compression_against_a_dense_allreduce_falls_as_workers_are_added():
     assert ring_cost(numel, density, 16, 2).bytes > 15 * (1 - 0.99 ** 16) * (numel / 16) * 4
 
 
+def test_the_balanced_model_is_flat_in_the_workers_and_counts_its_messages():
+    numel, kept = 4_000_000, 40_000
+    costs = {n: balanced_cost(numel, kept, n, 2) for n in (2, 4, 8, 64, 256)}
+    for n, cost in costs.items():
+        assert cost.messages == 4 * (n - 1)  # 2(n-1) sends, each a header and a chunk
+    # About 2k(n-1)/n entries: at most about twice n = 2's (k) at any n (the headers and the
+    # offsets' bits grow a little as regions shrink), while the ring's grows with the union.
+    assert costs[2].bytes < costs[4].bytes < costs[8].bytes < costs[256].bytes < 2.1 * costs[2].bytes
+    assert costs[8].bytes < ring_cost(numel, kept / numel, 8, 2).bytes / 5
+    # Each message: k/n entries of a numel/n region, coded (Elias-Fano offsets, fp16 values).
+    span, share = numel // 4, kept // 4
+    assert costs[4].bytes == 2 * 3 * chunk_nbytes(span, share, 2, coded=True)[0] + 6 * HEADER_BYTES
+    assert chunk_nbytes(span, share, 2, coded=True)[0] < chunk_nbytes(span, share, 2)[0]
+
+
 def test_auto_picks_the_cheaper_collective_by_the_model():
     numel = 1_000_000
-    assert choose_collective("auto", get_codec("group_topk", density=0.01), [numel], 8) == "allgather"
+    assert choose_collective("auto", get_codec("group_topk", density=0.01), [numel], 8) == "balanced"
+    # At 2 workers on a fast link, gathering (one message) beats it.
+    assert choose_collective("auto", get_codec("group_topk", density=0.01), [numel], 2) == "allgather"
     assert choose_collective("auto", get_codec("randomk", density=0.01), [numel], 8) == "allreduce"
     assert choose_collective("auto", get_codec("dct_quant"), [numel], 8) == "allgather"
     assert choose_collective("auto", get_codec("none"), [numel], 2) == "allreduce"
@@ -52,7 +69,8 @@ def test_auto_picks_the_cheaper_collective_by_the_model():
     dense_topk = get_codec("topk", density=0.5, value_dtype="fp32")
     costs = collective_costs(dense_topk, numel, 2)
     assert costs["ring"].bytes < costs["allgather"].bytes
-    assert choose_collective("auto", dense_topk, [numel], 2) == "ring"
+    assert choose_collective("auto", dense_topk, [numel], 2) == "balanced"  # the sum cut back to k: less yet
+    assert costs["balanced"].bytes < costs["ring"].bytes
     # Latency counts: many tiny segments on a high-latency link favour fewer messages.
     tiny = get_codec("topk", density=0.5, value_dtype="fp32")
     slow = Link(bandwidth=1e12, latency=1.0)
