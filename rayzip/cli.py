@@ -393,11 +393,20 @@ def bench_collectives(
     codec: str = typer.Option("group_topk", help="A sparse codec: group_topk, topk or randomk."),
     density: float = typer.Option(0.01, help="Kept fraction of a sparse codec."),
     steps: int = typer.Option(8, min=3, help="Training steps per collective (the first 2 are left out)."),
+    simulate: bool = typer.Option(False, "--simulate", help="Run every worker count in this process, each rank "
+                                                            "a thread (rayzip.bench.simulate): up to hundreds."),
+    real_upto: int = typer.Option(8, help="With --simulate, also run the worker counts up to this many as real "
+                                          "gloo processes and set their bytes beside the simulated ones (0: none)."),
+    link_mbit: float = typer.Option(100.0, help="With --simulate, the link rate of the modelled step time."),
+    latency_ms: float = typer.Option(0.1, help="With --simulate, the link's latency per message."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
-    """Bytes per worker of the ring, the allgather and auto's choice, modelled and measured.
+    """Bytes per worker of the ring, the allgather, the balanced allreduce and auto's choice,
+    modelled and measured (or simulated, with --simulate).
 
     Example: rayzip bench collectives --workers 2,4,8 --json out/bench-collectives.json
+
+    Example: rayzip bench collectives --simulate --workers 2,4,8,16,64,256 --json out/bench-collectives-simulated.json
     """
     from pydantic import ValidationError
 
@@ -414,8 +423,27 @@ def bench_collectives(
     except ValidationError as exc:
         console.print(f"[red]error:[/red] {exc.errors()[0]['msg']}")
         raise typer.Exit(2)
+    worlds = [int(w) for w in parts]
+    if simulate:
+        from .bench.simulate import check_against_real, markdown_table, simulate_collectives
+        from .comm import Link
+
+        link = Link(bandwidth=link_mbit * 1e6 / 8, latency=latency_ms * 1e-3)
+        with console.status("simulating") as status:
+            report = simulate_collectives(worlds, compression, steps=steps, link=link,
+                                          progress=lambda n, c: status.update(f"{n} workers: {c}"))
+            real_worlds = [w for w in worlds if w <= real_upto]
+            if real_worlds:
+                status.update("the real run")
+                real = run_collectives_bench(real_worlds, compression, steps=steps)
+                report["against_real"] = check_against_real(report, real)
+        console.print(markdown_table(report))
+        for row in report.get("against_real", []):
+            console.print(f"{row['workers']} workers, {row['collective']}: simulated / real bytes {row['ratio']:.4f}")
+        _write_report(report, json_path)
+        return
     with console.status("benchmarking") as status:
-        report = run_collectives_bench([int(w) for w in parts], compression, steps=steps,
+        report = run_collectives_bench(worlds, compression, steps=steps,
                                        progress=lambda n: status.update(f"{n} workers"))
     console.print(render_table(report))
     _write_report(report, json_path)

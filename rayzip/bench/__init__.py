@@ -9,7 +9,7 @@ __all__ = ["markdown_table", "provenance", "write_json"]
 
 
 def markdown_table(report: dict, part: str | None = None) -> str | None:
-    """A ``bench cluster``, ``scaling``, ``collectives``, ``codecs``, ``checkpoint``,
+    """A ``bench cluster``, ``scaling``, ``collectives`` (real or ``--simulate``), ``codecs``, ``checkpoint``,
     ``sharded-checkpoint``, ``encoder`` or ``chaos`` report as
     the Markdown table the README shows (generated from the JSON, never typed); None for
     other reports, or for a ``part`` the report does not have (``stall``: a checkpoint
@@ -38,6 +38,10 @@ def markdown_table(report: dict, part: str | None = None) -> str | None:
         from .codecs import markdown_table as codecs_table
 
         return codecs_table(report)
+    if report.get("bench") == "collectives-simulated" and "rows" in report:
+        from .simulate import markdown_table as simulated_table
+
+        return simulated_table(report)
     if report.get("bench") == "collectives" and "rows" in report:
         from .collectives import markdown_table as collectives_table
 

@@ -46,8 +46,12 @@ METHODS: dict[str, dict[str, Any]] = {
     # The controller tunes group top-k's density from the workers' own reports (the Prometheus
     # path is the same policy; tests/system/test_adaptive.py runs it against a real Prometheus).
     "adaptive": {"codec": "group_topk", "density": 0.01, "collective": "ring"},
-    # Group top-k with the collective the cost model picks (allgather for 1%: rayzip.comm.cost).
+    # Group top-k with the collective the cost model picks (rayzip.comm.cost: at 1%, the
+    # allgather at 2 workers on a fast link, the balanced allreduce from 4), and with each
+    # pinned: the balanced allreduce's bytes per worker do not grow with the workers.
     "group_topk_auto": {"codec": "group_topk", "density": 0.01, "collective": "auto"},
+    "group_topk_allgather": {"codec": "group_topk", "density": 0.01, "collective": "allgather"},
+    "group_topk_balanced": {"codec": "group_topk", "density": 0.01, "collective": "balanced"},
     # Parameter-server mode: one shard per worker node, beside the worker (the nodes' one CPU
     # goes to the worker). ps pushes group top-k and pulls through the same codec; ps-dense
     # pushes and pulls fp32.
@@ -60,6 +64,7 @@ METHODS: dict[str, dict[str, Any]] = {
     # ``@auto`` tunes H (local_steps.adaptive, from H = 10 within 1 .. LOCAL_AUTO_MAX).
     "local": {"codec": "none"},
     "local_gtopk": {"codec": "group_topk", "density": 0.01, "collective": "allgather"},
+    "local_balanced": {"codec": "group_topk", "density": 0.01, "collective": "balanced"},
     "local_compact": {"codec": "group_topk", "density": 0.02, "value_dtype": "int8", "packed_indices": True,
                       "collective": "allgather"},
     # ``local_sparse@H``: group top-k at 2% with 4-bit values and Elias-Fano coded offsets:
@@ -75,7 +80,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "hsdp_local": {"codec": "group_topk", "density": 0.02, "value_dtype": "4bit", "coded_indices": True,
                    "collective": "allgather"},
 }
-LOCAL = {"local": 10, "local_gtopk": 10, "local_compact": 10, "local_sparse": 10,
+LOCAL = {"local": 10, "local_gtopk": 10, "local_balanced": 10, "local_compact": 10, "local_sparse": 10,
          "hsdp_local": 4}  # H when the method gives no @H
 SHARDED = {"hsdp", "hsdp_dct", "hsdp_local"}
 LOCAL_AUTO_MAX = 50  # @auto: the most H, and the evaluation interval (each evaluation synchronizes)

@@ -28,14 +28,28 @@ from .gloo import run_world
 
 __all__ = ["markdown_table", "render_table", "run_collectives_bench"]
 
-COLLECTIVES = ("ring", "allgather", "auto")
+COLLECTIVES = ("ring", "allgather", "balanced", "auto")
+MEASURED = ("ring", "allgather", "balanced")  # the collectives with a model and a measured column
 WIDTH = 1024  # hidden width of the MLP: 1.9M parameters, 7.5 MB of fp32 gradient
+BATCH = 64
 
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(784, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH),
                                torch.nn.ReLU(), torch.nn.Linear(WIDTH, 10))
+
+
+def _batch_source(rank: int):
+    """Rank ``rank``'s batches, one per call: its own inputs, one labelling rule for all."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    weights = torch.randn(784, 10, generator=torch.Generator().manual_seed(7))
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(BATCH, 784, generator=gen)
+        return x, (x @ weights).argmax(1)
+
+    return batch
 
 
 def _rank(rank: int, world: int, compression: dict, steps: int) -> dict[str, Any]:
@@ -46,14 +60,12 @@ def _rank(rank: int, world: int, compression: dict, steps: int) -> dict[str, Any
         ddp = torch.nn.parallel.DistributedDataParallel(_model(), **ddp_kwargs(spec))
         state = compress(ddp, spec, momentum=0.9 if spec.momentum_correction else None)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        gen = torch.Generator().manual_seed(1000 + rank)
-        teacher = torch.Generator().manual_seed(7)  # one labelling rule for every worker
-        weights = torch.randn(784, 10, generator=teacher)
+        batch = _batch_source(rank)
         sent = []
         for _ in range(steps):
-            x = torch.randn(64, 784, generator=gen)
+            x, y = batch()
             optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(ddp(x), (x @ weights).argmax(1)).backward()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
             optimizer.step()
             sent.append(state.last_step.bytes_sent - state.last_step.control_bytes)
         out[collective] = {"bytes": sent, "chosen": state.communicator.name,
@@ -73,48 +85,53 @@ def run_collectives_bench(worlds: list[int], compression: dict, steps: int = 8, 
         spec = CompressionSpec(**compression)
         codec = spec.build_codec()
         segments = ranks[0]["ring"]["segments"]
-        model = {name: sum(collective_costs(codec, n, world)[name].bytes for n in segments)
-                 for name in ("ring", "allgather")}
+        model = {name: sum(collective_costs(codec, n, world)[name].bytes for n in segments) for name in MEASURED}
         measured = {c: sum(sum(r[c]["bytes"][skip:]) for r in ranks) / (len(ranks) * (steps - skip))
                     for c in COLLECTIVES}
-        cheaper = min(measured["ring"], measured["allgather"])
-        rows.append({"workers": world, "numel": sum(segments), "segments": len(segments),
-                     "model_ring_bytes": model["ring"], "model_allgather_bytes": model["allgather"],
-                     "measured_ring_bytes": measured["ring"], "measured_allgather_bytes": measured["allgather"],
-                     "auto_chose": ranks[0]["auto"]["chosen"], "measured_auto_bytes": measured["auto"],
-                     "auto_over_cheaper": measured["auto"] / cheaper if cheaper else None,
-                     "ring_measured_over_model": measured["ring"] / model["ring"] if model["ring"] else None,
-                     "allgather_measured_over_model": (measured["allgather"] / model["allgather"]
-                                                       if model["allgather"] else None)})
+        cheaper = min(measured[c] for c in MEASURED)
+        row = {"workers": world, "numel": sum(segments), "segments": len(segments),
+               "auto_chose": ranks[0]["auto"]["chosen"], "measured_auto_bytes": measured["auto"],
+               "auto_over_cheaper": measured["auto"] / cheaper if cheaper else None}
+        for c in MEASURED:
+            row.update({f"model_{c}_bytes": model[c], f"measured_{c}_bytes": measured[c],
+                        f"{c}_measured_over_model": measured[c] / model[c] if model[c] else None})
+        rows.append(row)
     return {"bench": "collectives", "compression": compression, "steps": steps, "skipped_steps": skip,
             "model": f"MLP 784-{WIDTH}-{WIDTH}-10, synthetic batches of 64 per worker, SGD",
             "machine": platform.machine(), "python": sys.version.split()[0], "torch": torch.__version__,
             "rows": rows}
 
 
+def _columns(report: dict) -> list[tuple[str, Any]]:
+    """(heading, cell of a row) of every column: each measured collective's model and
+    measurement, then auto's choice."""
+    cols: list[tuple[str, Any]] = [("workers", lambda r: str(r["workers"]))]
+    for c in MEASURED:
+        if all(f"model_{c}_bytes" in r for r in report["rows"]):
+            cols += [(f"{c}: model", lambda r, c=c: f"{r[f'model_{c}_bytes'] / 1e3:.1f} kB"),
+                     (f"{c}: measured", lambda r, c=c: f"{r[f'measured_{c}_bytes'] / 1e3:.1f} kB")]
+    cols += [("auto chose", lambda r: r["auto_chose"]),
+             ("auto: measured", lambda r: f"{r['measured_auto_bytes'] / 1e3:.1f} kB"),
+             ("auto / cheapest measured", lambda r: f"{r['auto_over_cheaper']:.3f}")]
+    return cols
+
+
 def render_table(report: dict):
     from rich.table import Table
 
     table = Table(title=f"bytes per worker per step: {report['compression']}")
-    for col in ("workers", "ring model", "ring measured", "allgather model", "allgather measured", "auto",
-                "auto measured", "auto / cheaper"):
-        table.add_column(col, justify="right")
+    cols = _columns(report)
+    for head, _ in cols:
+        table.add_column(head, justify="right")
     for r in report["rows"]:
-        table.add_row(str(r["workers"]), f"{r['model_ring_bytes'] / 1e3:.0f} kB",
-                      f"{r['measured_ring_bytes'] / 1e3:.0f} kB", f"{r['model_allgather_bytes'] / 1e3:.0f} kB",
-                      f"{r['measured_allgather_bytes'] / 1e3:.0f} kB", r["auto_chose"],
-                      f"{r['measured_auto_bytes'] / 1e3:.0f} kB", f"{r['auto_over_cheaper']:.3f}")
+        table.add_row(*(cell(r) for _, cell in cols))
     return table
 
 
 def markdown_table(report: dict) -> str:
-    """The report as a Markdown table, for the README (generated, not typed)."""
-    head = ["workers", "ring: model", "ring: measured", "allgather: model", "allgather: measured", "auto chose",
-            "auto: measured", "auto / cheaper measured"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    """The report as a Markdown table, for the docs (generated, not typed)."""
+    cols = _columns(report)
+    lines = ["| " + " | ".join(h for h, _ in cols) + " |", "|" + "---|" * len(cols)]
     for r in report["rows"]:
-        lines.append("| " + " | ".join([
-            str(r["workers"]), f"{r['model_ring_bytes'] / 1e3:.1f} kB", f"{r['measured_ring_bytes'] / 1e3:.1f} kB",
-            f"{r['model_allgather_bytes'] / 1e3:.1f} kB", f"{r['measured_allgather_bytes'] / 1e3:.1f} kB",
-            r["auto_chose"], f"{r['measured_auto_bytes'] / 1e3:.1f} kB", f"{r['auto_over_cheaper']:.3f}"]) + " |")
+        lines.append("| " + " | ".join(cell(r) for _, cell in cols) + " |")
     return "\n".join(lines)
