@@ -399,6 +399,9 @@ def bench_collectives(
                                           "gloo processes and set their bytes beside the simulated ones (0: none)."),
     link_mbit: float = typer.Option(100.0, help="With --simulate, the link rate of the modelled step time."),
     latency_ms: float = typer.Option(0.1, help="With --simulate, the link's latency per message."),
+    others_upto: int = typer.Option(64, help="With --simulate, run the ring and the allgather up to this many "
+                                             "workers (their n² decoding takes hours at hundreds), the balanced "
+                                             "allreduce at every count."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
     """Bytes per worker of the ring, the allgather, the balanced allreduce and auto's choice,
@@ -430,7 +433,7 @@ def bench_collectives(
 
         link = Link(bandwidth=link_mbit * 1e6 / 8, latency=latency_ms * 1e-3)
         with console.status("simulating") as status:
-            report = simulate_collectives(worlds, compression, steps=steps, link=link,
+            report = simulate_collectives(worlds, compression, steps=steps, link=link, others_upto=others_upto,
                                           progress=lambda n, c: status.update(f"{n} workers: {c}"))
             real_worlds = [w for w in worlds if w <= real_upto]
             if real_worlds:
