@@ -240,10 +240,10 @@ class CompressionSpec(_Strict):
                            "momentum, with AdamW's decoupled weight decay.")
     collective: Literal["auto", "ring", "balanced", "allreduce", "allgather", "ps"] = Field(
         "auto", description="How workers combine gradients: a collective among them (auto picks ring, "
-                            "balanced, allreduce or allgather to fit the codec and the number of workers), "
-                            "or ps: push to parameter-server shards and pull parameters (see the ps section). "
-                            "balanced (sparse codecs) cuts the sum back to about k entries, so its bytes per "
-                            "worker do not grow with the workers; what it cuts waits in error feedback.")
+                            "allreduce or allgather to fit the codec and the number of workers), or ps: push "
+                            "to parameter-server shards and pull parameters (see the ps section). balanced "
+                            "(sparse codecs, by name only) cuts the sum back to about k entries, so its bytes "
+                            "per worker do not grow with the workers; what it cuts waits in error feedback.")
     warmup_steps: int = Field(0, ge=0, description="Send the first steps uncompressed.")
     link_mbit: float = Field(1000.0, gt=0, description="The workers' link rate that collective auto assumes "
                                                        "when it weighs bytes against messages.")

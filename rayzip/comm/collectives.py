@@ -217,7 +217,9 @@ def choose_collective(requested: str, codec: Codec, sizes: list[int] | None = No
                       link: Link | None = None) -> str:
     """The collective for ``codec``. ``auto`` picks the one of least modelled time for
     segments of ``sizes`` entries among ``world`` workers on ``link``
-    (:mod:`rayzip.comm.cost`); without them, the cheapest at two workers."""
+    (:mod:`rayzip.comm.cost`); without them, the cheapest at two workers. It leaves out the
+    collectives that cut the sum (:attr:`Communicator.feeds_back`): they trade accuracy for
+    bytes, which the cost model does not weigh, so they are chosen by name."""
     if requested == "auto":
         if not sizes or world is None or world < 2:
             sizes, world = [1 << 20], 2
@@ -225,6 +227,8 @@ def choose_collective(requested: str, codec: Codec, sizes: list[int] | None = No
         totals: dict[str, Cost] = {}
         for numel in sizes:
             for name, cost in collective_costs(codec, numel, world).items():
+                if COLLECTIVES[name].feeds_back:
+                    continue
                 totals[name] = totals[name] + cost if name in totals else cost
         return min(totals, key=lambda name: (totals[name].seconds(link), totals[name].bytes, name))
     if requested in ("ring", "balanced") and not codec.sparse:

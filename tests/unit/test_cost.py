@@ -59,9 +59,11 @@ def test_the_balanced_model_is_flat_in_the_workers_and_counts_its_messages():
 
 def test_auto_picks_the_cheaper_collective_by_the_model():
     numel = 1_000_000
-    assert choose_collective("auto", get_codec("group_topk", density=0.01), [numel], 8) == "balanced"
-    # At 2 workers on a fast link, gathering (one message) beats it.
-    assert choose_collective("auto", get_codec("group_topk", density=0.01), [numel], 2) == "allgather"
+    # The balanced allreduce costs least from 4 workers, but it cuts the sum (accuracy the
+    # model does not weigh): auto leaves it to be chosen by name.
+    costs = collective_costs(get_codec("group_topk", density=0.01), numel, 8)
+    assert costs["balanced"].seconds(Link()) < min(costs["allgather"].seconds(Link()), costs["ring"].seconds(Link()))
+    assert choose_collective("auto", get_codec("group_topk", density=0.01), [numel], 8) == "allgather"
     assert choose_collective("auto", get_codec("randomk", density=0.01), [numel], 8) == "allreduce"
     assert choose_collective("auto", get_codec("dct_quant"), [numel], 8) == "allgather"
     assert choose_collective("auto", get_codec("none"), [numel], 2) == "allreduce"
@@ -69,8 +71,7 @@ def test_auto_picks_the_cheaper_collective_by_the_model():
     dense_topk = get_codec("topk", density=0.5, value_dtype="fp32")
     costs = collective_costs(dense_topk, numel, 2)
     assert costs["ring"].bytes < costs["allgather"].bytes
-    assert choose_collective("auto", dense_topk, [numel], 2) == "balanced"  # the sum cut back to k: less yet
-    assert costs["balanced"].bytes < costs["ring"].bytes
+    assert choose_collective("auto", dense_topk, [numel], 2) == "ring"
     # Latency counts: many tiny segments on a high-latency link favour fewer messages.
     tiny = get_codec("topk", density=0.5, value_dtype="fp32")
     slow = Link(bandwidth=1e12, latency=1.0)
