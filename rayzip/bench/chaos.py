@@ -43,7 +43,7 @@ def killer(steps) -> tuple[Callable[[dict], None], list[tuple[int, int]]]:
         step = metrics["step"]
         if pending and step >= pending[0] and metrics["pid"] not in {pid for _, pid in killed}:
             pending.pop(0)
-            killed.append((metrics["step"], metrics["pid"]))
+            killed.append((step, metrics["pid"]))
             os.kill(metrics["pid"], signal.SIGKILL)
 
     return kill, killed

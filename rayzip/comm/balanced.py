@@ -184,15 +184,13 @@ def balanced_sparse_allreduce(indices, values, numel: int, transport, plan: Plan
     for step in range(world - 1):
         send_id, recv_id = (rank - step) % world, (rank - step - 1) % world
         regions[recv_id] = send(regions[send_id], 1, spans[recv_id])
-    out = xp.zeros(numel, dtype=xp.float32)
     all_indices, all_values = [], []
-    for c, region in enumerate(regions):
-        if region.dense:
-            region = Chunk(region.span, xp.flatnonzero(region.values), None)
-            region.values = regions[c].values[region.indices]
-        out[bounds[c] + region.indices] = region.values
-        all_indices.append(region.indices + bounds[c])
-        all_values.append(region.values)
-    kept_global = xp.concatenate(all_indices) if all_indices else xp.zeros(0, dtype=xp.int64)
-    plan.update(kept_global, xp.concatenate(all_values), k, numel, world)
+    for region, lo in zip(regions, bounds):
+        indices = xp.flatnonzero(region.values) if region.dense else region.indices
+        all_indices.append(indices + lo)
+        all_values.append(region.values[indices] if region.dense else region.values)
+    kept_global, kept_values = xp.concatenate(all_indices), xp.concatenate(all_values)
+    out = xp.zeros(numel, dtype=xp.float32)
+    out[kept_global] = kept_values
+    plan.update(kept_global, kept_values, k, numel, world)
     return out, kept_global

@@ -142,6 +142,7 @@ class AllGather(Communicator):
 
 class Ring(Communicator):
     name = "ring"
+    coded = False  # the chunks' offsets Elias-Fano coded (rayzip.comm.ring.Chunk)
 
     def average(self, codec, payload, segment=""):
         indices, values = codec.to_coo(payload)
@@ -153,7 +154,7 @@ class Ring(Communicator):
 
     def documented_bytes(self, codec, payload):
         value_bytes = summed_value_bytes(codec)
-        return sum(HEADER_BYTES + chunk_nbytes(span, span if entries < 0 else entries, value_bytes)[0]
+        return sum(HEADER_BYTES + chunk_nbytes(span, span if entries < 0 else entries, value_bytes, self.coded)[0]
                    for span, entries in self.sent)
 
     @staticmethod
@@ -168,6 +169,7 @@ class BalancedAllReduce(Ring):
 
     name = "balanced"
     feeds_back = True
+    coded = True
 
     def __init__(self, transport: Transport):
         super().__init__(transport)
@@ -198,11 +200,6 @@ class BalancedAllReduce(Ring):
     def take_dropped(self, segment):
         return self.dropped.pop(segment)
 
-    def documented_bytes(self, codec, payload):
-        value_bytes = summed_value_bytes(codec)
-        return sum(HEADER_BYTES + chunk_nbytes(span, span if entries < 0 else entries, value_bytes, coded=True)[0]
-                   for span, entries in self.sent)
-
     def state_dict(self):
         return {"plans": {name: plan.state_dict() for name, plan in self.plans.items()}}
 
@@ -232,7 +229,8 @@ def choose_collective(requested: str, codec: Codec, sizes: list[int] | None = No
                 totals[name] = totals[name] + cost if name in totals else cost
         return min(totals, key=lambda name: (totals[name].seconds(link), totals[name].bytes, name))
     if requested in ("ring", "balanced") and not codec.sparse:
-        raise CodecError(f"the {requested} collective needs a sparse codec (topk, group_topk, randomk), not {codec.name}")
+        raise CodecError(f"the {requested} collective needs a sparse codec (topk, group_topk, randomk), "
+                         f"not {codec.name}")
     if requested == "allreduce" and not codec.summable:
         raise CodecError(f"{codec.name} payloads cannot be summed in compressed form; use allgather")
     if requested not in COLLECTIVES:

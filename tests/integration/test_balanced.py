@@ -4,7 +4,6 @@ mass it cuts and where that goes, and its bytes, against references computed her
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
