@@ -443,8 +443,10 @@ class AdaptiveSpec(_Strict):
 
     enabled: bool = False
     policy: str = Field("cost_model", description="Decision rule: cost_model (predicts each compression's step time, "
-                        "dense included, from a fitted model of the step), pressure (the first rule: compression "
-                        "in proportion to delay per byte), or 'module:Class' built from this section.")
+                        "dense included, from a fitted model of the step), time_to_target (the same step times, "
+                        "over the training a step does at each compression, learned from the loss curve), "
+                        "pressure (the first rule: compression in proportion to delay per byte), or "
+                        "'module:Class' built from this section.")
     prometheus_url: Optional[str] = Field(
         None, description="Prometheus server to query (http://host:9090). Unset: the workers' own reports only.")
     interval: float = Field(2.0, gt=0, description="Seconds between decisions.")
@@ -466,13 +468,16 @@ class AdaptiveSpec(_Strict):
                                                             "this share faster (or for less compression).")
     probe_every: float = Field(60.0, gt=0, description="cost_model: seconds between dense probes while "
                                                        "compressing, when dense may be faster.")
+    efficiency_prior: float = Field(0.2, ge=0, le=1.5, description="time_to_target: the prior mean of gamma, where a "
+                                    "step at compression r does r ** -gamma dense steps' worth of training.")
+    efficiency_prior_sd: float = Field(0.2, gt=0, description="time_to_target: the prior's standard deviation.")
     latency_prior: float = Field(1e-4, ge=0, description="cost_model: seconds per message until payload sizes "
                                                           "vary enough to fit it.")
 
     @field_validator("policy")
     @classmethod
     def _policy(cls, value: str) -> str:
-        return _builtin_or_import_path(value, ("cost_model", "pressure"), "adaptive policy")
+        return _builtin_or_import_path(value, ("cost_model", "time_to_target", "pressure"), "adaptive policy")
 
     @model_validator(mode="after")
     def _bounds(self):

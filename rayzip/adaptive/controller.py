@@ -29,7 +29,10 @@ of each candidate compression, and picks the least compression within ``slack`` 
 compression off when dense is predicted fastest, with hysteresis. *Sample importance* ``i``
 (mean loss of the batches since the last decision over the running mean of all losses)
 caps the compression at ``max_compression / i ** importance_weight``: important batches are compressed
-less. ``pressure``, the first rule, is kept for comparison.
+less. ``time_to_target`` keeps those rules but divides each candidate's predicted step by the
+training one of its steps does, learned from the run's per-step losses
+(:mod:`rayzip.adaptive.efficiency`): it minimises the time to the target, not the step.
+``pressure``, the first rule, is kept for comparison.
 
 **Robustness.** A Prometheus that is unreachable, slow (``query_timeout``), or answers with
 NaN or nothing leaves the last decision in force: the attempt is recorded as ``held``, a
@@ -63,6 +66,7 @@ from typing import Any
 import ray
 
 from ..spec import AdaptiveSpec
+from .efficiency import EfficiencyModel
 from .model import RankStep, StepModel, combine_ranks
 from .policy import PolicyInputs, make_policy
 
@@ -148,6 +152,7 @@ class AdaptiveController:
         self.spec = AdaptiveSpec.model_validate(spec)
         self.policy = make_policy(self.spec)
         self.model = StepModel(window_s=self.spec.window, alpha_prior=self.spec.latency_prior)
+        self.efficiency = EfficiencyModel(self.spec.efficiency_prior, self.spec.efficiency_prior_sd)
         self.steps: dict[int, dict[int, RankStep]] = {}  # step -> rank -> report, until every rank's is in
         self.ranks: set[int] = set()
         self.world: int | None = None  # as the workers report it (a resize changes it)
@@ -189,7 +194,8 @@ class AdaptiveController:
                 self.new_losses.append(loss)
             self.ranks.add(rank)
             self.steps.setdefault(step, {})[rank] = RankStep(step_s, comm_s, comm_s if busy_s is None else busy_s,
-                                                             network_s, bytes_sent, messages, dense_bytes, density)
+                                                             network_s, bytes_sent, messages, dense_bytes, density,
+                                                             loss)
             self._combine(now)
 
     def report_link(self, rank: int, nbytes: float, seconds: float, messages: float) -> None:
@@ -224,6 +230,9 @@ class AdaptiveController:
             if len(modes) == 1:  # a step that straddled an adoption has no single mode
                 sample = combine_ranks(list(ranks.values()), at=now)
                 self.model.add(sample)
+                losses = [r.loss for r in ranks.values() if math.isfinite(r.loss)]
+                if losses:
+                    self.efficiency.add(step, sum(losses) / len(losses), 1.0 / (sample.density or 1.0))
                 self.dry_step_in = self.dry_step_in or step == -1
                 if len(self.decisions) == 1 and len(self.model.samples) >= self._early_steps():
                     self.wake.set()  # enough steps for a first decision: take it now
@@ -244,7 +253,7 @@ class AdaptiveController:
             self._add_link_probe(now)
             self.model.fit(now)
             started = self.policy.start(PolicyInputs(model=self.model, importance=1.0, current=self.current.compression,
-                                                     now=now))
+                                                     now=now, efficiency=self.efficiency))
             if started is None:
                 return None
             compression, explain = started
@@ -374,7 +383,8 @@ class AdaptiveController:
             current = self.current.compression
             compression, explain = self.policy.decide(PolicyInputs(
                 model=self.model, importance=importance, current=current, now=time.time(),
-                delay_per_byte=inputs["delay_per_byte"], compute_s=inputs["compute_s"], dense_bytes=dense))
+                delay_per_byte=inputs["delay_per_byte"], compute_s=inputs["compute_s"], dense_bytes=dense,
+                efficiency=self.efficiency))
         inputs = {**inputs, **explain, "dense_bytes": dense}
         with self.lock:
             self.failures = 0

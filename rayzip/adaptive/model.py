@@ -72,6 +72,7 @@ class RankStep:
     messages: float
     dense_bytes: float
     density: float | None
+    loss: float = float("nan")  # the rank's batch loss
 
 
 def combine_ranks(reports: list[RankStep], at: float = 0.0) -> StepSample:

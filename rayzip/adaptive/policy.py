@@ -3,7 +3,7 @@
 A policy is any object with ``decide(inputs: PolicyInputs) -> (compression, explain)`` (and, if it
 can decide before the first step, ``start`` with the same signature), built from
 the job's :class:`~rayzip.spec.AdaptiveSpec` (``adaptive.policy``: ``cost_model``, the
-default, ``pressure``, or ``module:Class`` for your own). ``explain`` is a flat dict recorded
+default, ``time_to_target``, ``pressure``, or ``module:Class`` for your own). ``explain`` is a flat dict recorded
 with the decision. Policies do no I/O and may keep state between decisions.
 
 * :class:`CostModelPolicy` predicts each candidate's step time from the fitted
@@ -26,6 +26,10 @@ with the decision. Policies do no I/O and may keep state between decisions.
   decides before the first step, from the start-up measurements (the timed broadcast of the
   model and one dry compressed step): a fast link starts dense (a dense probe), a slow one
   at the chosen compression, no less compression than the dry step's, with no probe.
+* :class:`TimeToTargetPolicy` (``time_to_target``) keeps the cost model's rules and divides
+  each candidate's predicted step by the training one of its steps does
+  (:mod:`~rayzip.adaptive.efficiency`, learned from the loss curve), so it minimises the time
+  to the target rather than the step; it varies the compression while that is uncertain.
 * :class:`PressurePolicy` is the first rule, kept for comparison: compression in proportion
   to delay per byte over the best seen. It reads fixed latency as pressure (a smaller
   payload has a larger delay per byte) and does not see codec time.
@@ -39,12 +43,13 @@ Usage::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..spec import AdaptiveSpec, import_callable
+from .efficiency import EfficiencyFit, EfficiencyModel
 from .model import Prediction, StepModel
 
-__all__ = ["CostModelPolicy", "Policy", "PolicyInputs", "PressurePolicy", "make_policy"]
+__all__ = ["CostModelPolicy", "Policy", "PolicyInputs", "PressurePolicy", "TimeToTargetPolicy", "make_policy"]
 
 FLIP_WITHOUT_CONFIRMATION = 2.0  # a flip this much faster is taken at once (a link that dropped)
 PROBE_WITHIN = 2.0  # probe dense only while the model puts it within this factor of the chosen step
@@ -61,6 +66,7 @@ class PolicyInputs:
     delay_per_byte: float | None = None  # this window's, slowest rank (Prometheus or the workers)
     compute_s: float | None = None  # this window's mean compute per step
     dense_bytes: float | None = None
+    efficiency: EfficiencyModel | None = None  # the run's losses against compression (time_to_target)
 
 
 class Policy:
@@ -84,6 +90,8 @@ def make_policy(spec: AdaptiveSpec) -> Policy:
         return CostModelPolicy(spec)
     if spec.policy == "pressure":
         return PressurePolicy(spec)
+    if spec.policy == "time_to_target":
+        return TimeToTargetPolicy(spec)
     policy = import_callable(spec.policy)(spec)
     if not isinstance(policy, Policy):
         raise TypeError(f"adaptive.policy {spec.policy} made a {type(policy).__name__}, not a "
@@ -108,6 +116,11 @@ class CostModelPolicy(Policy):
         self.probe: float | None = None  # the compression being probed (1.0: dense)
         self.payload_probed_at: float | None = None
         self.best_dense_network: float | None = None
+        self.predicted: tuple[float, dict[float, Prediction]] | None = None  # the last cap and predictions
+
+    def cost(self, compression: float, prediction: Prediction) -> float:
+        """What the policy minimises for a candidate: here, its predicted step time."""
+        return prediction.total_s
 
     def candidates(self, cap: float, seen: tuple[float, float] | None) -> list[float]:
         """Dense, and compressions from ``min_compression`` to ``cap`` (two per octave) no further than
@@ -169,7 +182,8 @@ class CostModelPolicy(Policy):
         cap = _cap(spec, inputs.importance)
         predictions = {r: model.predict(None if r == 1.0 else 1.0 / r) for r in self.candidates(cap, model.densities())
                        if r == 1.0 or r >= at_least}
-        target = _least_within_slack(predictions, spec.slack)
+        self.predicted = cap, predictions
+        target = _least_within_slack(predictions, spec.slack, self.cost)
         now_p = model.predict(None if current == 1.0 else 1.0 / min(current, spec.max_compression))
         link = model.link
         dense_network = predictions[1.0].network_s
@@ -190,15 +204,16 @@ class CostModelPolicy(Policy):
             # Important batches: less compression now, whatever the speed; but not off, which
             # is a switch of mode that the rules below decide.
             self.flip_verdicts = 0
-            return _least_within_slack({r: p for r, p in predictions.items() if r != 1.0}, spec.slack)
-        faster = now_p.total_s > (1 + spec.hysteresis) * best.total_s
+            return _least_within_slack({r: p for r, p in predictions.items() if r != 1.0}, spec.slack, self.cost)
+        now_cost, best_cost = self.cost(min(current, spec.max_compression), now_p), self.cost(target, best)
+        faster = now_cost > (1 + spec.hysteresis) * best_cost
         gentler = target < current / 1.25  # same speed within slack, less compression
         if target == current or not (faster or gentler):
             self.flip_verdicts = 0
             return current
         if (target == 1.0) != (current == 1.0):  # compression off or on
             self.flip_verdicts += 1
-            if self.flip_verdicts < 2 and now_p.total_s < FLIP_WITHOUT_CONFIRMATION * best.total_s:
+            if self.flip_verdicts < 2 and now_cost < FLIP_WITHOUT_CONFIRMATION * best_cost:
                 return current
         self.flip_verdicts = 0
         return target
@@ -230,10 +245,87 @@ class CostModelPolicy(Policy):
         return 1.0 if dense.total_s <= PROBE_WITHIN * chosen.total_s else None
 
 
-def _least_within_slack(predictions: dict[float, Prediction], slack: float) -> float:
-    """The least compression whose predicted step is within ``slack`` of the fastest."""
-    fastest = min(p.total_s for p in predictions.values())
-    return min(r for r, p in predictions.items() if p.total_s <= (1 + slack) * fastest)
+class TimeToTargetPolicy(CostModelPolicy):
+    """The cost model's rules, with another objective: the predicted time to the target.
+
+    A candidate's cost is its predicted step time over the training one of its steps does, in
+    dense steps (:class:`~rayzip.adaptive.efficiency.EfficiencyModel`, learned online from the
+    run's loss curve): the time per dense step's worth of training. Whatever the target, the
+    time to it is that times the dense steps still needed, which every candidate shares, so
+    the least cost is the shortest time to the target. Importance still caps the compression.
+
+    While the efficiency is uncertain enough to change the choice (the choices at the posterior
+    mean of ``gamma`` plus and minus one standard deviation differ, and either would cost more
+    than ``hysteresis`` if the other end were true), every other decision
+    takes one of those two choices in turn: the loss curve under both is what narrows the
+    posterior. A probe of the cost model's comes first.
+
+    Example::
+
+        policy = make_policy(AdaptiveSpec(enabled=True, policy="time_to_target"))
+        compression, explain = policy.decide(PolicyInputs(model=model, importance=1.0, current=100.0,
+                                                          efficiency=efficiency_model))
+    """
+
+    def __init__(self, spec: AdaptiveSpec):
+        super().__init__(spec)
+        self.fit = EfficiencyFit(spec.efficiency_prior, spec.efficiency_prior_sd, 0, False)
+        self.explorations = 0  # decisions taken while the efficiency could change the choice
+
+    def cost(self, compression: float, prediction: Prediction) -> float:
+        return prediction.total_s / self.fit.efficiency(compression)
+
+    def decide(self, inputs: PolicyInputs) -> tuple[float, dict]:
+        if inputs.efficiency is not None:
+            self.fit = inputs.efficiency.fit()
+        choice, explain = super().decide(inputs)
+        self._explain(explain, choice)
+        if explain.get("probe") or self.predicted is None or not inputs.model.ready:
+            return choice, explain
+        _, predictions = self.predicted
+        high, low = self._cost_at(self.fit.gamma + self.fit.sd), self._cost_at(max(0.0, self.fit.gamma - self.fit.sd))
+        less, more = (_least_within_slack(predictions, self.spec.slack, cost) for cost in (high, low))
+        # What a wrong guess would cost: at either end, the other end's choice against its own.
+        regret = max(high(more, predictions[more]) / high(less, predictions[less]),
+                     low(less, predictions[less]) / low(more, predictions[more])) - 1
+        explain["exploration_regret"] = regret
+        if less != more and regret > self.spec.hysteresis:
+            # Every other decision explores, each end in turn: half the steps at the best
+            # choice on what is known, and both ends measured as often.
+            self.explorations += 1
+            turn = self.explorations % 4
+            if turn in (1, 3):
+                choice = less if turn == 1 else more
+                explain["explore"] = True
+            explain.update(explore_less=less, explore_more=more)
+            self._explain(explain, choice)
+        return choice, explain
+
+    def start(self, inputs: PolicyInputs) -> tuple[float, dict]:
+        if inputs.efficiency is not None:
+            self.fit = inputs.efficiency.fit()
+        compression, explain = super().start(inputs)
+        self._explain(explain, compression)
+        return compression, explain
+
+    def _cost_at(self, gamma: float):
+        fit = replace(self.fit, gamma=gamma)
+        return lambda r, p: p.total_s / fit.efficiency(r)
+
+    def _explain(self, explain: dict, choice: float) -> None:
+        explain.update(gamma=self.fit.gamma, gamma_sd=self.fit.sd, gamma_varied=self.fit.varied,
+                       efficiency=self.fit.efficiency(choice))
+        predicted = self.predicted[1].get(choice) if self.predicted else None
+        if predicted is not None:
+            explain["predicted_s_per_dense_step"] = self.cost(choice, predicted)
+
+
+def _least_within_slack(predictions: dict[float, Prediction], slack: float, cost=lambda r, p: p.total_s) -> float:
+    """The least compression whose cost (by default, its predicted step) is within ``slack``
+    of the least."""
+    costs = {r: cost(r, p) for r, p in predictions.items()}
+    least = min(costs.values())
+    return min(r for r, c in costs.items() if c <= (1 + slack) * least)
 
 
 def _share(dense: Prediction) -> float:

@@ -46,6 +46,8 @@ METHODS: dict[str, dict[str, Any]] = {
     # The controller tunes group top-k's density from the workers' own reports (the Prometheus
     # path is the same policy; tests/system/test_adaptive.py runs it against a real Prometheus).
     "adaptive": {"codec": "group_topk", "density": 0.01, "collective": "ring"},
+    # The same controller under the time-to-target policy (adaptive.policy: time_to_target).
+    "adaptive_target": {"codec": "group_topk", "density": 0.01, "collective": "ring"},
     # Group top-k with the collective the cost model picks (rayzip.comm.cost: at 1%, the
     # allgather at 2 workers on a fast link, the balanced allreduce from 4), and with each
     # pinned: the balanced allreduce's bytes per worker do not grow with the workers.
@@ -162,6 +164,8 @@ def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 1
     name = _method_name(method)
     if name == "adaptive":
         spec["adaptive"] = dict(ADAPTIVE)
+    if name == "adaptive_target":
+        spec["adaptive"] = {**ADAPTIVE, "policy": "time_to_target"}
     if name in PS:
         spec["ps"] = dict(PS[name])
     if name in SHARDED:  # shard groups of a node's workers (its Ray node's local world)
@@ -463,6 +467,7 @@ def _row(method: str, s: dict, tx_before: list[int], tx_after: list[int], run_s:
         "wire_reduction": s["dense_bytes_per_worker"] / network if network else None,
         "history": s.get("history", []),
         "decisions": decision_timeline(s.get("adaptive")),
+        "efficiency": last_efficiency(s.get("adaptive")),
         "run_s": run_s,
         "held_bytes": s.get("held_bytes"),  # rank 0's parameters, gradients, optimizer state
     }
@@ -473,8 +478,20 @@ def decision_timeline(adaptive: dict | None) -> list[dict] | None:
     compression (1.0: off) and whether it was a dense probe; None for a run without a controller."""
     if not adaptive:
         return None
-    return [{"step": d["applied_step"], "compression": d["compression"], "probe": bool(d.get("inputs", {}).get("probe"))}
+    return [{"step": d["applied_step"], "compression": d["compression"], "probe": bool(d.get("inputs", {}).get("probe")),
+             # time_to_target: the efficiency's posterior, and whether the decision explored
+             **{k: d["inputs"][k] for k in ("gamma", "gamma_sd", "explore") if k in d.get("inputs", {})}}
             for d in adaptive["decisions"] if d.get("applied_step") is not None]
+
+
+def last_efficiency(adaptive: dict | None) -> dict | None:
+    """The time-to-target policy's last posterior of gamma (a step at compression r does
+    r ** -gamma dense steps of training); None for other runs."""
+    for d in reversed((adaptive or {}).get("decisions", [])):
+        if "gamma" in d.get("inputs", {}):
+            return {"gamma": d["inputs"]["gamma"], "gamma_sd": d["inputs"]["gamma_sd"],
+                    "varied": d["inputs"].get("gamma_varied")}
+    return None
 
 
 def timeline_text(decisions: list[dict] | None, most: int = 8) -> str:

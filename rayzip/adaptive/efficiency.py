@@ -1,0 +1,109 @@
+"""How much training a step does under each compression, learned online from the loss curve.
+
+A compressed step is cheaper than a dense one but may also do less: the run needs more of them
+to reach the same loss. This model puts a number on "less". It assumes a step at compression
+``r`` (1 / kept fraction; 1.0 is dense) advances training by ``e(r) = r ** -gamma`` dense steps,
+and learns ``gamma`` from the run's own per-step losses:
+
+* ``tau``, the dense-equivalent step count, grows by ``e(r)`` at each step;
+* over the recent steps, ``log(loss)`` is a smooth function of ``tau`` (a polynomial of degree
+  ``DEGREE``: a loss curve bends too much for less). Where the
+  compression changed, the curve bends at the change unless ``gamma`` is right. The fit is a
+  profile likelihood over a grid of ``gamma``: least squares for the curve at each, Gaussian
+  noise of unknown variance, times a normal prior on ``gamma``.
+
+With one compression in the window the data say nothing of ``gamma``, and the posterior is the
+prior. The policy (:class:`~rayzip.adaptive.policy.TimeToTargetPolicy`) varies the compression
+while the posterior is wide, so that it narrows.
+
+Not modelled: a learning-rate schedule that changes at the same step as the compression reads
+as a change of efficiency; so does the flush of error feedback's residual after a switch.
+
+Usage::
+
+    model = EfficiencyModel()
+    for step, loss, compression in history:
+        model.add(step, loss, compression)
+    fit = model.fit()
+    fit.gamma, fit.sd, fit.efficiency(100.0)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["EfficiencyFit", "EfficiencyModel"]
+
+GAMMAS = np.linspace(0.0, 1.5, 151)  # the grid of the posterior: 1.5 makes 100x worth 1/1000 of a step
+DEGREE = 5  # of the curve in tau: lower degrees misread the curve's own bend as efficiency
+MIN_POINTS = 24  # steps before a fit is tried: a few times the curve's terms
+
+
+@dataclass(frozen=True)
+class EfficiencyFit:
+    gamma: float  # posterior mean
+    sd: float  # posterior standard deviation
+    points: int  # steps in the fit
+    varied: bool  # whether the window held more than one compression
+
+    def efficiency(self, compression: float) -> float:
+        """Dense steps' worth of training one step at ``compression`` does."""
+        return max(1.0, compression) ** -self.gamma
+
+
+class EfficiencyModel:
+    """The recent steps' losses and compressions, and the posterior of ``gamma`` from them.
+
+    Args:
+        prior_gamma: the prior's mean.
+        prior_sd: the prior's standard deviation.
+        window: how many of the newest steps the fit reads.
+    """
+
+    def __init__(self, prior_gamma: float = 0.2, prior_sd: float = 0.2, window: int = 1000):
+        self.prior_gamma, self.prior_sd = prior_gamma, prior_sd
+        self.points: deque[tuple[int, float, float]] = deque(maxlen=window)
+
+    def add(self, step: int, loss: float, compression: float) -> None:
+        """One step's loss (the mean over the ranks' batches) at ``compression`` (1.0: dense).
+        Non-finite or non-positive losses are left out. A step at or before the newest one
+        (a restart from a checkpoint) drops the steps it goes back over."""
+        while self.points and self.points[-1][0] >= step:
+            self.points.pop()
+        if step >= 0 and math.isfinite(loss) and loss > 0:
+            self.points.append((step, math.log(loss), max(1.0, compression)))
+
+    def prior(self) -> EfficiencyFit:
+        return EfficiencyFit(self.prior_gamma, self.prior_sd, len(self.points), False)
+
+    def fit(self) -> EfficiencyFit:
+        points = list(self.points)
+        if len(points) < MIN_POINTS:
+            return self.prior()
+        steps = np.array([p[0] for p in points], dtype=np.float64)
+        y = np.array([p[1] for p in points])
+        compressions = np.array([p[2] for p in points])
+        varied = bool(np.ptp(np.log(compressions)) > 1e-6)
+        if not varied:
+            return EfficiencyFit(self.prior_gamma, self.prior_sd, len(points), False)
+        gaps = np.diff(steps)  # steps the controller did not combine count at the previous compression
+        log_prior = -0.5 * ((GAMMAS - self.prior_gamma) / self.prior_sd) ** 2
+        log_like = np.empty_like(GAMMAS)
+        n = len(points)
+        for i, gamma in enumerate(GAMMAS):
+            tau = np.concatenate([[0.0], np.cumsum(compressions[:-1] ** -gamma * gaps)])
+            tau = 2 * tau / tau[-1] - 1  # on [-1, 1], for a well-conditioned fit
+            design = np.stack([tau ** k for k in range(DEGREE + 1)], axis=1)
+            coef = np.linalg.lstsq(design, y, rcond=None)[0]
+            rss = float(np.sum((design @ coef - y) ** 2))
+            log_like[i] = -0.5 * n * math.log(max(rss, 1e-300))
+        log_post = log_like + log_prior
+        weights = np.exp(log_post - log_post.max())
+        weights /= weights.sum()
+        mean = float(np.sum(weights * GAMMAS))
+        sd = float(math.sqrt(max(0.0, np.sum(weights * (GAMMAS - mean) ** 2))))
+        return EfficiencyFit(mean, sd, n, True)
