@@ -258,7 +258,8 @@ class TimeToTargetPolicy(CostModelPolicy):
     mean of ``gamma`` plus and minus one standard deviation differ, and either would cost more
     than ``hysteresis`` if the other end were true), every other decision
     takes one of those two choices in turn: the loss curve under both is what narrows the
-    posterior. A probe of the cost model's comes first.
+    posterior. A probe of the cost model's comes first, and dense is explored only where the
+    cost model would probe it.
 
     Example::
 
@@ -283,6 +284,10 @@ class TimeToTargetPolicy(CostModelPolicy):
         if explain.get("probe") or self.predicted is None or not inputs.model.ready:
             return choice, explain
         _, predictions = self.predicted
+        if choice != 1.0 and predictions[1.0].total_s > PROBE_WITHIN * predictions.get(choice, predictions[1.0]).total_s:
+            # Dense steps are explored only where the cost model would probe them: on a slow
+            # link, a wrong guess of dense costs more than any other.
+            predictions = {r: p for r, p in predictions.items() if r != 1.0}
         high, low = self._cost_at(self.fit.gamma + self.fit.sd), self._cost_at(max(0.0, self.fit.gamma - self.fit.sd))
         less, more = (_least_within_slack(predictions, self.spec.slack, cost) for cost in (high, low))
         # What a wrong guess would cost: at either end, the other end's choice against its own.

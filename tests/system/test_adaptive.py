@@ -5,7 +5,9 @@ and Prometheus killed later."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import shutil
 import subprocess
 import time
@@ -154,6 +156,47 @@ def test_the_start_decision_comes_from_the_dry_step_before_any_step(ray_with_fas
     ray.kill(controller)
     assert answer == {"seq": 1, "compression": 1.0}, history
     assert history[-1]["source"] == "start" and history[-1]["inputs"]["probe"], history[-1]
+
+
+def test_time_to_target_learns_what_a_compressed_step_is_worth_from_the_ranks_losses(ray_with_fast_metrics):
+    # Two ranks on a 100 Mbit/s link report steps whose loss follows a known curve in dense
+    # steps, where a step at compression r does r ** -0.6 of a dense one; every 10 steps rank 0
+    # adopts the controller's newest decision, as rayzip.train does. The controller must vary
+    # the compression to learn that, and its posterior must find it.
+    gamma, rng = 0.6, random.Random(0)
+    spec = AdaptiveSpec(enabled=True, policy="time_to_target", interval=0.2, window=60.0, min_compression=4,
+                        max_compression=200)
+    controller = AdaptiveController.remote("ttt-test", "ttt", spec.model_dump(), 100.0)
+    for rank in (1, 0):
+        controller.report_link.remote(rank, 17.4e6, 1.4, 1.0)
+    compression, tau, decided = 100.0, 0.0, 1
+    for step in range(400):
+        density = None if compression <= 1.0 else 1.0 / compression
+        network_s = 1.4 * (density or 1.0)
+        codec_s = 0.0 if density is None else 0.03 + 0.6 * density
+        for rank in (1, 0):
+            loss = (0.3 + 2.0 / (1.0 + tau / 40.0)) * math.exp(rng.gauss(0.0, 0.05))
+            controller.report.remote(rank, step, loss, 0.05 + network_s + codec_s, network_s + codec_s, network_s,
+                                     int(17.4e6 * (density or 1.0)), 17_400_000, busy_s=network_s + codec_s,
+                                     messages=2, density=density, world=2)
+        tau += compression ** -gamma
+        if step % 10 == 9:  # the next block runs under a decision taken after this one's steps
+            deadline = time.time() + 10
+            while len(history := ray.get(controller.history.remote())) <= decided and time.time() < deadline:
+                time.sleep(0.02)
+            decided = len(history)
+            compression = ray.get(controller.decision.remote())["compression"]
+    history = ray.get(controller.history.remote())
+    ray.get(controller.stop.remote())
+    ray.kill(controller)
+    fitted = [d["inputs"] for d in history if d["inputs"].get("gamma_varied")]
+    assert fitted, history[-3:]
+    assert any(d["inputs"].get("explore") for d in history), "it never explored"
+    last = fitted[-1]
+    assert last["gamma_sd"] < 0.15 and abs(last["gamma"] - gamma) < 3 * last["gamma_sd"], last
+    # What it learned moved it: a step at 200x is worth 0.04 of a dense one, and the link
+    # makes dense 11x dearer than 200x; the least time per dense step lies in between.
+    assert 4 <= compression <= 60, [round(d["compression"]) for d in history[-10:]]
 
 
 def test_adaptive_run_follows_prometheus_through_a_link_slowdown_and_a_prometheus_outage(
