@@ -7,15 +7,17 @@ back to k entries before it is shared:
 
 1. **Balanced reduce-scatter.** The index space is cut into n regions, one per rank, holding
    about as many of last step's kept entries each (equal spans at the first step). Rank r
-   sends its entries of region j straight to rank j (at distance d = j - r, d = 1 .. n-1,
-   so that every rank sends and receives one message a round): its k entries cross once.
+   sends its entries of region j straight to rank j, every message posted at once
+   (:meth:`~rayzip.comm.transport.Transport.exchange`): its k entries cross once.
 2. **Re-sparsification.** Each owner sums what it received and keeps the entries whose
    magnitude reaches the threshold, at most ``cap`` of them. The threshold is last step's:
    selection is one pass.
-3. **All-gather** of the kept entries along the ring: about k in all, k (n-1)/n sent by each.
+3. **All-gather** of the kept entries: each owner sends its region's to every other rank at
+   once, about k in all, k (n-1)/n sent by each (as many as a ring would pass on).
 
 So each worker sends about 2k (n-1)/n entries, whatever n is, plus a 16-byte header per
-message (2(n-1) of them). A message's offsets are Elias-Fano coded over its region
+message (2(n-1) of them), in four latency-bound rounds (a header round and a payload round
+per phase) at any n. A message's offsets are Elias-Fano coded over its region
 (:class:`~rayzip.comm.ring.Chunk`'s coded form): regions shrink as n grows, and so do the
 offsets' bits. What the re-sparsification drops is no worse than what the codec
 drops: each rank hands its own share of it back to its error feedback
@@ -163,27 +165,31 @@ def balanced_sparse_allreduce(indices, values, numel: int, transport, plan: Plan
     spans = [bounds[c + 1] - bounds[c] for c in range(world)]
     chunks = _cut(indices, values, bounds, xp)
 
-    def send(chunk: Chunk, distance: int, recv_span: int) -> Chunk:
-        buf, entries = chunk.pack(value_dtype, coded=True)
+    def exchange(outgoing: list[Chunk | None]) -> list[tuple]:
+        """Each other rank's chunk to it, all at once; what each sent here, packed."""
+        packed = [None if c is None else c.pack(value_dtype, coded=True) for c in outgoing]
         if sent is not None:
-            sent.append((chunk.span, entries))
-        received, theirs = transport.shift(to_torch(buf), entries, distance)
-        return Chunk.unpack(as_array(received)[0], recv_span, theirs, value_dtype, coded=True)
+            sent.extend((c.span, p[1]) for c, p in zip(outgoing, packed) if c is not None)
+        return transport.exchange([None if p is None else to_torch(p[0]) for p in packed],
+                                  [0 if p is None else p[1] for p in packed])
 
-    # 1. Every other rank's entries of this rank's region, straight from it.
-    parts = [chunks[rank]] + [send(chunks[(rank + d) % world], d, spans[rank]) for d in range(1, world)]
+    # 1. Every other rank's entries of this rank's region, straight from it; summed in the
+    # order of distance, as every owner does.
+    received = exchange([None if j == rank else chunks[j] for j in range(world)])
+    parts = [chunks[rank]] + [Chunk.unpack(as_array(received[j][0])[0], spans[rank], received[j][1], value_dtype,
+                                           coded=True) for j in ((rank - d) % world for d in range(1, world))]
     region_indices, region_values = _sum(parts, spans[rank], xp)
     # 2. Cut back to this region's share of the k largest; rounded through the wire type here
     # too, so that the owner holds what the others receive, bit for bit.
     kept_indices, kept_values = _select(region_indices, region_values, plan, math.ceil(k / world),
                                         region_cap(k, world), xp)
     buf, entries = Chunk(spans[rank], kept_indices, kept_values).pack(value_dtype, coded=True)
-    regions: list[Chunk | None] = [None] * world
-    regions[rank] = Chunk.unpack(buf, spans[rank], entries, value_dtype, coded=True)
-    # 3. All-gather along the ring: pass on the region received the round before.
-    for step in range(world - 1):
-        send_id, recv_id = (rank - step) % world, (rank - step - 1) % world
-        regions[recv_id] = send(regions[send_id], 1, spans[recv_id])
+    mine = Chunk.unpack(buf, spans[rank], entries, value_dtype, coded=True)
+    # 3. All-gather: this region's kept entries to every other rank at once. Each worker sends
+    # its own region n-1 times, where a ring passes on n-1 regions: the same bytes in all.
+    received = exchange([None if j == rank else mine for j in range(world)])
+    regions = [mine if j == rank else Chunk.unpack(as_array(received[j][0])[0], spans[j], received[j][1], value_dtype,
+                                                   coded=True) for j in range(world)]
     all_indices, all_values = [], []
     for region, lo in zip(regions, bounds):
         indices = xp.flatnonzero(region.values) if region.dense else region.indices

@@ -16,9 +16,10 @@ For a gradient of ``numel`` entries over n workers:
   the ring's cost grow with n (15% at d = 1%, n = 16). Workers whose selections overlap fill
   in less, so the model is an upper bound for the ring.
 * balanced (sparse codecs: :mod:`rayzip.comm.balanced`): n-1 direct sends of this worker's
-  entries in each other worker's region, then n-1 all-gather steps of one region's kept
-  entries each; with k kept of ``numel`` and regions holding k/n each, every message holds
-  k/n entries of a numel/n span: 2(n-1) messages of that, whatever the fill-in. The sum's
+  entries in each other worker's region, then n-1 sends of its own region's kept entries, each
+  phase's posted at once; with k kept of ``numel`` and regions holding k/n each, every message
+  holds k/n entries of a numel/n span: 2(n-1) messages of that, whatever the fill-in, in 4
+  latency-bound rounds (headers, then payloads, per phase). The sum's
   cut back to k is what makes it flat in n (about 2k entries at any n, against the ring's
   union of n), at the price of the entries it cuts waiting in error feedback.
 
@@ -94,10 +95,10 @@ def balanced_cost(numel: int, kept: int, world: int, value_bytes: int) -> Cost:
         span = (c + 1) * numel // world - c * numel // world
         share = (c + 1) * kept // world - c * kept // world
         total += chunk_nbytes(span, min(span, share), value_bytes, coded=True)[0]
-    # Each worker sends every region but one twice (its entries there, then that region's
-    # kept entries on their way round), averaged over the workers: 2(n-1)/n of the total.
-    steps = 2 * (world - 1)
-    return Cost(2 * (world - 1) * total // world + steps * HEADER_BYTES, 2 * steps)
+    # Each worker sends its entries of every other region, then its own region's kept entries
+    # to every other rank, averaged over the workers: 2(n-1)/n of the total, in messages
+    # posted a phase at once (a round of headers, then one of payloads).
+    return Cost(2 * (world - 1) * total // world + 2 * (world - 1) * HEADER_BYTES, 4)
 
 
 def collective_costs(codec, numel: int, world: int) -> dict[str, Cost]:

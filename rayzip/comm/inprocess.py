@@ -77,9 +77,11 @@ class InProcessTransport(Transport):
         self._host_p2p = False
         self.bytes_sent, self.hops, self.network_s = 0, 0, 0.0
 
-    def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
-        self.hub.queues[(self.rank, dst)].put(send.clone())
-        recv.copy_(self.hub.queues[(src, self.rank)].get(timeout=self.hub.timeout_s))
+    def _exchange_many(self, sends, recvs) -> None:
+        for tensor, dst in sends:
+            self.hub.queues[(self.rank, dst)].put(tensor.clone())
+        for tensor, src in recvs:
+            tensor.copy_(self.hub.queues[(src, self.rank)].get(timeout=self.hub.timeout_s))
 
     def all_reduce(self, tensor: torch.Tensor, op=None) -> torch.Tensor:
         nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world)

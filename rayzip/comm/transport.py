@@ -119,23 +119,42 @@ class Transport:
         A header with the byte count and ``entries`` goes first so the receiver can size its
         buffer; returns the received bytes and the sender's ``entries``.
         """
-        nxt = self._global((self.rank + distance) % self.world)
-        prev = self._global((self.rank - distance) % self.world)
+        nxt, prev = (self.rank + distance) % self.world, (self.rank - distance) % self.world
         wire = torch.device("cpu") if self._host_p2p else self.device
         header = torch.tensor([payload.numel(), entries], dtype=torch.int64, device=wire)
         incoming = torch.empty(HEADER_INTS, dtype=torch.int64, device=wire)
-        self._exchange(header, nxt, incoming, prev)
+        self._exchange_many([(header, nxt)], [(incoming, prev)])
         self._count(HEADER_BYTES)
         count, entries = incoming.tolist()
         received = torch.empty(count, dtype=torch.uint8, device=wire)
-        self._exchange(payload.to(wire), nxt, received, prev)
+        self._exchange_many([(payload.to(wire), nxt)], [(received, prev)])
         self._count(payload.numel())
         return received.to(self.device), entries
 
-    def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
-        ops = [dist.P2POp(dist.isend, send, dst, group=self.group),
-               dist.P2POp(dist.irecv, recv, src, group=self.group)]
-        with self._on_network(send.numel() * send.element_size()):
+    def exchange(self, payloads: list[torch.Tensor | None], entries: list[int]) -> list[tuple[torch.Tensor, int] | None]:
+        """Send uint8 ``payloads[j]`` to every other rank j and receive each one's payload for
+        this rank, every message of a round posted at once: a round of headers (byte count and
+        ``entries[j]``), then a round of payloads. Returns, for each rank j, the bytes it sent
+        here and its entries (None at this rank). Two latency-bound rounds whatever the
+        world, where :meth:`shift` takes two per peer, one peer after another.
+        """
+        wire = torch.device("cpu") if self._host_p2p else self.device
+        others = [j for j in range(self.world) if j != self.rank]
+        headers = {j: torch.tensor([payloads[j].numel(), entries[j]], dtype=torch.int64, device=wire) for j in others}
+        incoming = {j: torch.empty(HEADER_INTS, dtype=torch.int64, device=wire) for j in others}
+        self._exchange_many([(headers[j], j) for j in others], [(incoming[j], j) for j in others])
+        self._count(HEADER_BYTES * len(others))
+        sizes = {j: incoming[j].tolist() for j in others}
+        received = {j: torch.empty(sizes[j][0], dtype=torch.uint8, device=wire) for j in others}
+        self._exchange_many([(payloads[j].to(wire), j) for j in others], [(received[j], j) for j in others])
+        self._count(sum(payloads[j].numel() for j in others))
+        return [None if j == self.rank else (received[j].to(self.device), sizes[j][1]) for j in range(self.world)]
+
+    def _exchange_many(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+        """Post every send and receive (peers by group rank) at once and wait for them all."""
+        ops = [dist.P2POp(dist.isend, t, self._global(dst), group=self.group) for t, dst in sends] + \
+              [dist.P2POp(dist.irecv, t, self._global(src), group=self.group) for t, src in recvs]
+        with self._on_network(sum(t.numel() * t.element_size() for t, _ in sends)):
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 

@@ -95,7 +95,8 @@ def test_the_sum_is_the_dense_sum_cut_to_its_kept_entries_and_the_bytes_are_the_
             indices = inputs[rank][0]
             mine = [int(((indices >= b[c]) & (indices < b[c + 1])).sum()) for c in range(world)]
             scatter = sum(chunk_nbytes(b[c + 1] - b[c], mine[c], 4, coded=True)[0] for c in range(world) if c != rank)
-            gather = sum(chunk_nbytes(b[c + 1] - b[c], kept_in[c], 4, coded=True)[0] for c in range(world) if c != (rank + 1) % world)
+            # Its own region's kept entries, to each of the others.
+            gather = (world - 1) * chunk_nbytes(b[rank + 1] - b[rank], kept_in[rank], 4, coded=True)[0]
             assert r[step]["bytes"] == scatter + gather + 2 * (world - 1) * 16, (step, rank)
 
 
