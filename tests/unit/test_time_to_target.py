@@ -112,7 +112,8 @@ def test_on_a_slow_link_it_reaches_the_target_about_as_soon_as_the_best_fixed_co
     best = min(fixed.values())
     seconds, chosen = Run(slow, gamma).time_to_target(TimeToTargetPolicy(spec("time_to_target")), 100.0)
     cost_model, _ = Run(slow, gamma).time_to_target(CostModelPolicy(spec("cost_model")), 100.0)
-    # Learning costs: the early decisions explore. It measured 1.03x to 1.22x the best.
+    # Learning costs: the early decisions explore. It measured 1.22x (gamma 0.05) and 1.20x
+    # (gamma 0.7) the best; the step-time policy 1.05x and 2.18x.
     assert seconds <= 1.3 * best, (seconds, fixed, chosen)
     if gamma > 0.5:
         # The fastest step is the most compressed, and it does least: the step-time policy
