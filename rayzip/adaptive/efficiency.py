@@ -87,9 +87,8 @@ class EfficiencyModel:
         steps = np.array([p[0] for p in points], dtype=np.float64)
         y = np.array([p[1] for p in points])
         compressions = np.array([p[2] for p in points])
-        varied = bool(np.ptp(np.log(compressions)) > 1e-6)
-        if not varied:
-            return EfficiencyFit(self.prior_gamma, self.prior_sd, len(points), False)
+        if np.ptp(np.log(compressions)) <= 1e-6:  # one compression: nothing to tell gamma by
+            return self.prior()
         gaps = np.diff(steps)  # steps the controller did not combine count at the previous compression
         log_prior = -0.5 * ((GAMMAS - self.prior_gamma) / self.prior_sd) ** 2
         log_like = np.empty_like(GAMMAS)

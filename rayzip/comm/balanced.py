@@ -165,19 +165,20 @@ def balanced_sparse_allreduce(indices, values, numel: int, transport, plan: Plan
     spans = [bounds[c + 1] - bounds[c] for c in range(world)]
     chunks = _cut(indices, values, bounds, xp)
 
-    def exchange(outgoing: list[Chunk | None]) -> list[tuple]:
-        """Each other rank's chunk to it, all at once; what each sent here, packed."""
+    def exchange(outgoing: list[Chunk | None], incoming_spans: list[int]) -> list[Chunk | None]:
+        """Each other rank's chunk to it, all at once; the chunk each sent here, of its span."""
         packed = [None if c is None else c.pack(value_dtype, coded=True) for c in outgoing]
         if sent is not None:
             sent.extend((c.span, p[1]) for c, p in zip(outgoing, packed) if c is not None)
-        return transport.exchange([None if p is None else to_torch(p[0]) for p in packed],
-                                  [0 if p is None else p[1] for p in packed])
+        received = transport.exchange([None if p is None else to_torch(p[0]) for p in packed],
+                                      [0 if p is None else p[1] for p in packed])
+        return [None if r is None else Chunk.unpack(as_array(r[0])[0], span, r[1], value_dtype, coded=True)
+                for r, span in zip(received, incoming_spans)]
 
     # 1. Every other rank's entries of this rank's region, straight from it; summed in the
     # order of distance, as every owner does.
-    received = exchange([None if j == rank else chunks[j] for j in range(world)])
-    parts = [chunks[rank]] + [Chunk.unpack(as_array(received[j][0])[0], spans[rank], received[j][1], value_dtype,
-                                           coded=True) for j in ((rank - d) % world for d in range(1, world))]
+    received = exchange([None if j == rank else chunks[j] for j in range(world)], [spans[rank]] * world)
+    parts = [chunks[rank]] + [received[(rank - d) % world] for d in range(1, world)]
     region_indices, region_values = _sum(parts, spans[rank], xp)
     # 2. Cut back to this region's share of the k largest; rounded through the wire type here
     # too, so that the owner holds what the others receive, bit for bit.
@@ -187,9 +188,8 @@ def balanced_sparse_allreduce(indices, values, numel: int, transport, plan: Plan
     mine = Chunk.unpack(buf, spans[rank], entries, value_dtype, coded=True)
     # 3. All-gather: this region's kept entries to every other rank at once. Each worker sends
     # its own region n-1 times, where a ring passes on n-1 regions: the same bytes in all.
-    received = exchange([None if j == rank else mine for j in range(world)])
-    regions = [mine if j == rank else Chunk.unpack(as_array(received[j][0])[0], spans[j], received[j][1], value_dtype,
-                                                   coded=True) for j in range(world)]
+    regions = exchange([None if j == rank else mine for j in range(world)], spans)
+    regions[rank] = mine
     all_indices, all_values = [], []
     for region, lo in zip(regions, bounds):
         indices = xp.flatnonzero(region.values) if region.dense else region.indices

@@ -120,16 +120,7 @@ class Transport:
         buffer; returns the received bytes and the sender's ``entries``.
         """
         nxt, prev = (self.rank + distance) % self.world, (self.rank - distance) % self.world
-        wire = torch.device("cpu") if self._host_p2p else self.device
-        header = torch.tensor([payload.numel(), entries], dtype=torch.int64, device=wire)
-        incoming = torch.empty(HEADER_INTS, dtype=torch.int64, device=wire)
-        self._exchange_many([(header, nxt)], [(incoming, prev)])
-        self._count(HEADER_BYTES)
-        count, entries = incoming.tolist()
-        received = torch.empty(count, dtype=torch.uint8, device=wire)
-        self._exchange_many([(payload.to(wire), nxt)], [(received, prev)])
-        self._count(payload.numel())
-        return received.to(self.device), entries
+        return self._sized({nxt: (payload, entries)}, [prev])[prev]
 
     def exchange(self, payloads: list[torch.Tensor | None], entries: list[int]) -> list[tuple[torch.Tensor, int] | None]:
         """Send uint8 ``payloads[j]`` to every other rank j and receive each one's payload for
@@ -138,17 +129,24 @@ class Transport:
         here and its entries (None at this rank). Two latency-bound rounds whatever the
         world, where :meth:`shift` takes two per peer, one peer after another.
         """
-        wire = torch.device("cpu") if self._host_p2p else self.device
         others = [j for j in range(self.world) if j != self.rank]
-        headers = {j: torch.tensor([payloads[j].numel(), entries[j]], dtype=torch.int64, device=wire) for j in others}
-        incoming = {j: torch.empty(HEADER_INTS, dtype=torch.int64, device=wire) for j in others}
-        self._exchange_many([(headers[j], j) for j in others], [(incoming[j], j) for j in others])
-        self._count(HEADER_BYTES * len(others))
-        sizes = {j: incoming[j].tolist() for j in others}
-        received = {j: torch.empty(sizes[j][0], dtype=torch.uint8, device=wire) for j in others}
-        self._exchange_many([(payloads[j].to(wire), j) for j in others], [(received[j], j) for j in others])
-        self._count(sum(payloads[j].numel() for j in others))
-        return [None if j == self.rank else (received[j].to(self.device), sizes[j][1]) for j in range(self.world)]
+        received = self._sized({j: (payloads[j], entries[j]) for j in others}, others)
+        return [received.get(j) for j in range(self.world)]
+
+    def _sized(self, sends: dict[int, tuple[torch.Tensor, int]], sources: list[int]) -> dict[int, tuple[torch.Tensor, int]]:
+        """Each uint8 payload to its group rank with its ``entries``, and one from each source:
+        a round of headers (byte count, entries) so that receivers can size their buffers,
+        then a round of payloads, each round posted at once."""
+        wire = torch.device("cpu") if self._host_p2p else self.device
+        headers = [(torch.tensor([p.numel(), e], dtype=torch.int64, device=wire), dst) for dst, (p, e) in sends.items()]
+        incoming = {src: torch.empty(HEADER_INTS, dtype=torch.int64, device=wire) for src in sources}
+        self._exchange_many(headers, [(t, src) for src, t in incoming.items()])
+        self._count(HEADER_BYTES * len(sends))
+        sizes = {src: t.tolist() for src, t in incoming.items()}
+        received = {src: torch.empty(sizes[src][0], dtype=torch.uint8, device=wire) for src in sources}
+        self._exchange_many([(p.to(wire), dst) for dst, (p, _) in sends.items()], [(t, src) for src, t in received.items()])
+        self._count(sum(p.numel() for p, _ in sends.values()))
+        return {src: (received[src].to(self.device), sizes[src][1]) for src in sources}
 
     def _exchange_many(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
         """Post every send and receive (peers by group rank) at once and wait for them all."""
