@@ -505,7 +505,9 @@ def bench_table(report_json: Path = typer.Argument(..., help="A `bench cluster` 
                                                              "checkpoint report's stall table; threads: its "
                                                              "default threads over one thread; headline: a "
                                                              "cluster report's narrow table; memory: a "
-                                                             "sharded-checkpoint report's bytes per rank).")):
+                                                             "sharded-checkpoint report's bytes per rank)."),
+                plot_path: Optional[Path] = typer.Option(None, "--plot", help="Also draw a `bench cluster` "
+                                                                               "report's plot here, from the JSON.")):
     """Print a benchmark report as the Markdown table the README shows (generated from the JSON).
 
     Example: rayzip bench table docs/bench-codecs.json
@@ -525,6 +527,14 @@ def bench_table(report_json: Path = typer.Argument(..., help="A `bench cluster` 
                       soft_wrap=True)
         raise typer.Exit(2)
     print(table)
+    if plot_path:
+        if "methods" not in report or "bandwidth" not in report:
+            console.print(f"[red]error:[/red] --plot draws `rayzip bench cluster` reports only, not {report_json}",
+                          soft_wrap=True)
+            raise typer.Exit(2)
+        from .bench.cluster import plot
+
+        plot(report, plot_path)
 
 
 @bench_app.command("scaling")

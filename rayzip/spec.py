@@ -442,9 +442,10 @@ class AdaptiveSpec(_Strict):
     compression of the sparsifier, 1 / its density: 100 keeps 1% of the entries."""
 
     enabled: bool = False
-    policy: str = Field("cost_model", description="Decision rule: cost_model (predicts each compression's step time, "
-                        "dense included, from a fitted model of the step), time_to_target (the same step times, "
-                        "over the training a step does at each compression, learned from the loss curve), "
+    policy: str = Field("time_to_target", description="Decision rule: time_to_target (each compression's predicted "
+                        "step time over the training a step does at it, learned from the loss curve: the shortest "
+                        "time to any target), cost_model (the predicted step time alone, dense included, from a "
+                        "fitted model of the step), "
                         "pressure (the first rule: compression in proportion to delay per byte), or "
                         "'module:Class' built from this section.")
     prometheus_url: Optional[str] = Field(

@@ -39,6 +39,16 @@ def test_fixed_density_methods_and_the_adaptive_method_build_valid_specs():
     assert spec.adaptive.enabled and spec.compression.momentum_correction
 
 
+def test_the_adaptive_method_runs_the_default_policy_and_adaptive_cost_the_fastest_step():
+    from rayzip.bench.cluster import method_spec
+    from rayzip.spec import AdaptiveSpec, JobSpec
+
+    base = {"training": {"optimizer": "sgd", "momentum": 0.9}}
+    policies = {m: JobSpec.model_validate(method_spec(m, base, m.replace("_", "-"))).adaptive.policy for m in ("adaptive", "adaptive_cost")}
+    assert policies == {"adaptive": AdaptiveSpec().policy, "adaptive_cost": "cost_model"}
+    assert AdaptiveSpec().policy == "time_to_target"
+
+
 def test_every_method_builds_a_valid_spec_and_ps_methods_get_their_section():
     import yaml
 

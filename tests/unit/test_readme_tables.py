@@ -53,6 +53,22 @@ def test_bench_table_prints_the_markdown_and_refuses_other_files(tmp_path):
     assert result.exit_code == 2 and "not a `rayzip bench cluster` or `bench collectives` report" in result.output
 
 
+def test_bench_table_redraws_a_cluster_reports_plot_and_refuses_another_kind(tmp_path):
+    from typer.testing import CliRunner
+
+    from rayzip.cli import app
+
+    png = tmp_path / "curves.png"
+    result = CliRunner().invoke(app, ["bench", "table", str(ROOT / "docs" / "bench-time-to-target-10gbit.json"),
+                                      "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    result = CliRunner().invoke(app, ["bench", "table", str(ROOT / "docs" / "bench-collectives.json"),
+                                      "--plot", str(tmp_path / "no.png")])
+    assert result.exit_code == 2 and "draws `rayzip bench cluster` reports only" in result.output
+    assert not (tmp_path / "no.png").exists()
+
+
 def test_every_benchmark_json_names_its_commit_and_date():
     missing = [p.name for p in sorted((ROOT / "docs").glob("*.json"))
                if not {"commit", "date"} <= set(json.loads(p.read_text()))]
