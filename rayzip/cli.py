@@ -239,6 +239,11 @@ def _summary_table(summary: dict):
         same = (f"; {replayed['identical']} of {replayed['steps']} redone steps repeated their loss exactly"
                 if replayed.get("steps") else "")
         rows.append(("restarts", f"{summary['restarts']}, {summary['steps_redone']} steps redone{same}"))
+        for i, r in enumerate(summary.get("resumes", []), 1):
+            lost = f" {', '.join(n[:12] for n in r['nodes_lost'])}" if r.get("nodes_lost") else ""
+            rows.append((f"recovery {i}", f"{r.get('cause', '?').replace('_', ' ')}{lost} after step {r['last_step']}: "
+                                          f"resumed at {r['resumed_at']} from {r.get('source') or 'storage'}, "
+                                          f"{r['steps_lost']} steps lost, {r['seconds']:.1f} s"))
     adaptive = summary.get("adaptive")
     if adaptive:
         sources = ", ".join(f"{k} {v}" for k, v in adaptive["sources"].items())

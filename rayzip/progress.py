@@ -10,8 +10,21 @@ from __future__ import annotations
 
 import struct
 import time
+from typing import Callable
 
-__all__ = ["Progress"]
+__all__ = ["CAUSES", "Progress"]
+
+# Why a worker group restarted, as the driver can tell from outside the workers: a node of
+# the cluster died since the last restart; the group came back larger (Ray Train grew it
+# onto resources that appeared); otherwise a worker process of the group died or raised.
+CAUSES = ("node_lost", "scale_up", "worker_failure")
+
+
+def _dead_nodes() -> set[str]:
+    """The cluster's nodes that Ray's control store lists as dead (one call to it)."""
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
 
 
 class Progress:
@@ -19,10 +32,19 @@ class Progress:
     for the progress bar. Each restart is a recovery: the steps it lost (done before it and
     redone after), the seconds from the last step before it to the first step after, and
     where it resumed from (``memory``: a snapshot; ``storage``: a checkpoint), also exported
-    to Prometheus when ``run`` and ``job`` are given."""
+    to Prometheus when ``run`` and ``job`` are given, and its cause (:data:`CAUSES`).
 
-    def __init__(self, run: str | None = None, job: str | None = None):
+    Args:
+        run, job: the labels of the recovery series in Prometheus.
+        dead_nodes: the cluster's dead nodes now (default: Ray's list); read at the first
+            step and at each restart, never per step.
+    """
+
+    def __init__(self, run: str | None = None, job: str | None = None,
+                 dead_nodes: Callable[[], set[str]] | None = None):
         self.tags = {"run": run, "job": job} if run and job else None
+        self.dead_nodes = dead_nodes or _dead_nodes
+        self.dead: set[str] | None = None  # dead before the run's first step, then at the last restart
         self.updated = 0.0
         self.latest: dict | None = None
         self.failure: dict | None = None
@@ -36,6 +58,8 @@ class Progress:
 
     def update(self, metrics: dict) -> None:
         step = metrics["step"]
+        if self.dead is None:
+            self.dead = self.dead_nodes()
         # A new rank-0 process, or a step at or before the last one seen, means a new worker
         # group: it resumed from a checkpoint (or, in parameter-server mode, where the shards are).
         if self.latest is not None and (step <= self.latest["step"] or metrics.get("pid") != self.latest.get("pid")):
@@ -44,7 +68,8 @@ class Progress:
             seconds = time.monotonic() - self.updated
             self.restarts["steps_redone"] += lost
             self.restarts["resumes"].append({"last_step": self.latest["step"], "resumed_at": step, "steps_lost": lost,
-                                             "seconds": seconds, "source": metrics.get("resumed_source")})
+                                             "seconds": seconds, "source": metrics.get("resumed_source"),
+                                             **self._cause(metrics)})
             self._export(lost, seconds)
             self.history = [h for h in self.history if h["step"] < step]
             # Steps an earlier attempt reached and the last did not stay comparable too.
@@ -65,6 +90,19 @@ class Progress:
         if metrics.get("evaluated"):
             self.history.append({k: metrics.get(k) for k in ("step", "train_s", "elapsed_s", "test_accuracy", "val_loss",
                                                                    "loss", "local_every")})
+
+    def _cause(self, metrics: dict) -> dict:
+        """The restart's ``cause``, the nodes lost since the last one, and the world sizes."""
+        dead = self.dead_nodes()
+        lost, self.dead = sorted(dead - self.dead), dead
+        before, after = self.latest.get("world_size"), metrics.get("world_size")
+        if lost:
+            cause = "node_lost"
+        elif before is not None and after is not None and after > before:
+            cause = "scale_up"
+        else:
+            cause = "worker_failure"
+        return {"cause": cause, "nodes_lost": lost, "world_before": before, "world_after": after}
 
     def _export(self, lost: int, seconds: float) -> None:
         if self.tags is not None:

@@ -56,6 +56,7 @@ def test_five_killed_workers_lose_no_step_and_end_bitwise_equal(local_ray, tmp_p
     for resume in summary["resumes"]:
         assert resume["source"] == "memory" and resume["steps_lost"] == 0, summary["resumes"]
         assert resume["last_step"] + 1 <= resume["resumed_at"] <= resume["last_step"] + 2 and resume["seconds"] > 0
+        assert resume["cause"] == "worker_failure" and resume["nodes_lost"] == [], resume
     assert summary["steps_redone"] == 0
     # Weights, momentum, error feedback, velocities, RNG and the data position came back
     # exactly: the killed run ends where the uninterrupted run (no snapshots at all) ends.
@@ -126,6 +127,8 @@ def test_a_lost_node_resumes_from_the_surviving_keepers_snapshot(tmp_path):
     # From memory, not from the checkpoint at step 99: at most the step in flight is redone.
     assert resume["source"] == "memory" and resume["steps_lost"] <= 1, resume
     assert resume["resumed_at"] > 100, resume
+    assert resume["cause"] == "node_lost" and len(resume["nodes_lost"]) == 1, resume
+    assert (resume["world_before"], resume["world_after"]) == (2, 1), resume
     assert summary["final_test_accuracy"] >= 0.9, summary["history"]
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 from rayzip.progress import Progress
 
 
-def _run(progress: Progress, pid: int, steps: range, loss) -> None:
+def _run(progress: Progress, pid: int, steps: range, loss, world: int = 2) -> None:
     for step in steps:
-        progress.update({"step": step, "pid": pid, "loss": loss(step)})
+        progress.update({"step": step, "pid": pid, "loss": loss(step), "world_size": world})
 
 
 def test_an_exact_resume_repeats_the_redone_steps_loss_bit_for_bit():
-    progress = Progress()
+    progress = Progress(dead_nodes=set)
     _run(progress, 1, range(0, 30), lambda s: 1.0 / (s + 1))
     _run(progress, 2, range(20, 40), lambda s: 1.0 / (s + 1))  # resumed at 20: 10 steps redone
     restarts = progress.get_restarts()
@@ -21,7 +21,7 @@ def test_an_exact_resume_repeats_the_redone_steps_loss_bit_for_bit():
 
 
 def test_a_resume_that_lost_state_is_seen_at_its_first_different_step():
-    progress = Progress()
+    progress = Progress(dead_nodes=set)
     _run(progress, 1, range(0, 30), lambda s: 1.0 / (s + 1))
     # The first redone step is the same (the weights came back), the next differs in the last
     # bit (say, the error-feedback residual was lost).
@@ -30,9 +30,25 @@ def test_a_resume_that_lost_state_is_seen_at_its_first_different_step():
 
 
 def test_a_second_resume_compares_with_the_last_attempt_that_reached_each_step():
-    progress = Progress()
+    progress = Progress(dead_nodes=set)
     _run(progress, 1, range(0, 30), lambda s: float(s))
     _run(progress, 2, range(20, 25), lambda s: float(s))
     _run(progress, 3, range(22, 31), lambda s: float(s))  # 22..24 redone again, 25..29 the first's
     replayed = progress.get_restarts()["replayed"]
     assert replayed == {"steps": 5 + 3 + 5, "identical": 13, "first_difference": None}, replayed
+
+
+def test_each_restart_names_its_cause_from_the_nodes_and_the_world_size():
+    dead = {"old"}  # a node dead before the run: not this run's loss
+    progress = Progress(dead_nodes=lambda: set(dead))
+    _run(progress, 1, range(0, 10), float)
+    _run(progress, 2, range(10, 20), float)  # a worker process died; the same world came back
+    dead.add("n2" * 20)
+    _run(progress, 3, range(19, 30), float, world=1)  # its node died with it
+    _run(progress, 4, range(30, 40), float, world=2)  # a node joined: Ray Train grew the group
+    _run(progress, 5, range(40, 50), float, world=1)  # fewer workers, but no node died
+    resumes = progress.get_restarts()["resumes"]
+    assert [(r["cause"], r["world_before"], r["world_after"]) for r in resumes] == [
+        ("worker_failure", 2, 2), ("node_lost", 2, 1), ("scale_up", 1, 2), ("worker_failure", 2, 1)]
+    assert [r["nodes_lost"] for r in resumes] == [[], ["n2" * 20], [], []]
+    assert resumes[1]["steps_lost"] == 1 and resumes[1]["resumed_at"] == 19
