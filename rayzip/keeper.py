@@ -20,9 +20,11 @@ from pathlib import Path
 
 __all__ = ["HEADER", "MAGIC", "Keeper", "default_root", "keeper_name", "keeper_prefix", "read_header"]
 
-MAGIC = b"RZSNAP01"
-# magic, committed (1; 2: sealed with its CRC-32), step, world, the writer's rank, skeleton bytes, data bytes, CRC-32
-HEADER = struct.Struct("<8sIqiiQQI")
+MAGIC = b"RZSNAP02"
+# magic, committed (1; 2: sealed with its checksum), step, world, the writer's rank, skeleton bytes, data bytes,
+# XXH3-64 of the bytes after the header, and the index of the same rank's trainer slot whose arrays this
+# one refers to (-1: none)
+HEADER = struct.Struct("<8sIqiiQQQi")
 HEADER_BYTES = 64  # the arrays start here, the skeleton after them
 
 
@@ -49,11 +51,11 @@ def read_header(path: str | os.PathLike) -> dict | None:
         return None
     if len(raw) < HEADER.size:
         return None
-    magic, committed, step, world, rank, skeleton, data, crc = HEADER.unpack(raw)
-    if magic != MAGIC or committed not in (1, 2):  # 2: sealed, its CRC-32 written
+    magic, committed, step, world, rank, skeleton, data, _, base = HEADER.unpack(raw)
+    if magic != MAGIC or committed not in (1, 2):  # 2: sealed, its checksum written
         return None
     return {"step": step, "world": world, "rank": rank, "skeleton_bytes": skeleton, "data_bytes": data,
-            "sealed": committed == 2}
+            "sealed": committed == 2, "base": base}
 
 
 class Keeper:

@@ -6,7 +6,7 @@ feedback and codec state) into one of its few slot files in its node's keeper di
 shared memory (:class:`rayzip.keeper.Keeper`). The copy is one pass over the tensors, on the
 training thread, so the step is not over before its snapshot is: a worker killed at any
 moment leaves the previous slot, or this one, committed. A slot is committed by the last
-write of its header, after its bytes and their CRC-32.
+write of its header, after its bytes; their checksum follows.
 
 On a restart every rank lists every keeper's slots and takes the newest step that the keepers
 hold complete (the trainer's part and each saved rank's), every rank agreeing by an
@@ -18,8 +18,11 @@ older than the newest checkpoint; with none complete, the restart reads storage.
 The slot format (little-endian): a 64-byte header (:data:`rayzip.keeper.HEADER`), each
 array's bytes, 64-byte aligned (their places stay put from step to step, so the copy is one
 call), then the nest's skeleton as JSON (tensors and arrays replaced by their index). JSON,
-not pickle: reading a slot runs no code from it. The CRC-32 is written by a thread after the
-commit (a "sealed" slot); a reader checks it where it is written.
+not pickle: reading a slot runs no code from it. A rank that writes the trainer's part too
+writes a tensor the two parts share once: its own part refers to the trainer slot written
+with it (the header's ``base``), and a restart takes the two together or neither. The checksum (XXH3-64, at memory speed: CRC-32
+took longer than the copy, and its thread took the CPU from training) is written by a thread
+after the commit (a "sealed" slot); a reader checks it where it is written.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ import shutil
 import statistics
 import tempfile
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -42,12 +44,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed as dist
+import xxhash
 
 from ..keeper import HEADER, HEADER_BYTES, MAGIC, Keeper, keeper_name, keeper_prefix
 from .checkpoints import Parts, take_parts, write_taken
 
-__all__ = ["SnapshotError", "Snapshots", "decode_nest", "find_keepers", "keeper_actor", "read_slot", "start_keeper",
-           "write_slot"]
+__all__ = ["SnapshotError", "Snapshots", "find_keepers", "keeper_actor", "read_arrays", "read_slot",
+           "start_keeper", "tensor_key", "write_slot"]
 
 ALIGN = 64
 COST_SHARE = 0.05  # snapshots every step while they cost at most this share of it
@@ -106,19 +109,30 @@ class SnapshotError(RuntimeError):
 _PLAIN = (type(None), bool, int, float, str)
 
 
-def _encode(value: Any, arrays: list) -> Any:
+def tensor_key(t: torch.Tensor) -> tuple:
+    """Tensors with the same key hold the same bytes now (views of one storage alike)."""
+    return t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())
+
+
+def _encode(value: Any, arrays: list, refs: dict | None = None) -> Any:
+    """The skeleton of ``value``, its arrays appended to ``arrays``; a tensor whose
+    :func:`tensor_key` is in ``refs`` becomes a reference to that array of the base slot."""
     kind = type(value)
     if kind in _PLAIN:
         return value
     if kind is dict or kind is OrderedDict:
-        return {"__d": [[_encode(k, arrays), _encode(v, arrays)] for k, v in value.items()]}
+        return {"__d": [[_encode(k, arrays, refs), _encode(v, arrays, refs)] for k, v in value.items()]}
     if kind is list:
-        return [v if type(v) in _PLAIN else _encode(v, arrays) for v in value]
+        return [v if type(v) in _PLAIN else _encode(v, arrays, refs) for v in value]
     if isinstance(value, torch.Tensor):
+        if refs and value.numel():
+            index = refs.get(tensor_key(value))
+            if index is not None:
+                return {"__r": index}
         arrays.append(value.detach())
         return {"__a": len(arrays) - 1, "dtype": str(value.dtype)[6:], "shape": list(value.shape), "kind": "torch"}
     if kind is tuple:
-        return {"__t": [_encode(v, arrays) for v in value]}
+        return {"__t": [_encode(v, arrays, refs) for v in value]}
     if isinstance(value, np.ndarray) and value.dtype != object:
         arrays.append(value)
         return {"__a": len(arrays) - 1, "dtype": value.dtype.str, "shape": list(value.shape), "kind": "numpy"}
@@ -129,21 +143,25 @@ def _encode(value: Any, arrays: list) -> Any:
     if kind is torch.dtype:
         return {"__dtype": str(value)[6:]}
     if isinstance(value, dict):
-        return {"__d": [[_encode(k, arrays), _encode(v, arrays)] for k, v in value.items()]}
+        return {"__d": [[_encode(k, arrays, refs), _encode(v, arrays, refs)] for k, v in value.items()]}
     raise TypeError(f"a snapshot holds tensors, arrays, numbers, strings and containers of them, not {kind!r}")
 
 
-def _decode(value: Any, arrays: list) -> Any:
+def _decode(value: Any, arrays: list, base: list | None = None) -> Any:
     if isinstance(value, list):
-        return [_decode(v, arrays) for v in value]
+        return [_decode(v, arrays, base) for v in value]
     if not isinstance(value, dict):
         return value
     if "__a" in value:
         return arrays[value["__a"]]
+    if "__r" in value:
+        if base is None:
+            raise SnapshotError("a snapshot refers to its trainer slot's arrays, and was read without them")
+        return base[value["__r"]]
     if "__d" in value:
-        return {_decode(k, arrays): _decode(v, arrays) for k, v in value["__d"]}
+        return {_decode(k, arrays, base): _decode(v, arrays, base) for k, v in value["__d"]}
     if "__t" in value:
-        return tuple(_decode(v, arrays) for v in value["__t"])
+        return tuple(_decode(v, arrays, base) for v in value["__t"])
     if "__np" in value:
         return np.dtype(value["__np"]).type(value["v"])
     if "__b" in value:
@@ -210,12 +228,18 @@ class _Slot:
         self.size = 0
 
 
-def write_slot(slot: _Slot, nest: Any, step: int, world: int, rank: int, seal: bool = True) -> int:
-    """Copy ``nest`` into ``slot`` and commit it; the bytes it takes. ``seal``: its CRC-32
+def write_slot(slot: _Slot, nest: Any, step: int, world: int, rank: int, seal: bool = True,
+               refs: dict | None = None, base: int = -1, keys: dict | None = None) -> int:
+    """Copy ``nest`` into ``slot`` and commit it; the bytes it takes. ``seal``: its checksum
     now, else later by :func:`seal_slot` (a committed slot is whole without it: a worker
-    killed before the commit leaves it uncommitted)."""
+    killed before the commit leaves it uncommitted). ``refs`` ({:func:`tensor_key`: array
+    index}) and ``base``: tensors held by the slot of index ``base`` already, written there
+    by the same rank at the same step, become references to it. ``keys``: filled with this
+    slot's own {:func:`tensor_key`: array index}, the ``refs`` of a slot that refers to it."""
     arrays: list = []
-    skeleton = json.dumps(_encode(nest, arrays), separators=(",", ":")).encode()
+    skeleton = json.dumps(_encode(nest, arrays, refs), separators=(",", ":")).encode()
+    if keys is not None:
+        keys.update((tensor_key(a), i) for i, a in enumerate(arrays) if isinstance(a, torch.Tensor) and a.numel())
     views, data = slot.place(arrays, len(skeleton))
     m = slot.map
     m[8:12] = b"\0\0\0\0"  # uncommitted while its bytes change
@@ -231,7 +255,7 @@ def write_slot(slot: _Slot, nest: Any, step: int, world: int, rank: int, seal: b
         torch._foreach_copy_(dst, src)
     end = HEADER_BYTES + data + len(skeleton)
     m[HEADER_BYTES + data:end] = skeleton
-    m[:HEADER.size] = HEADER.pack(MAGIC, 0, step, world, rank, len(skeleton), data, 0)
+    m[:HEADER.size] = HEADER.pack(MAGIC, 0, step, world, rank, len(skeleton), data, 0, base)
     m[8:12] = COMMITTED  # the commit: the last write
     if seal:
         seal_slot(slot, end)
@@ -239,37 +263,50 @@ def write_slot(slot: _Slot, nest: Any, step: int, world: int, rank: int, seal: b
 
 
 COMMITTED, SEALED = (1).to_bytes(4, "little"), (2).to_bytes(4, "little")
-_CRC = slice(HEADER.size - 4, HEADER.size)
+_SUM = slice(HEADER.size - 12, HEADER.size - 4)  # the checksum field, before the base's index
+
+
+def _checksum(data) -> int:
+    return xxhash.xxh3_64_intdigest(data)  # releases the GIL: on a thread, beside training
 
 
 def seal_slot(slot: _Slot, size: int) -> None:
-    """Write the CRC-32 of a committed slot's bytes, then mark it sealed: a reader checks it."""
+    """Write the checksum of a committed slot's bytes, then mark it sealed: a reader checks it."""
     with memoryview(slot.map) as view:
-        crc = zlib.crc32(view[HEADER_BYTES:size])  # without the GIL: on a thread, beside training
-    slot.map[_CRC] = crc.to_bytes(4, "little")
+        digest = _checksum(view[HEADER_BYTES:size])
+    slot.map[_SUM] = digest.to_bytes(8, "little")
     slot.map[8:12] = SEALED
 
 
-def read_slot(path: str | os.PathLike, raw: bytes | np.ndarray | None = None) -> tuple[dict, Any]:
+def read_slot(path: str | os.PathLike, raw: bytes | np.ndarray | None = None,
+              base: list | None = None) -> tuple[dict, Any]:
     """(header, nest) of a committed slot, from its file or its bytes; a slot that is not
-    committed, or whose bytes do not match their CRC-32, raises :class:`SnapshotError`."""
+    committed, or whose bytes do not match their checksum, raises :class:`SnapshotError`.
+    ``base``: the arrays of the slot it refers to (header ``base``), from :func:`read_arrays`."""
+    header, skeleton, arrays = read_arrays(path, raw)
+    return header, _decode(skeleton, arrays, base)
+
+
+def read_arrays(path: str | os.PathLike, raw: bytes | np.ndarray | None = None) -> tuple[dict, Any, list]:
+    """(header, skeleton, arrays) of a committed slot (:func:`read_slot`, undecoded)."""
     buf = np.fromfile(path, dtype=np.uint8) if raw is None else np.frombuffer(raw, dtype=np.uint8).copy()
     if len(buf) < HEADER.size:
         raise SnapshotError(f"{path}: not a snapshot slot ({len(buf)} bytes)")
-    magic, committed, step, world, rank, skel_n, data_n, crc = HEADER.unpack(buf[:HEADER.size].tobytes())
+    magic, committed, step, world, rank, skel_n, data_n, digest, base = HEADER.unpack(buf[:HEADER.size].tobytes())
     if magic != MAGIC or committed not in (1, 2):
         raise SnapshotError(f"{path}: not a committed snapshot slot")
     end = HEADER_BYTES + data_n + skel_n
     if len(buf) < end:
         raise SnapshotError(f"{path}: snapshot of step {step} is cut short ({len(buf)} of {end} bytes)")
-    if committed == 2 and zlib.crc32(buf[HEADER_BYTES:end]) != crc:
-        raise SnapshotError(f"{path}: snapshot of step {step} fails its CRC-32")
+    if committed == 2 and _checksum(buf[HEADER_BYTES:end]) != digest:
+        raise SnapshotError(f"{path}: snapshot of step {step} fails its checksum (XXH3-64)")
     skeleton = json.loads(buf[HEADER_BYTES + data_n:end].tobytes())
-    return ({"step": step, "world": world, "rank": rank}, decode_nest(skeleton, buf, HEADER_BYTES))
+    header = {"step": step, "world": world, "rank": rank, **({"base": base} if base >= 0 else {})}
+    return header, skeleton, slot_arrays(skeleton, buf, HEADER_BYTES)
 
 
-def decode_nest(skeleton: Any, buf: np.ndarray, data_start: int) -> Any:
-    """The nest a skeleton describes, its arrays copied out of ``buf``."""
+def slot_arrays(skeleton: Any, buf: np.ndarray, data_start: int) -> list:
+    """The arrays a skeleton describes, in their order, copied out of ``buf``."""
     specs: list[dict] = []
 
     def collect(v):
@@ -296,7 +333,7 @@ def decode_nest(skeleton: Any, buf: np.ndarray, data_start: int) -> Any:
             n = math.prod(s["shape"]) * dtype.itemsize
             arrays.append(buf[at:at + n].view(dtype).reshape(s["shape"]).copy())
         at = _align(at + n)
-    return _decode(skeleton, arrays)
+    return arrays
 
 
 class Snapshots:
@@ -376,12 +413,17 @@ class Snapshots:
         index, written = self.count % self.slot_count, 0
         owners = [("trainer", parts.trainer)] if self.writes_trainer and parts.trainer is not None else []
         owners.append((f"rank{self.rank}", parts.hook if parts.hook is not None else {}))
+        # What the rank's part shares with the trainer's (under local steps, inside a round:
+        # its own parameters and inner optimizer) is written once, in the trainer's slot.
+        shared: dict = {}
         for owner, nest in owners:
             slot = self.slots.setdefault((owner, index), _Slot(self.directory / f"{owner}.{index}"))
             pending = self.sealing.pop(slot, None)
             if pending is not None:
                 pending.result()  # sealed a few snapshots ago: long done
-            size = write_slot(slot, nest, step, self.world, self.rank, seal=False)
+            trainer = owner == "trainer"
+            size = write_slot(slot, nest, step, self.world, self.rank, seal=False, refs=None if trainer else shared,
+                              base=index if shared and not trainer else -1, keys=shared if trainer else None)
             self.sealing[slot] = self.sealer.submit(seal_slot, slot, size)
             written += size
         self.count += 1
@@ -440,9 +482,12 @@ class Snapshots:
         worlds: dict[int, int] = {}
         writer: dict[int, int] = {}  # the rank whose trainer's part is taken: the lowest (rank 0's RNG)
         for node, owners in held.items():
+            bases = {(s["file"], s["step"], s["rank"]) for s in owners.get("trainer", [])}
             for owner, slots in owners.items():
                 for s in slots:
                     if owner != "trainer":
+                        if s.get("base", -1) >= 0 and (f"trainer.{s['base']}", s["step"], s["rank"]) not in bases:
+                            continue  # what it refers to is gone, or holds another step now
                         where.setdefault(s["step"], {}).setdefault(owner, (node, s["file"]))
                     elif s["rank"] < writer.get(s["step"], s["rank"] + 1):
                         writer[s["step"]], worlds[s["step"]] = s["rank"], s["world"]
@@ -510,11 +555,21 @@ class Snapshots:
         return directory
 
     def _read(self, node: str, name: str) -> tuple[dict, Any]:
+        header, skeleton, arrays = self._read_arrays(node, name)
+        base = None
+        if "base" in header:  # arrays it shares with the same rank's trainer slot of the same step
+            written, _, base = self._read_arrays(node, f"trainer.{header['base']}")
+            if (written["step"], written["rank"]) != (header["step"], header["rank"]):
+                raise SnapshotError(f"{name} on node {node[:12]} refers to trainer.{header['base']}, which holds "
+                                    f"rank {written['rank']}'s step {written['step']} now")
+        return header, _decode(skeleton, arrays, base)
+
+    def _read_arrays(self, node: str, name: str) -> tuple[dict, Any, list]:
         if node == self.node_id and self.directory is not None:
-            return read_slot(self.directory / name)
+            return read_arrays(self.directory / name)
         import zstandard
 
         packed = self.ray.get(self.keepers[node].read.remote(name), timeout=300)
         if packed is None:
             raise SnapshotError(f"{name} is gone from node {node[:12]}'s keeper")
-        return read_slot(f"{name} (node {node[:12]})", zstandard.ZstdDecompressor().decompress(packed))
+        return read_arrays(f"{name} (node {node[:12]})", zstandard.ZstdDecompressor().decompress(packed))

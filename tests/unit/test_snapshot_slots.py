@@ -76,7 +76,7 @@ def test_a_torn_slot_is_not_committed_and_a_corrupt_one_names_its_file(tmp_path)
     raw = bytearray(path.read_bytes())
     raw[HEADER_BYTES + 8] ^= 0x01  # one bit of the data
     path.write_bytes(bytes(raw))
-    with pytest.raises(SnapshotError, match=r"rank1\.1.*step 5 fails its CRC-32"):
+    with pytest.raises(SnapshotError, match=r"rank1\.1.*step 5 fails its checksum"):
         read_slot(path)
     raw[8:12] = b"\0\0\0\0"  # what a worker killed mid-copy leaves: uncommitted
     path.write_bytes(bytes(raw))
@@ -110,3 +110,27 @@ def test_the_keeper_lists_committed_slots_bounds_memory_and_cleans_up(tmp_path, 
     assert "over snapshots.max_bytes_per_node 10,000: rank1 takes no more snapshots" in capsys.readouterr().out
     keeper.close()
     assert not (tmp_path / "rayzip-snapshots").exists()
+
+
+def test_a_rank_part_refers_to_the_tensors_its_trainer_slot_holds(tmp_path):
+    """Under local steps, inside a round, the writing rank's own part holds its parameters and
+    inner optimizer, which the trainer's part holds too: they are written once."""
+    from rayzip.train.snapshots import read_arrays
+
+    g = torch.Generator().manual_seed(1)
+    weights = {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g)}
+    trainer = {"model": {k: v.detach() for k, v in weights.items()}, "step": 9}
+    hook = {"own_model": {k: v.detach() for k, v in weights.items()}, "residual": torch.randn(64, generator=g),
+            "empty": torch.empty(0)}
+    shared: dict = {}
+    full = write_slot(_Slot(tmp_path / "alone.0"), hook, step=9, world=2, rank=0)
+    write_slot(_Slot(tmp_path / "trainer.3"), trainer, step=9, world=2, rank=0, keys=shared)
+    size = write_slot(_Slot(tmp_path / "rank0.3"), hook, step=9, world=2, rank=0, refs=shared, base=3)
+    assert full - size >= 65 * 64 * 4  # the parameters' bytes are not in the rank's slot
+    assert read_header(tmp_path / "rank0.3")["base"] == 3 and read_header(tmp_path / "trainer.3")["base"] == -1
+    with pytest.raises(SnapshotError, match="read without them"):
+        read_slot(tmp_path / "rank0.3")
+    _, _, base = read_arrays(tmp_path / "trainer.3")
+    header, back = read_slot(tmp_path / "rank0.3", base=base)
+    assert header["base"] == 3
+    _same(hook, back)
