@@ -54,7 +54,7 @@ __all__ = ["SnapshotError", "Snapshots", "find_keepers", "keeper_actor", "read_a
 
 ALIGN = 64
 COST_SHARE = 0.05  # snapshots every step while they cost at most this share of it
-WARMUP, MEASURED = 2, 5  # auto: snapshots left out of the cost (both slots made), then measured
+MEASURED = 5  # auto: snapshots measured once every slot is made (the first write of each is left out)
 
 
 _KEEPER_ACTOR = None
@@ -401,9 +401,10 @@ class Snapshots:
         took = time.perf_counter() - t0
         self.total_s += took
         self.taken += 1
-        # Auto: the first snapshots make the slots and reserve their memory; the next few
-        # are the cost, against the same steps' time.
-        if self.fixed is None and self.taken > WARMUP and len(self.costs) < MEASURED:
+        # Auto: the first snapshots make the slots and reserve their memory (a slot's first
+        # write touches fresh pages, several times slower: under local steps there are H + 1
+        # slots); the next few are the cost, against the same steps' time.
+        if self.fixed is None and self.taken > self.slot_count and len(self.costs) < MEASURED:
             self.costs.append((took, step_s))
             if len(self.costs) == MEASURED:
                 self.every = self._agreed_every()
