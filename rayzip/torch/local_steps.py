@@ -20,7 +20,8 @@ parameters. On a slow link the wire time hides behind H inner steps of compute.
 With a ``tuner`` (:class:`rayzip.adaptive.every.EveryTuner`), H is chosen again after each
 synchronization from its measured time against the inner steps' compute: every rank's
 slowest compute and the shortest synchronization, all-reduced with one 16-byte word, so
-every rank takes the same H at the same step.
+every rank takes the same H at the same step. A process's first synchronization is left out:
+it also waits for the ranks' different start-up times.
 
 On a sharded model (FSDP2 on a 1-D mesh over a node's ranks, see
 :func:`rayzip.torch.fsdp.shard_model`), each parameter is a DTensor and this rank holds one
@@ -140,6 +141,7 @@ class LocalSteps:
         self.compute_s = 0.0  # this round's inner steps, as after_inner_step measured them
         self.sync_s = 0.0  # the last synchronization's time on this rank
         self.changes: list[tuple[int, int]] = []  # (round, H from then on), as the tuner chose
+        self.tuned_here = 0  # synchronizations measured for the tuner by this process
         self._mark = time.perf_counter()
 
     # --- inner steps ----------------------------------------------------------------------
@@ -302,6 +304,12 @@ class LocalSteps:
         return compute_s, -sync_s
 
     def _choose(self, compute_s: float, sync_s: float) -> None:
+        self.tuned_here += 1
+        if self.tuned_here == 1:
+            # A process's first synchronization also waits out the ranks' different start-up
+            # (imports, data, a restart's restore), which is not the link's time. Every rank
+            # leaves out the same one: they start together.
+            return
         every = self.tuner.observe(sync_s, compute_s, current=self.every)
         if every != self.every:
             if (dist.get_rank() if self.control_group is not None else self.rank) == 0:
