@@ -12,12 +12,7 @@ import struct
 import time
 from typing import Callable
 
-__all__ = ["CAUSES", "Progress"]
-
-# Why a worker group restarted, as the driver can tell from outside the workers: a node of
-# the cluster died since the last restart; the group came back larger (Ray Train grew it
-# onto resources that appeared); otherwise a worker process of the group died or raised.
-CAUSES = ("node_lost", "scale_up", "worker_failure")
+__all__ = ["Progress"]
 
 
 def _dead_nodes() -> set[str]:
@@ -32,7 +27,7 @@ class Progress:
     for the progress bar. Each restart is a recovery: the steps it lost (done before it and
     redone after), the seconds from the last step before it to the first step after, and
     where it resumed from (``memory``: a snapshot; ``storage``: a checkpoint), also exported
-    to Prometheus when ``run`` and ``job`` are given, and its cause (:data:`CAUSES`).
+    to Prometheus when ``run`` and ``job`` are given, and its cause (:meth:`_cause`).
 
     Args:
         run, job: the labels of the recovery series in Prometheus.
@@ -92,7 +87,11 @@ class Progress:
                                                                    "loss", "local_every")})
 
     def _cause(self, metrics: dict) -> dict:
-        """The restart's ``cause``, the nodes lost since the last one, and the world sizes."""
+        """The restart's ``cause``, as the driver can tell from outside the workers:
+        ``node_lost`` (a node of the cluster died since the last restart), ``scale_up`` (the
+        group came back larger: Ray Train grew it onto resources that appeared), else
+        ``worker_failure`` (a worker process died or raised); with the nodes lost and the
+        world sizes."""
         dead = self.dead_nodes()
         lost, self.dead = sorted(dead - self.dead), dead
         before, after = self.latest.get("world_size"), metrics.get("world_size")

@@ -21,15 +21,15 @@ window's figures when no Prometheus is configured. The cost model is fitted to t
 reports (a step's ranks combined: :func:`~rayzip.adaptive.model.combine_ranks`), since a fit
 of latency and bandwidth needs per-step pairs of payload and time that rates average away.
 
-**Policy** (:mod:`rayzip.adaptive.policy`, ``adaptive.policy``). ``cost_model`` fits a model of the step (:mod:`rayzip.adaptive.model`) to the workers'
-per-step reports (network time as latency times messages plus bytes over bandwidth, the
+**Policy** (:mod:`rayzip.adaptive.policy`, ``adaptive.policy``). ``cost_model`` fits a model
+of the step (:mod:`rayzip.adaptive.model`) to the workers' per-step reports (network time as latency times messages plus bytes over bandwidth, the
 codec's own time against density, compute), predicts the step time of dense allreduce and
 of each candidate compression, and picks the least compression within ``slack`` of the fastest:
 compression off when dense is predicted fastest, with hysteresis. *Sample importance* ``i``
 (mean loss of the batches since the last decision over the running mean of all losses)
 caps the compression at ``max_compression / i ** importance_weight``: important batches are compressed
-less. ``time_to_target``, the default, keeps those rules but divides each candidate's predicted step by the
-training one of its steps does, learned from the run's per-step losses
+less. ``time_to_target``, the default, keeps those rules but divides each candidate's
+predicted step by the training one of its steps does, learned from the run's per-step losses
 (:mod:`rayzip.adaptive.efficiency`): it minimises the time to the target, not the step.
 ``pressure``, the first rule, is kept for comparison.
 

@@ -133,7 +133,8 @@ class Transport:
         received = self._sized({j: (payloads[j], entries[j]) for j in others}, others)
         return [received.get(j) for j in range(self.world)]
 
-    def _sized(self, sends: dict[int, tuple[torch.Tensor, int]], sources: list[int]) -> dict[int, tuple[torch.Tensor, int]]:
+    def _sized(self, sends: dict[int, tuple[torch.Tensor, int]],
+               sources: list[int]) -> dict[int, tuple[torch.Tensor, int]]:
         """Each uint8 payload to its group rank with its ``entries``, and one from each source:
         a round of headers (byte count, entries) so that receivers can size their buffers,
         then a round of payloads, each round posted at once."""
@@ -144,7 +145,8 @@ class Transport:
         self._count(HEADER_BYTES * len(sends))
         sizes = {src: t.tolist() for src, t in incoming.items()}
         received = {src: torch.empty(sizes[src][0], dtype=torch.uint8, device=wire) for src in sources}
-        self._exchange_many([(p.to(wire), dst) for dst, (p, _) in sends.items()], [(t, src) for src, t in received.items()])
+        self._exchange_many([(p.to(wire), dst) for dst, (p, _) in sends.items()],
+                            [(t, src) for src, t in received.items()])
         self._count(sum(p.numel() for p, _ in sends.values()))
         return {src: (received[src].to(self.device), sizes[src][1]) for src in sources}
 

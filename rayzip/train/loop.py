@@ -490,7 +490,8 @@ class _ProgressTelemetry(Telemetry):
         if self.progress is not None:
             t = record.traffic
             self.progress.update.remote({"step": record.step, "loss": record.loss, "pid": os.getpid(),
-                                         "world_size": self.context.world, "evaluated": False, "bytes_sent": t.bytes_sent,
+                                         "world_size": self.context.world, "evaluated": False,
+                                         "bytes_sent": t.bytes_sent,
                                          "compressed": t.compressed, "density": t.density,
                                          "resumed_source": self.context.resumed_source})
 

@@ -20,9 +20,10 @@ array's bytes, 64-byte aligned (their places stay put from step to step, so the 
 call), then the nest's skeleton as JSON (tensors and arrays replaced by their index). JSON,
 not pickle: reading a slot runs no code from it. A rank that writes the trainer's part too
 writes a tensor the two parts share once: its own part refers to the trainer slot written
-with it (the header's ``base``), and a restart takes the two together or neither. The checksum (XXH3-64, at memory speed: CRC-32
-took longer than the copy, and its thread took the CPU from training) is written by a thread
-after the commit (a "sealed" slot); a reader checks it where it is written.
+with it (the header's ``base``), and a restart takes the two together or neither. The
+checksum (XXH3-64, at memory speed: CRC-32 took longer than the copy, and its thread took the
+CPU from training) is written by a thread after the commit (a "sealed" slot); a reader checks
+it where it is written.
 """
 
 from __future__ import annotations
@@ -487,7 +488,7 @@ class Snapshots:
             for owner, slots in owners.items():
                 for s in slots:
                     if owner != "trainer":
-                        if s.get("base", -1) >= 0 and (f"trainer.{s['base']}", s["step"], s["rank"]) not in bases:
+                        if s["base"] >= 0 and (f"trainer.{s['base']}", s["step"], s["rank"]) not in bases:
                             continue  # what it refers to is gone, or holds another step now
                         where.setdefault(s["step"], {}).setdefault(owner, (node, s["file"]))
                     elif s["rank"] < writer.get(s["step"], s["rank"] + 1):
@@ -543,9 +544,9 @@ class Snapshots:
         """Step ``step``'s parts, read (from this node's folder, else through its node's
         keeper) and written as a checkpoint folder for the loop's restore."""
         directory = Path(tempfile.mkdtemp(prefix="rayzip-snapshot-"))
-        trainer = None
+        trainer, read = None, {}  # the trainer slot is read once, for the rank slots that refer to it too
         for owner, (node, name) in sorted(owners.items()):
-            header, nest = self._read(node, name)
+            header, nest = self._read(node, name, read)
             if header["step"] != step:  # the slot was written again since it was listed
                 raise SnapshotError(f"{name} on node {node[:12]} holds step {header['step']}, not {step}")
             if owner == "trainer":
@@ -555,17 +556,23 @@ class Snapshots:
         write_taken(directory, Parts(0, self.world, trainer, None))
         return directory
 
-    def _read(self, node: str, name: str) -> tuple[dict, Any]:
-        header, skeleton, arrays = self._read_arrays(node, name)
+    def _read(self, node: str, name: str, read: dict) -> tuple[dict, Any]:
+        """A slot's header and nest; ``read`` holds the slots read so far, {(node, name): arrays}."""
+        header, skeleton, arrays = self._read_arrays(node, name, read)
         base = None
         if "base" in header:  # arrays it shares with the same rank's trainer slot of the same step
-            written, _, base = self._read_arrays(node, f"trainer.{header['base']}")
+            written, _, base = self._read_arrays(node, f"trainer.{header['base']}", read)
             if (written["step"], written["rank"]) != (header["step"], header["rank"]):
                 raise SnapshotError(f"{name} on node {node[:12]} refers to trainer.{header['base']}, which holds "
                                     f"rank {written['rank']}'s step {written['step']} now")
         return header, _decode(skeleton, arrays, base)
 
-    def _read_arrays(self, node: str, name: str) -> tuple[dict, Any, list]:
+    def _read_arrays(self, node: str, name: str, read: dict) -> tuple[dict, Any, list]:
+        if (node, name) not in read:
+            read[node, name] = self._fetch(node, name)
+        return read[node, name]
+
+    def _fetch(self, node: str, name: str) -> tuple[dict, Any, list]:
         if node == self.node_id and self.directory is not None:
             return read_arrays(self.directory / name)
         import zstandard

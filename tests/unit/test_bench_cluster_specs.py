@@ -44,7 +44,8 @@ def test_the_adaptive_method_runs_the_default_policy_and_adaptive_cost_the_faste
     from rayzip.spec import AdaptiveSpec, JobSpec
 
     base = {"training": {"optimizer": "sgd", "momentum": 0.9}}
-    policies = {m: JobSpec.model_validate(method_spec(m, base, m.replace("_", "-"))).adaptive.policy for m in ("adaptive", "adaptive_cost")}
+    policies = {m: JobSpec.model_validate(method_spec(m, base, m.replace("_", "-"))).adaptive.policy
+                for m in ("adaptive", "adaptive_cost")}
     assert policies == {"adaptive": AdaptiveSpec().policy, "adaptive_cost": "cost_model"}
     assert AdaptiveSpec().policy == "time_to_target"
 
