@@ -229,6 +229,9 @@ class CompressionSpec(_Strict):
     bucket_size: Optional[int] = Field(None, ge=1, description="qsgd entries per norm.")
     seed: Optional[int] = Field(None, ge=0, description="randomk/qsgd seed.")
     error_feedback: bool = True
+    error_decay: float = Field(1.0, gt=0, le=1, description="Share of the error-feedback residual carried into the "
+                               "next exchange (1: all of it). Below 1 what waits long fades: SparseLoCo's error "
+                               "feedback for local steps' outer updates (0.95 there).")
     momentum_correction: bool = Field(
         False, description="Keep SGD momentum on each worker, before compression, and clear it where "
                            "entries are sent (DGC). Needs error_feedback and optimizer sgd with momentum; "
@@ -244,6 +247,9 @@ class CompressionSpec(_Strict):
                             "to parameter-server shards and pull parameters (see the ps section). balanced "
                             "(sparse codecs, by name only) cuts the sum back to about k entries, so its bytes "
                             "per worker do not grow with the workers; what it cuts waits in error feedback.")
+    combine: Literal["mean", "senders"] = Field(
+        "mean", description="How the collective averages each entry: over every worker (mean), or over the workers "
+                            "that sent it (senders: sparse codecs, on the allgather; SparseLoCo's).")
     warmup_steps: int = Field(0, ge=0, description="Send the first steps uncompressed.")
     link_mbit: float = Field(1000.0, gt=0, description="The workers' link rate that collective auto assumes "
                                                        "when it weighs bytes against messages.")
@@ -297,8 +303,9 @@ class CompressionSpec(_Strict):
         collective = "allgather" if self.collective == "ps" else self.collective
         return CompressionConfig(
             codec=self.codec, **{k: getattr(self, k) for k in CODEC_FIELDS},
-            error_feedback=self.error_feedback, momentum_correction=self.momentum_correction,
-            adam_correction=self.adam_correction, collective=collective, link=self.link(),
+            error_feedback=self.error_feedback, error_decay=self.error_decay,
+            momentum_correction=self.momentum_correction, adam_correction=self.adam_correction,
+            collective=collective, combine=self.combine, link=self.link(),
             hierarchy=self.hierarchy, overlap=self.overlap, segment_mb=self.segment_mb,
             warmup_steps=self.warmup_steps, verify=self.verify)
 

@@ -31,7 +31,9 @@ Methods:
   local   local steps: H = ``--every`` inner AdamW steps per worker, then each pseudo-gradient
           through group top-k with error feedback (runs of ``--run`` entries selected whole;
           ``--support leader``: one worker in turn picks the entries, every worker sends its
-          values there), averaged, applied with outer lr 1.
+          values there), averaged (``--combine senders``: each entry over the workers that
+          sent it, as SparseLoCo does), applied with ``--outer-lr``; ``--ef-decay`` scales the
+          residual each round (SparseLoCo's error feedback in place of outer momentum).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ from rayzip.train.gpt import GPT, lm_loss
 from rayzip.train.text import ShardSampler, Windows, load_python_stdlib
 
 PEAK_LR, BETAS, DECAY, WARMUP, CLIP = 0.002, (0.9, 0.95), 0.1, 20, 1.0  # jobs/bench-gpt.yaml at 2 workers
-VALUE_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int3": 3, "int2": 2, "sign": 1}
+VALUE_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int3": 3, "int2": 2, "sign": 1, "lv2": 2}
+LEVEL_ROWS = 64  # lv2 sends two fp16 levels per this many rows
 
 
 class Tiles:
@@ -93,6 +96,15 @@ def quantize(values: torch.Tensor, kind: str) -> torch.Tensor:
         per = max(1, 1024 // k)
         magnitude = F.pad(values.abs(), (0, 0, 0, (-rows) % per)).view(-1, per * k).mean(dim=1)
         return values.sign() * magnitude.repeat_interleave(per)[:rows, None]
+    if kind == "lv2":  # learned 4 levels: the sign, and which of two magnitudes (split at the median)
+        rows, k = values.shape
+        blocks = F.pad(values.abs(), (0, 0, 0, (-rows) % LEVEL_ROWS)).view(-1, LEVEL_ROWS * k)
+        cut = blocks.median(dim=1, keepdim=True).values
+        high = blocks > cut
+        low_level = (blocks * ~high).sum(1, keepdim=True) / (~high).sum(1, keepdim=True).clamp_min(1)
+        high_level = (blocks * high).sum(1, keepdim=True) / high.sum(1, keepdim=True).clamp_min(1)
+        magnitude = torch.where(high, high_level, low_level).view(-1, k)[:rows]
+        return values.sign() * magnitude
     bits = int(kind[3:])  # intB: symmetric, one scale per row
     top = 2 ** (bits - 1) - 1
     scale = values.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / top
@@ -298,6 +310,8 @@ class Sim:
         offsets = offset_bits(a.group, k) if a.run == 1 else offset_bits(a.group // a.run, k // a.run) / a.run
         # A shared support: one worker (in turn) sends the offsets, every worker the values.
         per_entry = VALUE_BITS[a.values] + (offsets / a.workers if a.support == "leader" else offsets)
+        if a.values == "lv2":
+            per_entry += 32 / (LEVEL_ROWS * k)
         ratio = 32 * a.every / (a.density * per_entry)
         workers = [copy.deepcopy(self.model) for _ in range(a.workers)]
         inner = [[p for p in w.parameters() if p.requires_grad] for w in workers]
@@ -314,17 +328,20 @@ class Sim:
                 continue
             with torch.no_grad():
                 start = flat_of(self.params)
-                total, idx = 0, None
+                total, idx, senders = 0, None, 0
                 leader = ((step + 1) // a.every) % a.workers
                 order = [leader] + [r for r in range(a.workers) if r != leader]
                 for rank in order:
-                    compensated = start - flat_of(inner[rank]) + residuals[rank]
+                    compensated = start - flat_of(inner[rank]) + a.ef_decay * residuals[rank]
                     sent, chosen = sparsify(compensated, a.group, k, a.values, a.run, idx)
                     if a.support == "leader":
                         idx = chosen
                     residuals[rank] = compensated - sent
                     total = total + sent
-                set_flat(self.params, start - total / a.workers, grad=False)
+                    senders = senders + (sent != 0)
+                # "mean": over every worker; "senders": each entry over the workers that sent it
+                divisor = a.workers if a.combine == "mean" else senders.clamp_min(1)
+                set_flat(self.params, start - a.outer_lr * total / divisor, grad=False)
                 for ps in inner:
                     for p, q in zip(ps, self.params):
                         p.copy_(q)
@@ -394,6 +411,11 @@ def main() -> None:
     ap.add_argument("--run", type=int, default=1)
     ap.add_argument("--support", default="own", choices=["own", "leader"],
                     help="local: each worker's own top k, or the leader's (in turn) for every worker")
+    ap.add_argument("--ef-decay", type=float, default=1.0,
+                    help="local: each round's residual is scaled by this before the pseudo-gradient joins it")
+    ap.add_argument("--combine", default="mean", choices=["mean", "senders"],
+                    help="local: average each entry over every worker, or over those that sent it")
+    ap.add_argument("--outer-lr", type=float, default=1.0)
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--label", default=None)
     ap.add_argument("--json", default=None, help="add this run's row to this file")

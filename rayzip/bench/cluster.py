@@ -75,6 +75,12 @@ METHODS: dict[str, dict[str, Any]] = {
     # count of entries decides the loss; docs/benchmarks/local-steps.md).
     "local_sparse": {"codec": "group_topk", "density": 0.02, "value_dtype": "4bit", "coded_indices": True,
                      "collective": "allgather"},
+    # ``local_sparseloco@H``: SparseLoCo's outer updates: group top-k at 1% with 2-bit values
+    # (a sign and one of two learned magnitudes) and Elias-Fano offsets, error feedback that
+    # fades (0.95 a round) in place of outer momentum, and each entry averaged over the workers
+    # that sent it.
+    "local_sparseloco": {"codec": "group_topk", "density": 0.01, "value_dtype": "2bit", "coded_indices": True,
+                         "collective": "allgather", "error_decay": 0.95, "combine": "senders"},
     # Sharded (FSDP2 inside each node, with --workers-per-node): ``hsdp`` is FSDP2's own HSDP
     # (a dense all-reduce between nodes), ``hsdp_dct`` each shard through 4-bit DCT every step
     # (the default under AdamW), ``hsdp_local@H`` local steps on shards with local_sparse's wire.
@@ -84,7 +90,7 @@ METHODS: dict[str, dict[str, Any]] = {
                    "collective": "allgather"},
 }
 LOCAL = {"local": 10, "local_gtopk": 10, "local_balanced": 10, "local_compact": 10, "local_sparse": 10,
-         "hsdp_local": 4}  # H when the method gives no @H
+         "local_sparseloco": 4, "hsdp_local": 4}  # H when the method gives no @H
 SHARDED = {"hsdp", "hsdp_dct", "hsdp_local"}
 LOCAL_AUTO_MAX = 50  # @auto: the most H, and the evaluation interval (each evaluation synchronizes)
 PS = {"ps": {"cpus_per_shard": 0, "pull": "codec"}, "ps-dense": {"cpus_per_shard": 0, "pull": "dense"}}

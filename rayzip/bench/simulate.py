@@ -57,7 +57,8 @@ def _simulate_one(world: int, compression: dict, collective: str, steps: int, sk
     encoders = [SegmentEncoder(config, rank) for rank in range(world)]
     transports = [InProcessTransport(hub, rank) for rank in range(world)]
     communicators = [make_communicator(config.collective, encoders[r].codec, transports[r],
-                                       sizes=[hi - lo for lo, hi in segments], link=config.link)
+                                       sizes=[hi - lo for lo, hi in segments], link=config.link,
+                                       combine=config.combine)
                      for r in range(world)]
     batches = [_batch_source(rank) for rank in range(world)]
     sent = np.zeros((steps, world))

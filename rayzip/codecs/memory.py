@@ -51,11 +51,16 @@ def _check_layout(what: str, name: str, held, flat) -> None:
 
 
 class ErrorFeedback:
-    """Residuals by name. They live on the tensors' device, in float32."""
+    """Residuals by name. They live on the tensors' device, in float32. ``decay``: the share
+    of a residual carried into the next input (1: all of it, so nothing is lost; below 1 a
+    value that waits long fades, as in SparseLoCo's ``e = decay * e + delta``)."""
 
     enabled = True
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.decay = float(decay)
         self.residuals: dict[str, Any] = {}
 
     def compensate(self, name: str, x):
@@ -68,7 +73,11 @@ class ErrorFeedback:
         else:
             residual = self.residuals[name] = _on(residual, xp)
             _check_layout("error feedback", name, residual, flat)
-            out = xp.add(flat, residual, dtype=xp.float32)
+            if self.decay == 1.0:
+                out = xp.add(flat, residual, dtype=xp.float32)
+            else:  # decay * residual + x
+                out = residual * xp.float32(self.decay)
+                out += flat
         out = out.reshape(arr.shape)
         if is_torch(x):
             from ..xp import to_torch

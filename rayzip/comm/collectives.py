@@ -110,7 +110,16 @@ class AllReduce(Communicator):
 
 
 class AllGather(Communicator):
+    """Every rank gathers every payload and sums them. ``combine="senders"`` (sparse codecs):
+    each entry is averaged over the ranks that sent it, not over all of them, as SparseLoCo
+    does: an entry one worker of n picked is applied whole, where the mean would cut it to
+    1/n while the others' shares of it still wait in their residuals."""
+
     name = "allgather"
+
+    def __init__(self, transport: Transport, combine: str = "mean"):
+        super().__init__(transport)
+        self.combine = combine
 
     def average(self, codec, payload, segment=""):
         return self.start(codec, payload)()
@@ -120,20 +129,29 @@ class AllGather(Communicator):
         return lambda: self._sum(codec, payload, gathered())
 
     def _sum(self, codec, payload, gathered):
-        total = None
+        total = senders = None
         for wire in gathered:
             arr = as_array(wire)[0]
-            received = codec.from_bytes(arr, like=payload, xp=array_module(arr))
-            if total is None:
-                total = codec.decode_flat(received)  # a fresh array: the sum accumulates in it
-            elif codec.sparse:
+            xp = array_module(arr)
+            received = codec.from_bytes(arr, like=payload, xp=xp)
+            if codec.sparse:
                 # Only the kept entries (distinct within a payload) add anything: no dense
                 # decode, no new gradient-sized array per worker.
                 indices, values = codec.to_coo(received)
+                if total is None:
+                    total = xp.zeros(payload.numel, dtype=xp.float32)
+                    senders = xp.zeros(payload.numel, dtype=xp.float32) if self.combine == "senders" else None
                 total[indices] += values
+                if senders is not None:
+                    senders[indices] += 1
+            elif total is None:
+                total = codec.decode_flat(received)  # a fresh array: the sum accumulates in it
             else:
                 total += codec.decode_flat(received)
-        total /= self.transport.world
+        if senders is not None:
+            total /= xp.maximum(senders, 1)
+        else:
+            total /= self.transport.world
         return total
 
     def documented_bytes(self, codec, payload):
@@ -208,15 +226,25 @@ class BalancedAllReduce(Ring):
 
 
 COLLECTIVES = {cls.name: cls for cls in (AllReduce, AllGather, Ring, BalancedAllReduce)}
+COMBINES = ("mean", "senders")
 
 
 def choose_collective(requested: str, codec: Codec, sizes: list[int] | None = None, world: int | None = None,
-                      link: Link | None = None) -> str:
+                      link: Link | None = None, combine: str = "mean") -> str:
     """The collective for ``codec``. ``auto`` picks the one of least modelled time for
     segments of ``sizes`` entries among ``world`` workers on ``link``
     (:mod:`rayzip.comm.cost`); without them, the cheapest at two workers. It leaves out the
     collectives that cut the sum (:attr:`Communicator.feeds_back`): they trade accuracy for
     bytes, which the cost model does not weigh, so they are chosen by name."""
+    if combine not in COMBINES:
+        raise CodecError(f"combine must be one of {', '.join(COMBINES)}, got {combine!r}")
+    if combine == "senders":  # counting each entry's senders takes every rank's whole payload
+        if not codec.sparse:
+            raise CodecError(f"combine senders averages each kept entry over the ranks that sent it: it needs a "
+                             f"sparse codec (topk, group_topk, randomk), not {codec.name}")
+        if requested not in ("auto", "allgather"):
+            raise CodecError(f"combine senders runs on the allgather collective, not {requested}")
+        return "allgather"
     if requested == "auto":
         if not sizes or world is None or world < 2:
             sizes, world = [1 << 20], 2
@@ -239,7 +267,9 @@ def choose_collective(requested: str, codec: Codec, sizes: list[int] | None = No
 
 
 def make_communicator(requested: str, codec: Codec, transport: Transport, sizes: list[int] | None = None,
-                      link: Link | None = None) -> Communicator:
+                      link: Link | None = None, combine: str = "mean") -> Communicator:
     """The communicator for ``codec`` on ``transport``'s workers (``auto``: by cost, for
-    segments of ``sizes`` entries)."""
-    return COLLECTIVES[choose_collective(requested, codec, sizes, transport.world, link)](transport)
+    segments of ``sizes`` entries); ``combine``: how each entry is averaged (see
+    :class:`AllGather`)."""
+    name = choose_collective(requested, codec, sizes, transport.world, link, combine)
+    return AllGather(transport, combine) if name == "allgather" else COLLECTIVES[name](transport)

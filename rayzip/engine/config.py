@@ -50,9 +50,14 @@ class CompressionConfig:
         bucket_size: QSGD's bucket.
         seed: random-k's and QSGD's seed.
         error_feedback: keep what the codec left out and add it to the next step's gradient.
+        error_decay: the share of the residual kept from one exchange to the next (1: all of
+            it). Below 1, what waits too long fades: SparseLoCo's error feedback, which takes
+            the place of the outer momentum under local steps (0.95 there).
         momentum_correction: keep SGD momentum on each worker, before compression (DGC).
         adam_correction: keep Adam's moments on each worker and send its direction.
         collective: how the workers combine payloads; ``auto`` picks the cheapest on ``link``.
+        combine: ``mean`` averages each entry over every worker; ``senders`` (sparse codecs, on
+            the allgather) over the workers that sent it, as SparseLoCo does.
         link: the link ``collective="auto"`` weighs bytes against messages on.
         hierarchy: ``node``: one compressed exchange per node; ``auto`` when it helps.
         overlap: exchange each segment on a worker thread as soon as backward produced it.
@@ -66,6 +71,9 @@ class CompressionConfig:
 
         CompressionConfig(codec="dct_quant", bits=4)
         CompressionConfig(codec="group_topk", density=0.02, value_dtype="int8", packed_indices=True)
+        # SparseLoCo's outer updates (local steps): 1%, 2-bit values, fading residuals
+        CompressionConfig(codec="group_topk", density=0.01, value_dtype="2bit", coded_indices=True,
+                          error_decay=0.95, combine="senders")
     """
 
     codec: str = "none"
@@ -81,9 +89,11 @@ class CompressionConfig:
     bucket_size: Optional[int] = None
     seed: Optional[int] = None
     error_feedback: bool = True
+    error_decay: float = 1.0
     momentum_correction: bool = False
     adam_correction: bool = False
     collective: str = "auto"
+    combine: str = "mean"
     link: Link = field(default_factory=Link)
     hierarchy: str = "auto"
     overlap: bool = True
@@ -110,6 +120,13 @@ class CompressionConfig:
                 return f"{name} works on rayzip's error feedback: set error_feedback true"
         if self.momentum_correction and self.adam_correction:
             return "choose momentum_correction (sgd) or adam_correction (adamw), not both"
+        if not 0.0 < self.error_decay <= 1.0:
+            return f"error_decay must be in (0, 1], got {self.error_decay}"
+        if self.error_decay < 1.0 and (not self.error_feedback or self.momentum_correction or self.adam_correction):
+            return "error_decay fades plain error feedback's residuals: set error_feedback true, without " \
+                   "momentum_correction or adam_correction"
+        if self.combine == "senders" and self.verify:
+            return "verify compares with the mean over every worker: it does not check combine senders"
         takes = codec_parameters(self.codec)
         for name in CODEC_FIELDS:
             if getattr(self, name) is not None and name not in takes:
@@ -119,7 +136,7 @@ class CompressionConfig:
             codec = self.build_codec()
             if self.error_feedback:
                 check_error_feedback(codec)
-            choose_collective(self.collective, codec)
+            choose_collective(self.collective, codec, combine=self.combine)
         except (CodecError, ValueError) as exc:
             return str(exc)
         return None
@@ -148,7 +165,7 @@ class CompressionConfig:
                 raise ValueError("momentum_correction needs the SGD momentum factor, "
                                  "with the optimizer built with momentum=0")
             return MomentumCorrection(momentum)
-        return ErrorFeedback() if self.error_feedback else NoMemory()
+        return ErrorFeedback(self.error_decay) if self.error_feedback else NoMemory()
 
     def replace(self, **changes) -> "CompressionConfig":
         """A copy with ``changes``, checked again."""

@@ -161,7 +161,8 @@ class GradientExchange(Knobs):
         if self._exchanging is None:
             return None
         return make_communicator(self.config.collective, self.codec, self._exchanging,
-                                 sizes=[hi - lo for lo, hi in self.segments], link=self.config.link)
+                                 sizes=[hi - lo for lo, hi in self.segments], link=self.config.link,
+                                 combine=self.config.combine)
 
     def _apply_density(self, density: float) -> None:
         """Swap in the codec at ``density``, keeping its state (a seeded codec's call count);

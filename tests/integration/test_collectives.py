@@ -184,3 +184,32 @@ def test_an_emulated_link_refuses_a_bandwidth_that_is_not_positive():
 
     with pytest.raises(ValueError, match="positive bandwidth"):
         FixedLink(Link(bandwidth=0.0, latency=0.0))
+
+
+def _senders_rank(rank, world):
+    """Group top-k payloads averaged over their senders, with the 2-bit values and coded
+    offsets of SparseLoCo's outer updates."""
+    codec = get_codec("group_topk", density=0.05, value_dtype="2bit", coded_indices=True)
+    x = np.random.default_rng(rank).standard_normal(10_001).astype(np.float32)
+    payload = codec.encode(x)
+    transport = Transport()
+    average = AllGather(transport, combine="senders").average(codec, payload)
+    indices, values = codec.to_coo(payload)
+    return average, np.asarray(indices), np.asarray(values), transport.bytes_sent, payload.nbytes
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_combine_senders_averages_each_entry_over_the_ranks_that_sent_it(world):
+    results = run_world(_senders_rank, world)
+    total, count = np.zeros(10_001, np.float64), np.zeros(10_001)
+    for _, indices, values, _, _ in results:
+        total[indices] += values
+        count[indices] += 1
+    reference = total / np.maximum(count, 1)
+    assert (count > 1).any() and (count == 1).any()  # both cases occur
+    assert not np.allclose(reference, total / world)  # the mean over every rank differs
+    for average, _, _, bytes_sent, wire in results:
+        np.testing.assert_allclose(average, reference, rtol=1e-6, atol=1e-7)
+        assert bytes_sent == (world - 1) * wire  # the allgather's bytes: nothing more is sent
+    for average, *_ in results[1:]:
+        assert np.array_equal(average, results[0][0])  # replicas agree bitwise

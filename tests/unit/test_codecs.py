@@ -429,6 +429,26 @@ def test_error_feedback_state_round_trips_and_checks_layout():
         restored.compensate("a", gaussian(99))
 
 
+def test_fading_error_feedback_carries_decay_times_the_residual():
+    codec = get_codec("topk", density=0.1)
+    memory = ErrorFeedback(decay=0.95)
+    x, y = gaussian(5000, seed=1), gaussian(5000, seed=2)
+    memory.encode(codec, "a", x)
+    held = memory.residuals["a"].copy()
+    compensated = memory.compensate("a", y)
+    np.testing.assert_allclose(compensated, np.float32(0.95) * held + y, rtol=1e-6)
+    payload = memory.encode(codec, "a", y)
+    np.testing.assert_allclose(memory.residuals["a"], compensated - codec.decode_flat(payload), rtol=1e-6, atol=1e-7)
+    # SparseLoCo's accumulator: after an input of zeros a residual keeps decay of itself,
+    # less what was sent of it.
+    before = memory.residuals["a"].copy()
+    memory.encode(codec, "a", np.zeros(5000, np.float32))
+    sent = np.float32(0.95) * before - memory.residuals["a"]
+    assert np.count_nonzero(sent) == 500  # top-k at 0.1 of 5000 entries
+    with pytest.raises(ValueError, match=r"decay must be in \(0, 1\]"):
+        ErrorFeedback(decay=0.0)
+
+
 def test_error_feedback_does_not_modify_its_input():
     memory = ErrorFeedback()
     x = gaussian(100)

@@ -23,6 +23,14 @@ from rayzip.torch import CompressionConfig
     ({"momentum_correction": True, "adam_correction": True}, "not both"),
     ({"momentum_correction": True, "error_feedback": False}, "works on rayzip's error feedback"),
     ({"segment_mb": 0}, "segment_mb must be > 0"),
+    ({"codec": "group_topk", "error_decay": 0.0}, r"error_decay must be in \(0, 1\]"),
+    ({"codec": "group_topk", "error_decay": 1.5}, r"error_decay must be in \(0, 1\]"),
+    ({"codec": "group_topk", "error_decay": 0.9, "momentum_correction": True}, "fades plain error feedback"),
+    ({"codec": "group_topk", "error_decay": 0.9, "error_feedback": False}, "fades plain error feedback"),
+    ({"codec": "dct_quant", "combine": "senders"}, "combine senders .* needs a sparse codec"),
+    ({"codec": "group_topk", "combine": "senders", "collective": "ring"}, "runs on the allgather"),
+    ({"codec": "group_topk", "combine": "senders", "verify": True}, "does not check combine senders"),
+    ({"codec": "group_topk", "combine": "median"}, "combine must be one of mean, senders"),
 ])
 def test_a_config_that_cannot_run_is_refused_when_built(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -58,3 +66,16 @@ def test_a_job_specs_compression_section_builds_the_same_config():
     with pytest.raises(ValueError, match="does not run with collective ps"):
         ps.compression.to_config()
     assert ps.compression.build_codec().name == "dct_quant"  # the shards' and workers' codec
+
+
+def test_sparselocos_outer_updates_build_fading_error_feedback_on_the_allgather():
+    config = CompressionConfig(codec="group_topk", density=0.01, value_dtype="2bit", coded_indices=True,
+                               error_decay=0.95, combine="senders")
+    memory = config.build_memory()
+    assert type(memory) is ErrorFeedback and memory.decay == 0.95
+    spec = parse_spec({"name": "x", "compression": {"codec": "group_topk", "density": 0.01, "value_dtype": "2bit",
+                                                    "coded_indices": True, "error_decay": 0.95,
+                                                    "combine": "senders"}})
+    assert spec.compression.to_config() == config
+    from rayzip.comm import choose_collective
+    assert choose_collective("auto", config.build_codec(), combine="senders") == "allgather"
