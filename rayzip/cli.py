@@ -49,9 +49,11 @@ def validate(spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spe
 
     spec = _load_or_exit(spec_path)
     _allowed_or_exit(spec, spec_path)
-    s = spec.scaling
-    console.print(f"ok: {spec.name}: codec {spec.compression.codec} {spec.compression.codec_params()}, "
-                  f"collective {spec.compression.collective}, workers {s.min_workers}..{s.max_workers}",
+    s, c = spec.scaling, spec.compression
+    feedback = f", error_decay {c.error_decay}" if c.error_decay != 1.0 else ""
+    combine = f", combine {c.combine}" if c.combine != "mean" else ""
+    console.print(f"ok: {spec.name}: codec {c.codec} {c.codec_params()}{feedback}, "
+                  f"collective {c.collective}{combine}, workers {s.min_workers}..{s.max_workers}",
                   highlight=False)
     for field, value in code_references(spec):
         console.print(f"note: {field} is code: `rayzip run` imports {value} and calls it on every worker, "

@@ -37,6 +37,13 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
 
 
+def _train_step(model, optimizer, gen) -> None:
+    optimizer.zero_grad()
+    x, y = _batch(gen)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+
+
 def _ddp_rank(rank, world, steps):
     ddp = torch.nn.parallel.DistributedDataParallel(_model())
     optimizer, gen = _sgd(ddp.parameters()), torch.Generator().manual_seed(rank)
@@ -264,10 +271,7 @@ def _tuned_rank(rank, world, steps, sync_delay_s, straggler_s):
     optimizer, gen = _sgd(model.parameters()), torch.Generator().manual_seed(rank)
     trace = []
     for step in range(steps):
-        optimizer.zero_grad()
-        x, y = _batch(gen)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
+        _train_step(model, optimizer, gen)
         if rank == 1:
             time.sleep(straggler_s)
         before = local.state.totals["bytes_sent"]
@@ -378,3 +382,53 @@ def test_a_resize_keeps_the_synchronized_model_the_outer_optimizer_and_pending_e
         after = np.sum([r[1][key] for r in restored if key in r[1]], axis=0) / new
         assert np.abs(before).max() > 0  # there was something pending to keep
         np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
+
+
+SPARSELOCO = CompressionConfig(codec="group_topk", density=0.05, value_dtype="2bit", coded_indices=True,
+                               error_decay=0.95, combine="senders")
+
+
+def _sparseloco_rank(rank, world, steps, every):
+    """Local steps with SparseLoCo's outer updates: at each synchronization, the anchor
+    before and after, this rank's pseudo-gradient, and its residuals before and after."""
+    model = _model()
+    local = LocalSteps(model.named_parameters(), every=every, outer_lr=1.0, outer_momentum=0.0,
+                       compression=SPARSELOCO)
+    optimizer, gen = _sgd(model.parameters()), torch.Generator().manual_seed(rank)
+    memory, names = local.state.memory, local.state.segment_names
+
+    def residual():
+        return np.concatenate([np.asarray(memory.residuals[n]).copy() if n in memory.residuals
+                               else np.zeros(hi - lo, np.float32)
+                               for n, (lo, hi) in zip(names, local.state.segments)])
+
+    rounds = []
+    for _ in range(steps):
+        _train_step(model, optimizer, gen)
+        if local.inner + 1 == local.every:  # this step synchronizes
+            anchor = torch.cat([a.reshape(-1) for a in local.anchor]).numpy().copy()
+            delta, before = local.pseudo_gradient().numpy().copy(), residual()
+        if local.after_inner_step():
+            after = torch.cat([a.reshape(-1) for a in local.anchor]).numpy().copy()
+            rounds.append((anchor, after, delta, before, residual(), _flat(model)))
+    return rounds
+
+
+def test_sparselocos_outer_update_averages_each_entry_over_its_senders_with_fading_residuals():
+    rounds = run_world(_sparseloco_rank, 2, 8, 2)
+    assert len(rounds[0]) == 4
+    for k, ((anchor, after, _, _, _, model0), (anchor1, after1, _, _, _, model1)) in enumerate(zip(*rounds)):
+        np.testing.assert_array_equal(after, after1)  # every replica applies the same update
+        np.testing.assert_array_equal(model0, model1)
+        np.testing.assert_array_equal(anchor, anchor1)
+        # What each rank sent: decay x its residual plus its pseudo-gradient, less what it keeps.
+        sent = [before * np.float32(0.95) + delta - kept for _, _, delta, before, kept, _ in
+                (rounds[r][k] for r in range(2))]
+        senders = sum((s != 0).astype(np.float32) for s in sent)
+        assert (senders == 1).any() and (senders == 2).any()
+        expected = anchor - sum(sent) / np.maximum(senders, 1)  # outer SGD at lr 1, no momentum
+        np.testing.assert_allclose(after, expected, rtol=0, atol=1e-6)
+        if k:  # the residual fades: what was held and not sent is carried at 0.95
+            _, _, delta, before, kept, _ = rounds[0][k]
+            unsent = sent[0] == 0
+            np.testing.assert_array_equal(kept[unsent], (before * np.float32(0.95) + delta)[unsent])
