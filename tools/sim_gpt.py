@@ -259,10 +259,11 @@ class Sim:
         k = max(1, math.ceil(a.density * a.group))
         residuals = [torch.zeros(self.numel) for _ in range(a.workers)]
         moments = [(torch.zeros(self.numel), torch.zeros(self.numel)) for _ in range(a.workers)]
-        bits = self.numel / a.group * k * (VALUE_BITS[a.values] + offset_bits(a.group, k))
+        bits = self.numel / a.group * k * (VALUE_BITS[a.values] + offset_bits(a.group, k)
+                                           + (32 / (LEVEL_ROWS * k) if a.values == "lv2" else 0))
 
         def exchange(step, grads, lr):
-            total = 0
+            total, senders = 0, 0
             for rank in range(a.workers):
                 g = grads[rank]
                 if a.memory == "adam":  # each worker's own Adam direction (adam_correction)
@@ -271,11 +272,12 @@ class Sim:
                     v.mul_(BETAS[1]).addcmul_(g, g, value=1 - BETAS[1])
                     t = step + 1
                     g = (m / (1 - BETAS[0] ** t)) / ((v / (1 - BETAS[1] ** t)).sqrt() + 1e-8)
-                compensated = g + residuals[rank]
+                compensated = g + a.ef_decay * residuals[rank]
                 sent, _ = sparsify(compensated, a.group, k, a.values)
                 residuals[rank] = compensated - sent
                 total = total + sent
-            mean = total / a.workers
+                senders = senders + (sent != 0)
+            mean = total / (a.workers if a.combine == "mean" else senders.clamp_min(1))
             if a.memory == "adam":
                 return self.apply(mean, lr)
             set_flat(self.params, mean, grad=True)
@@ -412,9 +414,9 @@ def main() -> None:
     ap.add_argument("--support", default="own", choices=["own", "leader"],
                     help="local: each worker's own top k, or the leader's (in turn) for every worker")
     ap.add_argument("--ef-decay", type=float, default=1.0,
-                    help="local: each round's residual is scaled by this before the pseudo-gradient joins it")
+                    help="local, topk: the residual is scaled by this before the next input joins it")
     ap.add_argument("--combine", default="mean", choices=["mean", "senders"],
-                    help="local: average each entry over every worker, or over those that sent it")
+                    help="local, topk: average each entry over every worker, or over those that sent it")
     ap.add_argument("--outer-lr", type=float, default=1.0)
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--label", default=None)
