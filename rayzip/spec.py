@@ -292,6 +292,9 @@ class CompressionSpec(_Strict):
                                  "set error_feedback true and leave torch_hook unset")
         if self.momentum_correction and self.adam_correction:
             raise ValueError("choose momentum_correction (sgd) or adam_correction (adamw), not both")
+        if self.combine != "mean" and self.collective == "ps":
+            raise ValueError("combine senders works in the allgather among the workers; with collective ps "
+                             "the shards average the pushes")
         if self.adam_correction and self.collective == "ps":
             raise ValueError("adam_correction runs on collectives among the workers; with collective ps the "
                              "shards run the optimizer")
