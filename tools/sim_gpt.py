@@ -111,6 +111,18 @@ def quantize(values: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.round(values / scale) * scale
 
 
+def value_bits(kind: str, k: int) -> float:
+    """A kept value's bits on the wire; lv2's two levels are spread over the k kept entries of
+    each of their LEVEL_ROWS rows."""
+    return VALUE_BITS[kind] + (32 / (LEVEL_ROWS * k) if kind == "lv2" else 0)
+
+
+def combined(total: torch.Tensor, senders: torch.Tensor, workers: int, how: str) -> torch.Tensor:
+    """The workers' summed updates averaged: over every worker (``mean``), or each entry over
+    the workers that sent it (``senders``, SparseLoCo's)."""
+    return total / (workers if how == "mean" else senders.clamp_min(1))
+
+
 def offset_bits(group: int, k: int) -> float:
     """What a kept entry's offset costs at best: log2 C(group, k) / k."""
     return math.log2(math.comb(group, k)) / k
@@ -259,8 +271,7 @@ class Sim:
         k = max(1, math.ceil(a.density * a.group))
         residuals = [torch.zeros(self.numel) for _ in range(a.workers)]
         moments = [(torch.zeros(self.numel), torch.zeros(self.numel)) for _ in range(a.workers)]
-        bits = self.numel / a.group * k * (VALUE_BITS[a.values] + offset_bits(a.group, k)
-                                           + (32 / (LEVEL_ROWS * k) if a.values == "lv2" else 0))
+        bits = self.numel / a.group * k * (value_bits(a.values, k) + offset_bits(a.group, k))
 
         def exchange(step, grads, lr):
             total, senders = 0, 0
@@ -277,7 +288,7 @@ class Sim:
                 residuals[rank] = compensated - sent
                 total = total + sent
                 senders = senders + (sent != 0)
-            mean = total / (a.workers if a.combine == "mean" else senders.clamp_min(1))
+            mean = combined(total, senders, a.workers, a.combine)
             if a.memory == "adam":
                 return self.apply(mean, lr)
             set_flat(self.params, mean, grad=True)
@@ -311,9 +322,7 @@ class Sim:
         k = max(1, math.ceil(a.density * a.group))
         offsets = offset_bits(a.group, k) if a.run == 1 else offset_bits(a.group // a.run, k // a.run) / a.run
         # A shared support: one worker (in turn) sends the offsets, every worker the values.
-        per_entry = VALUE_BITS[a.values] + (offsets / a.workers if a.support == "leader" else offsets)
-        if a.values == "lv2":
-            per_entry += 32 / (LEVEL_ROWS * k)
+        per_entry = value_bits(a.values, k) + (offsets / a.workers if a.support == "leader" else offsets)
         ratio = 32 * a.every / (a.density * per_entry)
         workers = [copy.deepcopy(self.model) for _ in range(a.workers)]
         inner = [[p for p in w.parameters() if p.requires_grad] for w in workers]
@@ -341,9 +350,8 @@ class Sim:
                     residuals[rank] = compensated - sent
                     total = total + sent
                     senders = senders + (sent != 0)
-                # "mean": over every worker; "senders": each entry over the workers that sent it
-                divisor = a.workers if a.combine == "mean" else senders.clamp_min(1)
-                set_flat(self.params, start - a.outer_lr * total / divisor, grad=False)
+                set_flat(self.params, start - a.outer_lr * combined(total, senders, a.workers, a.combine),
+                         grad=False)
                 for ps in inner:
                     for p, q in zip(ps, self.params):
                         p.copy_(q)
