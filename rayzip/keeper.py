@@ -20,12 +20,13 @@ from pathlib import Path
 
 __all__ = ["HEADER", "MAGIC", "Keeper", "default_root", "keeper_name", "keeper_prefix", "read_header"]
 
-MAGIC = b"RZSNAP02"
+MAGIC = b"RZSNAP03"
 # magic, committed (1; 2: sealed with its checksum), step, world, the writer's rank, skeleton bytes, data bytes,
-# XXH3-64 of the bytes after the header, and the index of the same rank's trainer slot whose arrays this
-# one refers to (-1: none)
-HEADER = struct.Struct("<8sIqiiQQQi")
-HEADER_BYTES = 64  # the arrays start here, the skeleton after them
+# XXH3-64 of the bytes after the header, the index of the same rank's trainer slot whose arrays this one
+# refers to (-1: none), and the index of the same rank's stable slot whose entries this one's take (-1:
+# none) with the step that slot was written at
+HEADER = struct.Struct("<8sIqiiQQQiiq")
+HEADER_BYTES = 128  # the arrays start here, the skeleton after them
 
 
 def keeper_prefix(run_id: str) -> str:
@@ -51,11 +52,11 @@ def read_header(path: str | os.PathLike) -> dict | None:
         return None
     if len(raw) < HEADER.size:
         return None
-    magic, committed, step, world, rank, skeleton, data, _, base = HEADER.unpack(raw)
+    magic, committed, step, world, rank, skeleton, data, _, base, stable, stable_step = HEADER.unpack(raw)
     if magic != MAGIC or committed not in (1, 2):  # 2: sealed, its checksum written
         return None
     return {"step": step, "world": world, "rank": rank, "skeleton_bytes": skeleton, "data_bytes": data,
-            "sealed": committed == 2, "base": base}
+            "sealed": committed == 2, "base": base, "stable": stable, "stable_step": stable_step}
 
 
 class Keeper:
@@ -98,7 +99,8 @@ class Keeper:
         return sum(p.stat().st_size for p in self.path.iterdir() if p.is_file())
 
     def inventory(self) -> dict[str, list[dict]]:
-        """{slot owner ("trainer", "rank0", ...): its committed slots' headers, with ``file``}."""
+        """{slot owner ("trainer", "rank0", "stable0", ...): its committed slots' headers, with
+        ``file``}."""
         held: dict[str, list[dict]] = {}
         for p in sorted(self.path.iterdir()):
             owner, _, index = p.name.rpartition(".")

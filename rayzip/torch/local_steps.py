@@ -131,6 +131,9 @@ class LocalSteps:
         self.rank = dist.get_rank(process_group) if exchanging else 0
         self.inner = 0  # inner steps since the last synchronization
         self.rounds = 0  # synchronizations so far
+        # Changes whenever what a synchronization writes does (the anchor, the outer optimizer,
+        # error feedback, H): a snapshot writes round_start_dict() once per generation.
+        self.generation = 0
         self.synced = False  # the last inner step ended with a synchronization
         self.last_sync: StepStats | None = None
         self.bad: str | None = None  # the parameter of this rank's first non-finite gradient this round
@@ -278,6 +281,7 @@ class LocalSteps:
             for anchor in self.anchor:
                 anchor.grad = None
         self.rounds += 1
+        self.generation += 1
 
     def _agree(self, compute_s: float, sync_s: float, stats: StepStats | None) -> tuple[float, float]:
         """Every rank's slowest compute and shortest synchronization: one all-reduced word
@@ -344,7 +348,14 @@ class LocalSteps:
     def round_state_dict(self) -> dict:
         """:meth:`state_dict` at any step between synchronizations, not with a round in
         flight: with the synchronized parameters and this round's inner steps, so that a
-        rank that loads it and its own parameters goes on with the round where it was."""
+        rank that loads it and its own parameters goes on with the round where it was. It is
+        :meth:`round_start_dict` (the same through a round) and :meth:`round_step_dict`."""
+        return {**self.round_start_dict(), **self.round_step_dict()}
+
+    def round_start_dict(self) -> dict:
+        """The part of :meth:`round_state_dict` that only a synchronization changes (it and
+        :attr:`generation` change together): the synchronized parameters, the outer
+        optimizer, error feedback, H."""
         if self._pending is not None:
             raise RuntimeError("a round is in flight (overlap): its state is taken at a forced synchronization")
         inner, self.inner = self.inner, 0
@@ -352,7 +363,11 @@ class LocalSteps:
             state = self.state_dict()
         finally:
             self.inner = inner
-        return {**state, "inner": inner, "anchor": list(self.anchor), "bad": self.bad, "compute_s": self.compute_s}
+        return {**state, "anchor": list(self.anchor)}
+
+    def round_step_dict(self) -> dict:
+        """The part of :meth:`round_state_dict` that each inner step changes."""
+        return {"inner": self.inner, "bad": self.bad, "compute_s": self.compute_s}
 
     def load_round_state_dict(self, state: dict, compression: dict | None = None) -> None:
         """Restore :meth:`round_state_dict` (this rank's own parameters already loaded)."""
@@ -365,6 +380,7 @@ class LocalSteps:
                     base.copy_(anchor)
                 _local(p).copy_(own)
         self.inner, self.bad, self.compute_s = int(state["inner"]), state["bad"], float(state["compute_s"])
+        self.generation += 1
 
     def load_state_dict(self, state: dict, compression: dict | None = None) -> None:
         """Restore :meth:`state_dict` onto parameters already loaded with the checkpoint's
@@ -377,6 +393,7 @@ class LocalSteps:
                     base.copy_(anchor)
         self.outer.load_state_dict(state["outer"])
         self.rounds, self.inner, self.bad, self.compute_s = int(state["rounds"]), 0, None, 0.0
+        self.generation += 1
         if self.tuner is not None:  # a fixed H is the caller's, which may differ from the saved one
             self.every = min(self.tuner.high, max(self.tuner.low, int(state["every"])))
             self.tuner.load_state_dict(state.get("tuner"))

@@ -30,9 +30,9 @@ from ..checkpoint.dcp import CompressedStorageReader, CompressedStorageWriter
 from ..codecs.memory import reshard_state
 from ..torch.optim import load_optimizer
 
-__all__ = ["GroupCheckpoints", "Parts", "holder_parts", "load_optimizer", "load_shards", "load_trainer", "restore_hook",
-           "restore_shards", "save_shards", "take_parts", "take_shards", "unwrap", "write_parts", "write_shards",
-           "write_taken"]
+__all__ = ["GroupCheckpoints", "Parts", "SplitState", "holder_parts", "load_optimizer", "load_shards", "load_trainer",
+           "restore_hook", "restore_shards", "save_shards", "take_parts", "take_shards", "unwrap", "write_parts",
+           "write_shards", "write_taken"]
 
 SHARDS = "shards"  # a sharded model's folder in a checkpoint: DCP's .metadata and __<rank>/
 
@@ -64,12 +64,25 @@ class RankState(Protocol):
     def state_dict(self) -> dict: ...
 
 
+class SplitState:
+    """A rank state most of whose bytes change only now and then (local steps': at a
+    synchronization). A snapshot writes that part once each time it changes, into a slot
+    of its own, and each step only the rest (:mod:`rayzip.train.snapshots`)."""
+
+    def split_state_dict(self) -> tuple[dict, int, Callable[[], dict]]:
+        """(the part each step changes, the generation of the rest, the rest): the two
+        parts' entries together are what a snapshot restores; the rest is the same while
+        the generation is."""
+        raise NotImplementedError
+
+
 def take_parts(rank: int, world: int, trainer: Callable[[], dict], state: RankState | None,
-               copy: Callable[[Any], Any] | None = None) -> Parts:
+               copy: Callable[[Any], Any] | None = None, hook: dict | None = None) -> Parts:
     """This rank's parts of a checkpoint, as they are now: ``trainer()`` on rank 0, with
     ``world_size``, the torch RNG and the hook's holders added, and the hook's state. With
     ``copy`` (:func:`rayzip.checkpoint.background.snapshot`, or one with buffers), every
-    tensor is copied to host memory, so the parts can be written while training goes on."""
+    tensor is copied to host memory, so the parts can be written while training goes on.
+    ``hook``: the hook's state, taken already (instead of ``state.state_dict()``)."""
     content = None
     if rank == 0:
         content = {**trainer(), "world_size": world, "torch_rng": torch.get_rng_state()}
@@ -77,7 +90,8 @@ def take_parts(rank: int, world: int, trainer: Callable[[], dict], state: RankSt
         holders = state.holders if state is not None else None
         if holders is not None:
             content["hook_holders"] = {str(r): list(held) for r, held in holders.items()}
-    hook = None if state is None else {"world_size": world, "hook": state.state_dict()}
+    if state is not None:
+        hook = {"world_size": world, "hook": state.state_dict() if hook is None else hook}
     if copy is not None:
         content, hook = copy(content), copy(hook)
     return Parts(rank, world, content, hook)

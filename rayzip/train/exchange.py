@@ -49,8 +49,8 @@ from ..torch import compress, ddp_kwargs
 from ..torch.baselines import register_torch_hook
 from ..torch.local_steps import LocalSteps
 from ..torch.optim import build_optimizer
-from .checkpoints import (load_optimizer, load_trainer, restore_hook, restore_shards, take_shards, unwrap,
-                          write_shards)
+from .checkpoints import (SplitState, load_optimizer, load_trainer, restore_hook, restore_shards, take_shards,
+                          unwrap, write_shards)
 from .probe import prepare_timed
 from .records import Traffic, traffic_of
 
@@ -427,9 +427,10 @@ class LocalStepsExchange(_Rounds, Exchange):
         return trainer["step"] + 1, trainer
 
 
-class _LocalState:
+class _LocalState(SplitState):
     """A :class:`LocalSteps` as the loop's checkpoints see a hook's state: ``state_dict`` is
-    this rank's part, ``holders`` every rank."""
+    this rank's part, ``holders`` every rank. A snapshot takes the round's start (the
+    synchronized parameters, error feedback, the outer optimizer) once a round."""
 
     def __init__(self, local: LocalSteps, optimizer: torch.optim.Optimizer, rank: int, world: int,
                  model: torch.nn.Module):
@@ -447,11 +448,20 @@ class _LocalState:
                     "own_model": unwrap(self.model).state_dict()}
         return {"local_steps": self.local.state_dict(), "inner_optimizer": self.optimizer.state_dict()}
 
+    def split_state_dict(self) -> tuple[dict, int, Callable[[], dict]]:
+        """A snapshot's: the round's start, and this rank's own parameters and inner optimizer
+        with the round's inner steps (at a synchronization too: a round of none)."""
+        own = {"round_step": self.local.round_step_dict(), "inner_optimizer": self.optimizer.state_dict(),
+               "own_model": unwrap(self.model).state_dict()}
+        return own, self.local.generation, lambda: {"round": self.local.round_start_dict()}
+
     def _load(self, saved: dict, compression: dict | None = None) -> None:
         load_optimizer(self.optimizer, saved["inner_optimizer"])
         if "round" in saved:  # between synchronizations: this rank's own parameters, then the round
             unwrap(self.model).load_state_dict(saved["own_model"])
-            self.local.load_round_state_dict(saved["round"], compression=compression)
+            # A snapshot's round is in two parts (split_state_dict), a checkpoint's in one.
+            self.local.load_round_state_dict({**saved["round"], **saved.get("round_step", {})},
+                                             compression=compression)
         else:
             self.local.load_state_dict(saved["local_steps"], compression=compression)
 

@@ -15,15 +15,20 @@ reads, so a world that changed size re-shards error feedback as it does from sto
 snapshot is taken at every checkpoint's step too, so the newest complete snapshot is never
 older than the newest checkpoint; with none complete, the restart reads storage.
 
-The slot format (little-endian): a 64-byte header (:data:`rayzip.keeper.HEADER`), each
+The slot format (little-endian): a 128-byte header (:data:`rayzip.keeper.HEADER`), each
 array's bytes, 64-byte aligned (their places stay put from step to step, so the copy is one
 call), then the nest's skeleton as JSON (tensors and arrays replaced by their index). JSON,
 not pickle: reading a slot runs no code from it. A rank that writes the trainer's part too
 writes a tensor the two parts share once: its own part refers to the trainer slot written
-with it (the header's ``base``), and a restart takes the two together or neither. The
-checksum (XXH3-64, at memory speed: CRC-32 took longer than the copy, and its thread took the
-CPU from training) is written by a thread after the commit (a "sealed" slot); a reader checks
-it where it is written.
+with it (the header's ``base``), and a restart takes the two together or neither. A rank
+state most of whose bytes change only now and then (:class:`~rayzip.train.checkpoints.SplitState`:
+local steps' round start, its anchor and error feedback, changes at a synchronization) has
+that part written once each time it changes, into one of two stable slots of the rank's; the
+rank's slot of each step names it (the header's ``stable``: its index and the step it was
+written at) and is taken only while that slot holds it. The checksum (XXH3-64, at memory
+speed: CRC-32 took longer than the copy, and its thread took the CPU from training) is
+written by a thread after the commit (a "sealed" slot); a reader checks it where it is
+written.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import mmap
 import os
 import shutil
 import statistics
+import struct
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,14 +54,15 @@ import torch.distributed as dist
 import xxhash
 
 from ..keeper import HEADER, HEADER_BYTES, MAGIC, Keeper, keeper_name, keeper_prefix
-from .checkpoints import Parts, take_parts, write_taken
+from .checkpoints import Parts, SplitState, take_parts, write_taken
 
-__all__ = ["SnapshotError", "Snapshots", "find_keepers", "keeper_actor", "read_arrays", "read_slot",
-           "start_keeper", "tensor_key", "write_slot"]
+__all__ = ["SnapshotError", "Snapshots", "find_keepers", "keeper_actor", "newest_complete", "placed", "read_arrays",
+           "read_part", "read_slot", "start_keeper", "tensor_key", "write_slot"]
 
 ALIGN = 64
 COST_SHARE = 0.05  # snapshots every step while they cost at most this share of it
 MEASURED = 5  # auto: snapshots measured once every slot is made (the first write of each is left out)
+STABLE_SLOTS = 2  # a rank's slots of a SplitState's stable part
 
 
 _KEEPER_ACTOR = None
@@ -230,13 +237,15 @@ class _Slot:
 
 
 def write_slot(slot: _Slot, nest: Any, step: int, world: int, rank: int, seal: bool = True,
-               refs: dict | None = None, base: int = -1, keys: dict | None = None) -> int:
+               refs: dict | None = None, base: int = -1, keys: dict | None = None,
+               stable: tuple[int, int] = (-1, -1)) -> int:
     """Copy ``nest`` into ``slot`` and commit it; the bytes it takes. ``seal``: its checksum
     now, else later by :func:`seal_slot` (a committed slot is whole without it: a worker
     killed before the commit leaves it uncommitted). ``refs`` ({:func:`tensor_key`: array
     index}) and ``base``: tensors held by the slot of index ``base`` already, written there
     by the same rank at the same step, become references to it. ``keys``: filled with this
-    slot's own {:func:`tensor_key`: array index}, the ``refs`` of a slot that refers to it."""
+    slot's own {:func:`tensor_key`: array index}, the ``refs`` of a slot that refers to it.
+    ``stable``: (index, step) of the same rank's stable slot whose entries complete this one's."""
     arrays: list = []
     skeleton = json.dumps(_encode(nest, arrays, refs), separators=(",", ":")).encode()
     if keys is not None:
@@ -256,7 +265,7 @@ def write_slot(slot: _Slot, nest: Any, step: int, world: int, rank: int, seal: b
         torch._foreach_copy_(dst, src)
     end = HEADER_BYTES + data + len(skeleton)
     m[HEADER_BYTES + data:end] = skeleton
-    m[:HEADER.size] = HEADER.pack(MAGIC, 0, step, world, rank, len(skeleton), data, 0, base)
+    m[:HEADER.size] = HEADER.pack(MAGIC, 0, step, world, rank, len(skeleton), data, 0, base, *stable)
     m[8:12] = COMMITTED  # the commit: the last write
     if seal:
         seal_slot(slot, end)
@@ -264,7 +273,8 @@ def write_slot(slot: _Slot, nest: Any, step: int, world: int, rank: int, seal: b
 
 
 COMMITTED, SEALED = (1).to_bytes(4, "little"), (2).to_bytes(4, "little")
-_SUM = slice(HEADER.size - 12, HEADER.size - 4)  # the checksum field, before the base's index
+_AT = struct.calcsize("<8sIqiiQQ")
+_SUM = slice(_AT, _AT + 8)  # the checksum field, after the data's bytes
 
 
 def _checksum(data) -> int:
@@ -293,7 +303,8 @@ def read_arrays(path: str | os.PathLike, raw: bytes | np.ndarray | None = None) 
     buf = np.fromfile(path, dtype=np.uint8) if raw is None else np.frombuffer(raw, dtype=np.uint8).copy()
     if len(buf) < HEADER.size:
         raise SnapshotError(f"{path}: not a snapshot slot ({len(buf)} bytes)")
-    magic, committed, step, world, rank, skel_n, data_n, digest, base = HEADER.unpack(buf[:HEADER.size].tobytes())
+    magic, committed, step, world, rank, skel_n, data_n, digest, base, stable, stable_step = HEADER.unpack(
+        buf[:HEADER.size].tobytes())
     if magic != MAGIC or committed not in (1, 2):
         raise SnapshotError(f"{path}: not a committed snapshot slot")
     end = HEADER_BYTES + data_n + skel_n
@@ -302,7 +313,8 @@ def read_arrays(path: str | os.PathLike, raw: bytes | np.ndarray | None = None) 
     if committed == 2 and _checksum(buf[HEADER_BYTES:end]) != digest:
         raise SnapshotError(f"{path}: snapshot of step {step} fails its checksum (XXH3-64)")
     skeleton = json.loads(buf[HEADER_BYTES + data_n:end].tobytes())
-    header = {"step": step, "world": world, "rank": rank, **({"base": base} if base >= 0 else {})}
+    header = {"step": step, "world": world, "rank": rank, **({"base": base} if base >= 0 else {}),
+              **({"stable": (stable, stable_step)} if stable >= 0 else {})}
     return header, skeleton, slot_arrays(skeleton, buf, HEADER_BYTES)
 
 
@@ -335,6 +347,74 @@ def slot_arrays(skeleton: Any, buf: np.ndarray, data_start: int) -> list:
             arrays.append(buf[at:at + n].view(dtype).reshape(s["shape"]).copy())
         at = _align(at + n)
     return arrays
+
+
+def read_part(name: str, arrays_of: Callable[[str], tuple[dict, Any, list]], where: str = "") -> tuple[dict, Any]:
+    """(header, nest) of slot ``name`` with what it refers to: the arrays of its trainer
+    slot, and the entries of its stable slot (into its ``hook``). ``arrays_of``: a slot's
+    :func:`read_arrays` by its name (the same node's)."""
+    header, skeleton, arrays = arrays_of(name)
+    base = None
+    if "base" in header:  # arrays it shares with the same rank's trainer slot of the same step
+        written, _, base = arrays_of(f"trainer.{header['base']}")
+        if (written["step"], written["rank"]) != (header["step"], header["rank"]):
+            raise SnapshotError(f"{name}{where} refers to trainer.{header['base']}, which holds "
+                                f"rank {written['rank']}'s step {written['step']} now")
+    nest = _decode(skeleton, arrays, base)
+    if "stable" in header:  # the entries of its state that only change now and then
+        index, step = header["stable"]
+        stable = f"stable{header['rank']}.{index}"
+        written, rest, more = arrays_of(stable)
+        if (written["step"], written["rank"]) != (step, header["rank"]):
+            raise SnapshotError(f"{name}{where} refers to {stable} of step {step}, which holds "
+                                f"rank {written['rank']}'s step {written['step']} now")
+        nest["hook"].update(_decode(rest, more))
+    return header, nest
+
+
+def placed(held: dict[str, dict[str, list[dict]]]) -> tuple[dict, dict]:
+    """Where each step's parts are, from the keepers' inventories ({node: {owner: slot
+    headers}}): ({step: {owner: (node, file)}}, {step: world}). A rank's slot counts only
+    while the trainer and stable slots it refers to hold what it refers to; the trainer's
+    part is the lowest rank's (rank 0's RNG)."""
+    where: dict[int, dict[str, tuple[str, str]]] = {}
+    worlds: dict[int, int] = {}
+    writer: dict[int, int] = {}
+    for node, owners in held.items():
+        held_here = {(s["file"], s["step"], s["rank"]) for slots in owners.values() for s in slots}
+        for owner, slots in owners.items():
+            if owner.startswith("stable"):
+                continue  # taken with the rank slots that refer to them
+            for s in slots:
+                if owner == "trainer":
+                    if s["rank"] < writer.get(s["step"], s["rank"] + 1):
+                        writer[s["step"]], worlds[s["step"]] = s["rank"], s["world"]
+                        where.setdefault(s["step"], {})["trainer"] = (node, s["file"])
+                    continue
+                if s["base"] >= 0 and (f"trainer.{s['base']}", s["step"], s["rank"]) not in held_here:
+                    continue  # what it refers to is gone, or holds another step now
+                if s["stable"] >= 0 and (f"stable{s['rank']}.{s['stable']}", s["stable_step"],
+                                         s["rank"]) not in held_here:
+                    continue
+                where.setdefault(s["step"], {}).setdefault(owner, (node, s["file"]))
+    return where, worlds
+
+
+def newest_complete(where: dict, worlds: dict, held: dict, lost: list) -> int:
+    """The newest step of :func:`placed` with the trainer's part and every saved rank's (-1:
+    none); with nodes ``lost``, the ranks no surviving keeper ever held are not needed."""
+    surviving = {owner for owners in held.values() for owner in owners if owner.startswith("rank")}
+    best = -1
+    for step, owners in where.items():
+        world = worlds.get(step)
+        if world is None:
+            continue
+        needed = {f"rank{r}" for r in range(world)}
+        if lost:
+            needed &= surviving
+        if needed <= set(owners):
+            best = max(best, step)
+    return best
 
 
 class Snapshots:
@@ -381,6 +461,12 @@ class Snapshots:
         self.total_s = 0.0
         self.taken = 0
         self.bytes = 0  # what this rank's last snapshot wrote (its slots on this node's shared memory)
+        # A SplitState's part that changes now and then: its generation written last, the
+        # stable slot's (index, step) holding it, stable slots written, and the largest.
+        self.stable_generation: int | None = None
+        self.stable_at = (-1, -1)
+        self.stable_count = 0
+        self.stable_bytes = self.step_bytes = 0
         if not self.enabled:
             print(f"rayzip: rank {rank}: no snapshot keeper on node {node_id[:12]} (it joined after the run started): "
                   "its restarts fall back to the checkpoint in storage")
@@ -396,9 +482,13 @@ class Snapshots:
         the seconds it took."""
         t0 = time.perf_counter()
         if self.enabled:
-            parts = take_parts(0 if self.writes_trainer else self.rank, self.world, trainer, state)
+            hook = stable = None
+            if isinstance(state, SplitState):
+                hook, generation, rest = state.split_state_dict()
+                stable = generation, rest
+            parts = take_parts(0 if self.writes_trainer else self.rank, self.world, trainer, state, hook=hook)
             parts.rank = self.rank
-            self._write(step, parts)
+            self._write(step, parts, stable)
         took = time.perf_counter() - t0
         self.total_s += took
         self.taken += 1
@@ -411,27 +501,47 @@ class Snapshots:
                 self.every = self._agreed_every()
         return took
 
-    def _write(self, step: int, parts: Parts) -> None:
+    def _slot(self, owner: str, index: int) -> _Slot:
+        """A slot of this rank's, its last seal done (a few snapshots ago: long done)."""
+        slot = self.slots.setdefault((owner, index), _Slot(self.directory / f"{owner}.{index}"))
+        pending = self.sealing.pop(slot, None)
+        if pending is not None:
+            pending.result()
+        return slot
+
+    def _commit(self, slot: _Slot, size: int) -> int:
+        self.sealing[slot] = self.sealer.submit(seal_slot, slot, size)
+        return size
+
+    def _write(self, step: int, parts: Parts, stable: tuple[int, Callable[[], dict]] | None = None) -> None:
         index, written = self.count % self.slot_count, 0
+        if stable is not None and stable[0] != self.stable_generation:
+            # Written once a generation, into the older of two slots: the rank slots a restart
+            # may take (the last round's and this one's) refer to the newer two.
+            at = (self.stable_count % STABLE_SLOTS, step)
+            size = self._commit(slot := self._slot(f"stable{self.rank}", at[0]),
+                                write_slot(slot, stable[1](), step, self.world, self.rank, seal=False))
+            self.stable_generation, self.stable_at = stable[0], at
+            self.stable_count += 1
+            self.stable_bytes = max(self.stable_bytes, size)
+            written += size
         owners = [("trainer", parts.trainer)] if self.writes_trainer and parts.trainer is not None else []
         owners.append((f"rank{self.rank}", parts.hook if parts.hook is not None else {}))
         # What the rank's part shares with the trainer's (under local steps, inside a round:
         # its own parameters and inner optimizer) is written once, in the trainer's slot.
         shared: dict = {}
+        each = 0
         for owner, nest in owners:
-            slot = self.slots.setdefault((owner, index), _Slot(self.directory / f"{owner}.{index}"))
-            pending = self.sealing.pop(slot, None)
-            if pending is not None:
-                pending.result()  # sealed a few snapshots ago: long done
-            trainer = owner == "trainer"
-            size = write_slot(slot, nest, step, self.world, self.rank, seal=False, refs=None if trainer else shared,
-                              base=index if shared and not trainer else -1, keys=shared if trainer else None)
-            self.sealing[slot] = self.sealer.submit(seal_slot, slot, size)
-            written += size
+            slot, trainer = self._slot(owner, index), owner == "trainer"
+            each += self._commit(slot, write_slot(
+                slot, nest, step, self.world, self.rank, seal=False, refs=None if trainer else shared,
+                base=index if shared and not trainer else -1, keys=shared if trainer else None,
+                stable=self.stable_at if stable is not None and not trainer else (-1, -1)))
         self.count += 1
-        self.bytes = written
-        need = self.slot_count * written
-        if need > self.reserved:  # every slot, each as big as this one
+        self.bytes = written + each
+        self.step_bytes = max(self.step_bytes, each)
+        need = self.slot_count * self.step_bytes + (STABLE_SLOTS if stable is not None else 0) * self.stable_bytes
+        if need > self.reserved:  # every slot, each as big as the biggest so far
             if not self.ray.get(self.keeper.reserve.remote(f"rank{self.rank}", need)):
                 self.enabled = False
                 self.close(remove=True)
@@ -480,31 +590,8 @@ class Snapshots:
                 lost.append(node)
                 print(f"rayzip: rank {self.rank}: the snapshot keeper of node {node[:12]} is gone "
                       f"({type(exc).__name__}); its slots are lost")
-        where: dict[int, dict[str, tuple[str, str]]] = {}
-        worlds: dict[int, int] = {}
-        writer: dict[int, int] = {}  # the rank whose trainer's part is taken: the lowest (rank 0's RNG)
-        for node, owners in held.items():
-            bases = {(s["file"], s["step"], s["rank"]) for s in owners.get("trainer", [])}
-            for owner, slots in owners.items():
-                for s in slots:
-                    if owner != "trainer":
-                        if s["base"] >= 0 and (f"trainer.{s['base']}", s["step"], s["rank"]) not in bases:
-                            continue  # what it refers to is gone, or holds another step now
-                        where.setdefault(s["step"], {}).setdefault(owner, (node, s["file"]))
-                    elif s["rank"] < writer.get(s["step"], s["rank"] + 1):
-                        writer[s["step"]], worlds[s["step"]] = s["rank"], s["world"]
-                        where.setdefault(s["step"], {})["trainer"] = (node, s["file"])
-        surviving = {owner for owners in held.values() for owner in owners if owner != "trainer"}
-        best = -1
-        for step, owners in where.items():
-            world = worlds.get(step)
-            if world is None:
-                continue
-            needed = {f"rank{r}" for r in range(world)}
-            if lost:
-                needed &= surviving
-            if needed <= set(owners):
-                best = max(best, step)
+        where, worlds = placed(held)
+        best = newest_complete(where, worlds, held, lost)
         agreed = self._agree(best)
         if agreed < 0:
             return None
@@ -558,14 +645,7 @@ class Snapshots:
 
     def _read(self, node: str, name: str, read: dict) -> tuple[dict, Any]:
         """A slot's header and nest; ``read`` holds the slots read so far, {(node, name): arrays}."""
-        header, skeleton, arrays = self._read_arrays(node, name, read)
-        base = None
-        if "base" in header:  # arrays it shares with the same rank's trainer slot of the same step
-            written, _, base = self._read_arrays(node, f"trainer.{header['base']}", read)
-            if (written["step"], written["rank"]) != (header["step"], header["rank"]):
-                raise SnapshotError(f"{name} on node {node[:12]} refers to trainer.{header['base']}, which holds "
-                                    f"rank {written['rank']}'s step {written['step']} now")
-        return header, _decode(skeleton, arrays, base)
+        return read_part(name, lambda other: self._read_arrays(node, other, read), f" on node {node[:12]}")
 
     def _read_arrays(self, node: str, name: str, read: dict) -> tuple[dict, Any, list]:
         if (node, name) not in read:

@@ -83,13 +83,14 @@ def _local(name: str, snapshots: bool):
 
 def test_local_steps_killed_inside_a_round_lose_no_step_and_end_bitwise_equal(local_ray, tmp_path):
     """Between synchronizations each rank's snapshot holds its own parameters, its inner
-    optimizer and the round's state, so a kill inside a round loses nothing either (H + 1
-    slots: the rank left alive runs on to the round's end)."""
+    optimizer and the round's state (its start in a slot written once a round), so a kill
+    inside a round or at its end loses nothing either (H + 1 slots: the rank left alive runs
+    on to the round's end)."""
     plain = run_job(_local("snap-local-plain", snapshots=False), storage_path=str(tmp_path / "plain"))
-    # Rank 0 kills itself after steps inside two rounds (rounds end at every 10th step): a
-    # kill from the driver lands where rank 0 spends its time, which on a loaded machine is
-    # the synchronization between rounds.
-    kills = (65, 143)
+    # Rank 0 kills itself after a step inside a round and after a round's last step (rounds
+    # end at every 10th step): a kill from the driver lands where rank 0 spends its time,
+    # which on a loaded machine is the synchronization between rounds.
+    kills = (65, 139)
     summary = run_job(_local("snap-local-killed", snapshots=True), storage_path=str(tmp_path / "killed"),
                       faults=Faults(kill_after_steps=kills))
     assert summary["restarts"] == 2, summary["resumes"]

@@ -134,3 +134,43 @@ def test_a_rank_part_refers_to_the_tensors_its_trainer_slot_holds(tmp_path):
     header, back = read_slot(tmp_path / "rank0.3", base=base)
     assert header["base"] == 3
     _same(hook, back)
+
+
+def test_a_rank_slot_takes_its_stable_slots_entries_only_while_that_slot_holds_them(tmp_path):
+    """Under local steps a round's start (anchor, error feedback) is written once a round into
+    a stable slot; each step's rank slot names it, and is taken (and read) only while the
+    stable slot still holds the step it was written at."""
+    from rayzip.train.snapshots import newest_complete, placed, read_arrays, read_part
+
+    keeper = Keeper(str(tmp_path), "run-2", "node" * 8, max_bytes=1 << 30)
+    directory = tmp_path / keeper.directory()
+    g = torch.Generator().manual_seed(2)
+    start = {"round": {"anchor": [torch.randn(32, generator=g)], "rounds": 3, "compression": None}}
+    step_part = {"round_step": {"inner": 2, "bad": None, "compute_s": 0.5}, "own_model": {"w": torch.randn(8)}}
+    write_slot(_Slot(directory / "stable0.1"), start, step=40, world=1, rank=0)
+    write_slot(_Slot(directory / "trainer.2"), {"model": {"w": torch.randn(8)}, "step": 42}, step=42, world=1,
+               rank=0)
+    small = write_slot(_Slot(directory / "rank0.2"), {"world_size": 1, "hook": step_part}, step=42, world=1,
+                       rank=0, stable=(1, 40))
+    whole = write_slot(_Slot(tmp_path / "alone.0"), {"world_size": 1, "hook": {**step_part, **start}}, step=42,
+                       world=1, rank=0)
+    assert whole - small >= 32 * 4  # the anchor is not in the step's slot
+    assert read_header(directory / "rank0.2")["stable"] == 1 and read_header(directory / "rank0.2")["stable_step"] == 40
+
+    def arrays_of(name):
+        return read_arrays(directory / name)
+
+    held = {"n": keeper.inventory()}
+    where, worlds = placed(held)
+    assert newest_complete(where, worlds, held, []) == 42 and where[42]["rank0"] == ("n", "rank0.2")
+    header, nest = read_part("rank0.2", arrays_of)
+    _same({"world_size": 1, "hook": {**step_part, **start}}, nest)
+
+    # The next round's start lands in the other slot; two rounds on, this one's is overwritten.
+    write_slot(_Slot(directory / "stable0.1"), start, step=48, world=1, rank=0)
+    held = {"n": keeper.inventory()}
+    where, worlds = placed(held)
+    assert "rank0" not in where.get(42, {}) and newest_complete(where, worlds, held, []) == -1
+    with pytest.raises(SnapshotError, match=r"rank0.2 refers to stable0.1 of step 40, which holds rank 0's step 48"):
+        read_part("rank0.2", arrays_of)
+    keeper.close()
