@@ -246,6 +246,13 @@ def _summary_table(summary: dict):
             rows.append((f"recovery {i}", f"{r.get('cause', '?').replace('_', ' ')}{lost} after step {r['last_step']}: "
                                           f"resumed at {r['resumed_at']} from {r.get('source') or 'storage'}, "
                                           f"{r['steps_lost']} steps lost, {r['seconds']:.1f} s"))
+    memory = summary.get("snapshot_memory")
+    if memory:
+        most = max(memory.values(), key=lambda u: u["held_bytes"])
+        refused = sorted({o for u in memory.values() for o in u["refused"]})
+        rows.append(("snapshots in memory", f"{most['held_bytes'] / 1e6:.1f} MB on the fullest of {len(memory)} "
+                                            f"node(s), of {most['max_bytes'] / 1e6:.0f} MB allowed"
+                                            + (f"; over it: {', '.join(refused)}" if refused else "")))
     adaptive = summary.get("adaptive")
     if adaptive:
         sources = ", ".join(f"{k} {v}" for k, v in adaptive["sources"].items())

@@ -98,6 +98,13 @@ class Keeper:
         """Bytes the node's slot files take now."""
         return sum(p.stat().st_size for p in self.path.iterdir() if p.is_file())
 
+    def usage(self) -> dict:
+        """What the node's snapshots hold now against their bound: ``held_bytes`` (the slot
+        files), ``reserved_bytes`` (what the ranks' slots may grow to), ``max_bytes``, and
+        ``refused`` (the slot owners that take no more snapshots, over the bound)."""
+        return {"held_bytes": self.held_bytes(), "reserved_bytes": sum(self.reserved.values()),
+                "max_bytes": self.max_bytes, "refused": sorted(self.refused)}
+
     def inventory(self) -> dict[str, list[dict]]:
         """{slot owner ("trainer", "rank0", "stable0", ...): its committed slots' headers, with
         ``file``}."""

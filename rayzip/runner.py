@@ -58,14 +58,17 @@ def start_keepers(spec: JobSpec, run_id: str) -> dict[str, Any]:
             for node in ray.nodes() if node.get("Alive")}
 
 
-def stop_keepers(keepers: dict[str, Any], spec: JobSpec, run_id: str) -> None:
+def stop_keepers(keepers: dict[str, Any], spec: JobSpec, run_id: str) -> dict[str, dict]:
     """Remove every node's snapshots, those of keepers that workers started on nodes that
-    joined later too. A keeper whose node is gone cannot: what its node left on this host
-    (nodes emulated on one machine) is removed here."""
+    joined later too; what each node's held at the end ({node id: :meth:`Keeper.usage`}). A
+    keeper whose node is gone cannot: what its node left on this host (nodes emulated on one
+    machine) is removed here."""
     if spec.snapshots.enabled:
         keepers = {**keepers, **{n: k for n, k in find_keepers(run_id).items() if k is not None}}
-    for keeper in keepers.values():
+    usage = {}
+    for node, keeper in keepers.items():
         try:
+            usage[node] = ray.get(keeper.usage.remote(), timeout=30)
             ray.get(keeper.close.remote(), timeout=30)
         except Exception:  # noqa: BLE001 - the node is gone
             pass
@@ -73,6 +76,7 @@ def stop_keepers(keepers: dict[str, Any], spec: JobSpec, run_id: str) -> None:
     if keepers:
         shutil.rmtree(Path(spec.snapshots.directory or default_root()) / "rayzip-snapshots" / run_id,
                       ignore_errors=True)
+    return usage
 
 
 def _scaling(spec: JobSpec) -> ScalingConfig:
@@ -226,10 +230,11 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
             checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.num_to_keep),
         ),
     )
+    kept: dict[str, dict] = {}
     try:
         outcome, wall_s = _fit_watching(trainer, progress, on_progress)
     finally:
-        stop_keepers(keepers, spec, run_id)
+        kept = stop_keepers(keepers, spec, run_id)
     history = ray.get(progress.get_history.remote())
     failure = ray.get(progress.get_failure.remote())
     restarts = ray.get(progress.get_restarts.remote())
@@ -255,6 +260,8 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     summary["run_id"] = run_id
     summary["adaptive"] = adaptive
     summary["ps"] = ps_report
+    # What the snapshots held on each node at the end, against snapshots.max_bytes_per_node.
+    summary["snapshot_memory"] = kept or None
     # steps_run, restarts, steps_redone, resumes; replayed: of the redone steps whose loss rank 0
     # reported in both attempts, how many repeated it bit for bit (all, when a resume is exact)
     summary.update(restarts)

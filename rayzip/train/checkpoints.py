@@ -30,11 +30,14 @@ from ..checkpoint.dcp import CompressedStorageReader, CompressedStorageWriter
 from ..codecs.memory import reshard_state
 from ..torch.optim import load_optimizer
 
-__all__ = ["GroupCheckpoints", "Parts", "SplitState", "holder_parts", "load_optimizer", "load_shards", "load_trainer",
-           "restore_hook", "restore_shards", "save_shards", "take_parts", "take_shards", "unwrap", "write_parts",
-           "write_shards", "write_taken"]
+__all__ = ["GroupCheckpoints", "OWN_SHARDS", "Parts", "SplitState", "holder_parts", "load_local_shards",
+           "load_optimizer", "load_shards", "load_trainer", "local_shards", "restore_hook", "restore_shards",
+           "save_shards", "take_parts", "take_shards", "unwrap", "write_parts", "write_shards", "write_taken"]
 
 SHARDS = "shards"  # a sharded model's folder in a checkpoint: DCP's .metadata and __<rank>/
+# A snapshot's restore folder (rayzip.train.snapshots): this rank's own shards, as its slot held
+# them (local tensors), for the same layout.
+OWN_SHARDS = "own_shards"
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -232,18 +235,70 @@ def load_shards(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state[optimizer_key])
 
 
+def local_shards(shards: Any) -> Any:
+    """:func:`take_shards`' nest with each DTensor replaced by this rank's local shard (a view
+    of its storage): what a snapshot copies."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(shards, DTensor):
+        return shards.to_local()
+    if isinstance(shards, dict):
+        return {k: local_shards(v) for k, v in shards.items()}
+    if isinstance(shards, list):
+        return [local_shards(v) for v in shards]
+    return shards
+
+
+def load_local_shards(saved: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                      extra: dict | None = None, optimizer_key: str = "optimizer") -> None:
+    """:func:`local_shards`' nest, saved by this rank on this layout, into ``model``,
+    ``optimizer`` and ``extra`` (as :func:`load_shards` takes them): each local shard copied
+    into its live DTensor's, no collective."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    state = _sharded_state(model, optimizer, optimizer_key)
+    _copy_into({**state, **(extra or {})}, saved, "")
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state[optimizer_key])
+
+
+def _copy_into(live: dict | list, saved: Any, where: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for key, value in list(live.items() if isinstance(live, dict) else enumerate(live)):
+        try:
+            held = saved[key]
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"a snapshot's shards lack {where}/{key}: saved on another layout") from None
+        if isinstance(value, DTensor):
+            value.to_local().copy_(held)
+        elif isinstance(value, torch.Tensor):
+            value.copy_(held)
+        elif isinstance(value, (dict, list)):
+            _copy_into(value, held, f"{where}/{key}")
+        else:
+            live[key] = held
+
+
 def restore_shards(path: Path, rank: int, world: int, model: torch.nn.Module,
                    optimizer: torch.optim.Optimizer | None, state, chain: DeltaChain | None = None,
                    extra: dict | None = None, optimizer_key: str | Callable[[dict], str] = "optimizer") -> dict:
     """A sharded model's checkpoint at ``path`` (a collective): rank 0's part (the step, the
     data position, the RNG; no weights), the model's and optimizer's shards resharded to this
-    world (:func:`load_shards`), and the exchange's state (``state``, a
+    world (:func:`load_shards`; from a snapshot, this rank's own, :func:`load_local_shards`),
+    and the exchange's state (``state``, a
     :class:`rayzip.torch.fsdp.ShardedExchange`, or None): this rank's own where the world size
     is the same, else its residuals start afresh at the checkpoint's step (a shard's residual
     belongs to its layout). ``extra`` as for :func:`load_shards`; ``optimizer_key`` too, or
     a function of rank 0's part that names it. Returns rank 0's part."""
     trainer = load_trainer(path, None, chain)
-    load_shards(path, model, optimizer, extra, optimizer_key(trainer) if callable(optimizer_key) else optimizer_key)
+    key = optimizer_key(trainer) if callable(optimizer_key) else optimizer_key
+    if (path / OWN_SHARDS).exists():  # a snapshot's restore: this rank's own shards, on the same layout
+        load_local_shards(load_checkpoint(path / OWN_SHARDS), model, optimizer, extra, key)
+    else:
+        load_shards(path, model, optimizer, extra, key)
     if state is not None:
         own = path / f"rank{rank}"
         if int(trainer["world_size"]) == world and own.exists():

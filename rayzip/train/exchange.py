@@ -504,8 +504,7 @@ class ShardedModelExchange(Exchange):
     resumes."""
 
     name = "fsdp"
-    sharded_weights = True
-    takes_snapshots = False  # DCP shards: not yet snapshotted in memory
+    sharded_weights = True  # a snapshot holds each rank's own shards: a restart onto the same layout
 
     def __init__(self, *args, nodes: int, shard_world: int, **kwargs):
         super().__init__(*args, **kwargs)
@@ -597,6 +596,11 @@ class ShardedLocalStepsExchange(_Rounds, ShardedModelExchange):
         flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.node_group)
         return bool(flag.item())
+
+    def snapshot_due(self, step: int) -> bool:
+        # At synchronizations: the parameters are then the synchronized ones, which the
+        # shards hold, with the outer momentum (a kill inside a round redoes its steps).
+        return not self.local.mid_round
 
     def _inner_key(self, nodes: int) -> str:
         """Where this node's inner optimizer is saved, among ``nodes``: the nodes' inner

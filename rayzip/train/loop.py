@@ -165,7 +165,7 @@ def open_snapshots(spec: JobSpec, config: dict, exchange: Exchange) -> Snapshots
     if not (spec.snapshots.enabled and exchange.takes_snapshots and config.get("keepers") is not None):
         return None
     return Snapshots(_keepers(spec, config), exchange.rank, exchange.world, ray.get_runtime_context().get_node_id(),
-                     spec.snapshots.every, slots=exchange.snapshot_slots)
+                     spec.snapshots.every, slots=exchange.snapshot_slots, sharded=exchange.sharded_weights)
 
 
 def _keepers(spec: JobSpec, config: dict) -> dict:
@@ -323,7 +323,8 @@ def _snapshot(spec: JobSpec, task: Task, exchange: Exchange, run: _Run, record: 
         return {"model": model_state, "optimizer": optimizer_state, "step": step, "totals": run.totals.to_dict(),
                 "data": task.data_state(step + 1), "metric": run.metric, **chain}
 
-    took = snapshots.take(step, trainer, exchange.state, record.step_s)
+    shards = exchange.take_shards(None) if exchange.sharded_weights else None
+    took = snapshots.take(step, trainer, exchange.state, record.step_s, shards=shards)
     run.totals.snapshot_s += took
     run.totals.snapshots += 1
     run.train_start -= took  # on the training thread: training time

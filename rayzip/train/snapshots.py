@@ -54,7 +54,8 @@ import torch.distributed as dist
 import xxhash
 
 from ..keeper import HEADER, HEADER_BYTES, MAGIC, Keeper, keeper_name, keeper_prefix
-from .checkpoints import Parts, SplitState, take_parts, write_taken
+from ..checkpoint import save as save_checkpoint
+from .checkpoints import OWN_SHARDS, Parts, SplitState, local_shards, take_parts, write_taken
 
 __all__ = ["SnapshotError", "Snapshots", "find_keepers", "keeper_actor", "newest_complete", "placed", "read_arrays",
            "read_part", "read_slot", "start_keeper", "tensor_key", "write_slot"]
@@ -400,17 +401,19 @@ def placed(held: dict[str, dict[str, list[dict]]]) -> tuple[dict, dict]:
     return where, worlds
 
 
-def newest_complete(where: dict, worlds: dict, held: dict, lost: list) -> int:
+def newest_complete(where: dict, worlds: dict, held: dict, lost: list, world: int | None = None) -> int:
     """The newest step of :func:`placed` with the trainer's part and every saved rank's (-1:
-    none); with nodes ``lost``, the ranks no surviving keeper ever held are not needed."""
+    none); with nodes ``lost``, the ranks no surviving keeper ever held are not needed.
+    ``world``: only a step saved by a world of that size, with every rank's part (each holds
+    shards of its own)."""
     surviving = {owner for owners in held.values() for owner in owners if owner.startswith("rank")}
     best = -1
     for step, owners in where.items():
-        world = worlds.get(step)
-        if world is None:
+        saved = worlds.get(step)
+        if saved is None or world is not None and saved != world:
             continue
-        needed = {f"rank{r}" for r in range(world)}
-        if lost:
+        needed = {f"rank{r}" for r in range(saved)}
+        if lost and world is None:
             needed &= surviving
         if needed <= set(owners):
             best = max(best, step)
@@ -432,12 +435,17 @@ class Snapshots:
         slots: the snapshots each rank keeps, newest first: 2 where ranks are never more than a
             step apart (each step's exchange), more where one may run ahead of another that
             died (local steps: a round's inner steps and its start).
+        sharded: each rank's slot holds its own shards of the model and optimizer (FSDP2,
+            :meth:`take`'s ``shards``): a restart takes a snapshot only onto a world of the
+            same size, with every rank's slot (a lost node's shards are gone with it).
     """
 
-    def __init__(self, keepers: dict, rank: int, world: int, node_id: str, every: int | str, slots: int = 2):
+    def __init__(self, keepers: dict, rank: int, world: int, node_id: str, every: int | str, slots: int = 2,
+                 sharded: bool = False):
         import ray
 
         self.ray, self.keepers, self.rank, self.world, self.node_id = ray, keepers, rank, world, node_id
+        self.sharded = sharded
         self.keeper = keepers.get(node_id)
         self.directory = Path(ray.get(self.keeper.directory.remote())) if self.keeper is not None else None
         # The trainer's part (rank 0's) is written by the first rank on every node too, so that
@@ -476,10 +484,11 @@ class Snapshots:
         are off still goes through :meth:`take`, for the agreement on the interval)."""
         return forced or (step + 1) % self.every == 0
 
-    def take(self, step: int, trainer: Callable[[], dict], state, step_s: float) -> float:
+    def take(self, step: int, trainer: Callable[[], dict], state, step_s: float, shards: dict | None = None) -> float:
         """Write this rank's parts of ``step`` into the next slot (:func:`take_parts`: rank 0's
-        ``trainer()``, here on the first rank of every node too, and the hook's ``state``);
-        the seconds it took."""
+        ``trainer()``, here on the first rank of every node too, and the hook's ``state``;
+        where :attr:`sharded`, this rank's ``shards``, :func:`take_shards`' live nest); the
+        seconds it took."""
         t0 = time.perf_counter()
         if self.enabled:
             hook = stable = None
@@ -488,6 +497,8 @@ class Snapshots:
                 stable = generation, rest
             parts = take_parts(0 if self.writes_trainer else self.rank, self.world, trainer, state, hook=hook)
             parts.rank = self.rank
+            if shards is not None:
+                parts.hook = {**(parts.hook or {}), "shards": local_shards(shards)}
             self._write(step, parts, stable)
         took = time.perf_counter() - t0
         self.total_s += took
@@ -523,25 +534,26 @@ class Snapshots:
                                 write_slot(slot, stable[1](), step, self.world, self.rank, seal=False))
             self.stable_generation, self.stable_at = stable[0], at
             self.stable_count += 1
-            self.stable_bytes = max(self.stable_bytes, size)
+            self.stable_bytes = max(self.stable_bytes, slot.size)  # the file, room to grow included
             written += size
         owners = [("trainer", parts.trainer)] if self.writes_trainer and parts.trainer is not None else []
         owners.append((f"rank{self.rank}", parts.hook if parts.hook is not None else {}))
         # What the rank's part shares with the trainer's (under local steps, inside a round:
         # its own parameters and inner optimizer) is written once, in the trainer's slot.
         shared: dict = {}
-        each = 0
+        files = 0
         for owner, nest in owners:
             slot, trainer = self._slot(owner, index), owner == "trainer"
-            each += self._commit(slot, write_slot(
+            written += self._commit(slot, write_slot(
                 slot, nest, step, self.world, self.rank, seal=False, refs=None if trainer else shared,
                 base=index if shared and not trainer else -1, keys=shared if trainer else None,
                 stable=self.stable_at if stable is not None and not trainer else (-1, -1)))
+            files += slot.size
         self.count += 1
-        self.bytes = written + each
-        self.step_bytes = max(self.step_bytes, each)
+        self.bytes = written
+        self.step_bytes = max(self.step_bytes, files)
         need = self.slot_count * self.step_bytes + (STABLE_SLOTS if stable is not None else 0) * self.stable_bytes
-        if need > self.reserved:  # every slot, each as big as the biggest so far
+        if need > self.reserved:  # every slot file, each as big as the biggest so far
             if not self.ray.get(self.keeper.reserve.remote(f"rank{self.rank}", need)):
                 self.enabled = False
                 self.close(remove=True)
@@ -591,7 +603,7 @@ class Snapshots:
                 print(f"rayzip: rank {self.rank}: the snapshot keeper of node {node[:12]} is gone "
                       f"({type(exc).__name__}); its slots are lost")
         where, worlds = placed(held)
-        best = newest_complete(where, worlds, held, lost)
+        best = newest_complete(where, worlds, held, lost, self.world if self.sharded else None)
         agreed = self._agree(best)
         if agreed < 0:
             return None
@@ -633,12 +645,18 @@ class Snapshots:
         directory = Path(tempfile.mkdtemp(prefix="rayzip-snapshot-"))
         trainer, read = None, {}  # the trainer slot is read once, for the rank slots that refer to it too
         for owner, (node, name) in sorted(owners.items()):
+            if self.sharded and owner not in ("trainer", f"rank{self.rank}"):
+                continue  # another rank's shards and state: that rank's restore reads them
             header, nest = self._read(node, name, read)
             if header["step"] != step:  # the slot was written again since it was listed
                 raise SnapshotError(f"{name} on node {node[:12]} holds step {header['step']}, not {step}")
             if owner == "trainer":
                 trainer = nest
-            else:  # the rank's own, as a checkpoint holds it
+                continue
+            shards = nest.pop("shards", None)
+            if shards is not None:
+                save_checkpoint(directory / OWN_SHARDS, shards)
+            if nest:  # the rank's own, as a checkpoint holds it
                 write_taken(directory, Parts(header["rank"], header["world"], None, nest))
         write_taken(directory, Parts(0, self.world, trainer, None))
         return directory

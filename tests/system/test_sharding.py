@@ -11,6 +11,8 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from rayzip import checkpoint
 from rayzip.runner import run_job
 from rayzip.spec import JobSpec
@@ -59,10 +61,20 @@ def _killer():
     return killed, kill_once
 
 
-def test_hsdp_with_compressed_shards_between_nodes_resumes_a_killed_worker_exactly(local_ray, tmp_path):
+@pytest.fixture(scope="module")
+def resumed_from_storage(tmp_path_factory):
+    """The HSDP job with a worker killed and no snapshots: resumed from the DCP checkpoint."""
+    from conftest import _RAY
+
+    _RAY.start()
     killed, kill_once = _killer()
-    summary = run_job(_spec("hsdp-killed", {"codec": "group_topk", "density": 0.05}), storage_path=str(tmp_path),
-                      on_progress=kill_once)
+    summary = run_job(_spec("hsdp-killed", {"codec": "group_topk", "density": 0.05}, snapshots={"enabled": False}),
+                      storage_path=str(tmp_path_factory.mktemp("hsdp-storage")), on_progress=kill_once)
+    return killed, summary
+
+
+def test_hsdp_with_compressed_shards_between_nodes_resumes_a_killed_worker_exactly(local_ray, resumed_from_storage):
+    killed, summary = resumed_from_storage
     assert killed and summary["restarts"] == 1, (killed, summary["resumes"])
     assert summary["steps"] == 20 and summary["world_size"] == 4
     shards = Path(summary["checkpoint"]) / "shards"
@@ -93,6 +105,26 @@ def test_hsdp_with_compressed_shards_between_nodes_resumes_a_killed_worker_exact
     assert max(history) < 6.5 and min(history) < history[0], history
 
 
+def test_hsdp_resumes_a_killed_worker_from_memory_with_no_step_lost(local_ray, tmp_path, resumed_from_storage):
+    """With snapshots (the default), each rank's slot holds its own shards of the model and
+    AdamW and its residuals after every step: the restart copies them back on the same
+    layout, at the step after the last one done, and the run ends where the run resumed
+    from storage ends (that one is exact: every redone step repeated its loss)."""
+    killed, kill_once = _killer()
+    spec = _spec("hsdp-snapshots", {"codec": "group_topk", "density": 0.05}, snapshots={"enabled": True, "every": 1})
+    summary = run_job(spec, storage_path=str(tmp_path), on_progress=kill_once)
+    assert killed and summary["restarts"] == 1, (killed, summary["resumes"])
+    (resume,) = summary["resumes"]
+    assert resume["source"] == "memory" and resume["steps_lost"] == 0, resume
+    assert resume["last_step"] + 1 <= resume["resumed_at"] <= resume["last_step"] + 2, resume
+    assert summary["steps_redone"] == 0
+    _, stored = resumed_from_storage
+    assert summary["final_loss"] == stored["final_loss"] and summary["final_val_loss"] == stored["final_val_loss"]
+    assert [h["val_loss"] for h in summary["history"]][-1] == [h["val_loss"] for h in stored["history"]][-1]
+    (usage,) = summary["snapshot_memory"].values()  # one Ray node: one keeper
+    assert usage["held_bytes"] > 0 and usage["refused"] == [], usage
+
+
 def test_local_steps_on_shards_resume_a_killed_worker_exactly(local_ray, tmp_path):
     """DiLoCo on FSDP2: each node trains 5 steps alone, then its pseudo-gradient shards cross
     between the nodes through group top-k; a worker killed after a checkpoint (the DCP shards
@@ -106,7 +138,8 @@ def test_local_steps_on_shards_resume_a_killed_worker_exactly(local_ray, tmp_pat
     shards = Path(summary["checkpoint"]) / "shards"
     assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0", "__1", "__2", "__3"]
     (resume,) = summary["resumes"]
-    assert resume["resumed_at"] % 5 == 0, resume
+    # From the snapshot of the last synchronization (taken at synchronizations only), in memory.
+    assert resume["resumed_at"] % 5 == 0 and resume["source"] == "memory", resume
     replayed = summary["replayed"]
     assert replayed["steps"] >= 1 and replayed["identical"] == replayed["steps"], replayed
     # Four synchronizations of group top-k at 5%, against dense HSDP's exchange every step.

@@ -66,6 +66,11 @@ def test_five_killed_workers_lose_no_step_and_end_bitwise_equal(local_ray, tmp_p
         assert torch.equal(mine[name].view(torch.int32), theirs[name].view(torch.int32)), name
     assert summary["final_test_accuracy"] == plain["final_test_accuracy"]
     assert summary["metrics"]["snapshot_every"] == 1 and summary["metrics"]["mean_snapshot_s"] > 0
+    # What the node held at the end: rank 0's two slots and rank 1's, under the bound.
+    (usage,) = summary["snapshot_memory"].values()
+    assert 2 * summary["metrics"]["snapshot_bytes"] < usage["held_bytes"] <= usage["reserved_bytes"], usage
+    assert usage["reserved_bytes"] <= usage["max_bytes"] and usage["refused"] == [], usage
+    assert plain["snapshot_memory"] is None
     # The keepers removed the run's snapshots at its end.
     assert not (Path(default_root()) / "rayzip-snapshots" / summary["run_id"]).exists()
 
