@@ -249,7 +249,7 @@ class CompressionSpec(_Strict):
                             "per worker do not grow with the workers; what it cuts waits in error feedback.")
     combine: Literal["mean", "senders"] = Field(
         "mean", description="How the collective averages each entry: over every worker (mean), or over the workers "
-                            "that sent it (senders: sparse codecs, on the allgather; SparseLoCo's).")
+                            "that sent it (senders: sparse codecs, on the allgather or balanced; SparseLoCo's).")
     warmup_steps: int = Field(0, ge=0, description="Send the first steps uncompressed.")
     link_mbit: float = Field(1000.0, gt=0, description="The workers' link rate that collective auto assumes "
                                                        "when it weighs bytes against messages.")

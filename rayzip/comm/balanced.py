@@ -119,18 +119,29 @@ def _cut(indices, values, bounds: list[int], xp) -> list[Chunk]:
                   values[edges[c]:edges[c + 1]]) for c in range(len(bounds) - 1)]
 
 
-def _sum(parts: list[Chunk], span: int, xp):
-    """(sorted region-relative indices, float32 sums) of the parts' entries."""
+def _sum(parts: list[Chunk], span: int, xp, senders: bool = False):
+    """(sorted region-relative indices, float32 sums) of the parts' entries; with
+    ``senders``, each sum divided by the parts that hold its entry (a part's entries are
+    distinct; a dense part holds its nonzero ones)."""
     if any(p.dense for p in parts):
         total = xp.zeros(span, dtype=xp.float32)
+        count = xp.zeros(span, dtype=xp.float32) if senders else None
         for p in parts:
             if p.dense:
                 total += p.values
+                if senders:
+                    count += p.values != 0
             else:
                 total[p.indices] += p.values
+                if senders:
+                    count[p.indices] += 1
         indices = xp.flatnonzero(total)
-        return indices, total[indices]
-    return coo_sum(xp.concatenate([p.indices for p in parts]), xp.concatenate([p.values for p in parts]), xp)
+        return indices, total[indices] / count[indices] if senders else total[indices]
+    indices = xp.concatenate([p.indices for p in parts])
+    unique, sums = coo_sum(indices, xp.concatenate([p.values for p in parts]), xp)
+    if senders:
+        sums /= xp.bincount(xp.searchsorted(unique, indices), minlength=unique.size).astype(xp.float32)
+    return unique, sums
 
 
 def _select(indices, values, plan: Plan, quota: int, cap: int, xp):
@@ -150,10 +161,12 @@ def _select(indices, values, plan: Plan, quota: int, cap: int, xp):
 
 
 def balanced_sparse_allreduce(indices, values, numel: int, transport, plan: Plan, k: int,
-                              value_dtype: str = "fp32", sent: list | None = None):
+                              value_dtype: str = "fp32", sent: list | None = None, senders: bool = False):
     """Sum sparse vectors, keeping about the ``k`` largest entries of the sum: returns (the
     dense float32 sum (numel,) of the kept entries, their sorted global indices), the same on
-    every worker, and updates ``plan`` for the next step.
+    every worker, and updates ``plan`` for the next step. With ``senders``, each entry of the
+    sum is divided by the workers that sent it before the cut (SparseLoCo's average): the
+    owner counts them from what it received, at no cost in bytes.
 
     ``indices`` are sorted, unique global int64 indices and ``values`` float32, on numpy or
     cupy; messages move as uint8 torch tensors through ``transport.shift``. ``sent``, if
@@ -179,7 +192,7 @@ def balanced_sparse_allreduce(indices, values, numel: int, transport, plan: Plan
     # order of distance, as every owner does.
     received = exchange([None if j == rank else chunks[j] for j in range(world)], [spans[rank]] * world)
     parts = [chunks[rank]] + [received[(rank - d) % world] for d in range(1, world)]
-    region_indices, region_values = _sum(parts, spans[rank], xp)
+    region_indices, region_values = _sum(parts, spans[rank], xp, senders)
     # 2. Cut back to this region's share of the k largest; rounded through the wire type here
     # too, so that the owner holds what the others receive, bit for bit.
     kept_indices, kept_values = _select(region_indices, region_values, plan, math.ceil(k / world),

@@ -183,14 +183,16 @@ class Ring(Communicator):
 class BalancedAllReduce(Ring):
     """:func:`~rayzip.comm.balanced.balanced_sparse_allreduce`: about k entries of the sum
     reach every rank, k the codec's own count for the segment; each rank's entries that the
-    sum left out wait in its error feedback (:meth:`take_dropped`)."""
+    sum left out wait in its error feedback (:meth:`take_dropped`). ``combine="senders"``:
+    each entry averaged over the ranks that sent it (as :class:`AllGather`'s), before the cut."""
 
     name = "balanced"
     feeds_back = True
     coded = True
 
-    def __init__(self, transport: Transport):
+    def __init__(self, transport: Transport, combine: str = "mean"):
         super().__init__(transport)
+        self.combine = combine
         self.plans: dict[str, Plan] = {}
         self.kept: dict[str, Any] = {}
         self.dropped: dict[str, tuple[Any, Any]] = {}
@@ -199,14 +201,16 @@ class BalancedAllReduce(Ring):
         indices, values = codec.to_coo(payload)
         plan = self.plans.setdefault(segment, Plan())
         self.sent = []
+        senders = self.combine == "senders"
         total, kept = balanced_sparse_allreduce(indices, values, payload.numel, self.transport, plan,
                                                 kept_entries(codec, payload.numel),
-                                                value_dtype=self._value_dtype(codec), sent=self.sent)
+                                                value_dtype=self._value_dtype(codec), sent=self.sent, senders=senders)
         xp = array_module(values)
         left_out = ~xp.isin(indices, kept)
         self.kept[segment] = kept
         self.dropped[segment] = (indices[left_out], values[left_out])
-        total /= self.transport.world
+        if not senders:
+            total /= self.transport.world
         return total
 
     def expected(self, mean, segment=""):
@@ -238,13 +242,13 @@ def choose_collective(requested: str, codec: Codec, sizes: list[int] | None = No
     bytes, which the cost model does not weigh, so they are chosen by name."""
     if combine not in COMBINES:
         raise CodecError(f"combine must be one of {', '.join(COMBINES)}, got {combine!r}")
-    if combine == "senders":  # counting each entry's senders takes every rank's whole payload
+    if combine == "senders":  # counting each entry's senders takes each entry's every payload
         if not codec.sparse:
             raise CodecError(f"combine senders averages each kept entry over the ranks that sent it: it needs a "
                              f"sparse codec (topk, group_topk, randomk), not {codec.name}")
-        if requested not in ("auto", "allgather"):
-            raise CodecError(f"combine senders runs on the allgather collective, not {requested}")
-        return "allgather"
+        if requested not in ("auto", "allgather", "balanced"):
+            raise CodecError(f"combine senders runs on the allgather or balanced collective, not {requested}")
+        return "balanced" if requested == "balanced" else "allgather"
     if requested == "auto":
         if not sizes or world is None or world < 2:
             sizes, world = [1 << 20], 2
@@ -272,4 +276,6 @@ def make_communicator(requested: str, codec: Codec, transport: Transport, sizes:
     segments of ``sizes`` entries); ``combine``: how each entry is averaged (see
     :class:`AllGather`)."""
     name = choose_collective(requested, codec, sizes, transport.world, link, combine)
-    return AllGather(transport, combine) if name == "allgather" else COLLECTIVES[name](transport)
+    if name in ("allgather", "balanced"):
+        return COLLECTIVES[name](transport, combine)
+    return COLLECTIVES[name](transport)

@@ -57,7 +57,7 @@ class CompressionConfig:
         adam_correction: keep Adam's moments on each worker and send its direction.
         collective: how the workers combine payloads; ``auto`` picks the cheapest on ``link``.
         combine: ``mean`` averages each entry over every worker; ``senders`` (sparse codecs, on
-            the allgather) over the workers that sent it, as SparseLoCo does.
+            the allgather or balanced) over the workers that sent it, as SparseLoCo does.
         link: the link ``collective="auto"`` weighs bytes against messages on.
         hierarchy: ``node``: one compressed exchange per node; ``auto`` when it helps.
         overlap: exchange each segment on a worker thread as soon as backward produced it.

@@ -31,7 +31,7 @@ def _input(rank: int, step: int):
     return indices, rng.standard_normal(indices.size).astype(np.float32)
 
 
-def _rank(rank, world, steps, value_dtype):
+def _rank(rank, world, steps, value_dtype, senders=False):
     transport = Transport()
     plan = Plan()
     out = []
@@ -41,7 +41,7 @@ def _rank(rank, world, steps, value_dtype):
         start = transport.bytes_sent
         indices, values = _input(rank, step)
         total, kept = balanced_sparse_allreduce(indices, values, NUMEL, transport, plan, K,
-                                                value_dtype=value_dtype, sent=sent)
+                                                value_dtype=value_dtype, sent=sent, senders=senders)
         out.append({"total": total, "kept": kept, "plan": before, "bytes": transport.bytes_sent - start,
                     "sent": sent})
     return out
@@ -87,17 +87,48 @@ def test_the_sum_is_the_dense_sum_cut_to_its_kept_entries_and_the_bytes_are_the_
         for r in results:  # every rank holds the same sum, bit for bit: the dense sum's kept entries
             np.testing.assert_array_equal(r[step]["total"], results[0][step]["total"])
         np.testing.assert_allclose(results[0][step]["total"], reference, rtol=1e-6, atol=1e-6)
-        # Bytes: rank r sends its entries of every other region, then passes on the kept
-        # entries of every region but the next rank's; a 16-byte header before each message.
-        b = bounds or [c * NUMEL // world for c in range(world + 1)]
-        kept_in = [int(((kept >= b[c]) & (kept < b[c + 1])).sum()) for c in range(world)]
-        for rank, r in enumerate(results):
-            indices = inputs[rank][0]
-            mine = [int(((indices >= b[c]) & (indices < b[c + 1])).sum()) for c in range(world)]
-            scatter = sum(chunk_nbytes(b[c + 1] - b[c], mine[c], 4, coded=True)[0] for c in range(world) if c != rank)
-            # Its own region's kept entries, to each of the others.
-            gather = (world - 1) * chunk_nbytes(b[rank + 1] - b[rank], kept_in[rank], 4, coded=True)[0]
-            assert r[step]["bytes"] == scatter + gather + 2 * (world - 1) * 16, (step, rank)
+        _check_bytes(results, step, inputs, bounds, kept, world)
+
+
+def _check_bytes(results, step, inputs, bounds, kept, world):
+    """Rank r sends its entries of every other region, then passes on the kept entries of
+    every region but the next rank's; a 16-byte header before each message."""
+    b = bounds or [c * NUMEL // world for c in range(world + 1)]
+    kept_in = [int(((kept >= b[c]) & (kept < b[c + 1])).sum()) for c in range(world)]
+    for rank, r in enumerate(results):
+        indices = inputs[rank][0]
+        mine = [int(((indices >= b[c]) & (indices < b[c + 1])).sum()) for c in range(world)]
+        scatter = sum(chunk_nbytes(b[c + 1] - b[c], mine[c], 4, coded=True)[0] for c in range(world) if c != rank)
+        # Its own region's kept entries, to each of the others.
+        gather = (world - 1) * chunk_nbytes(b[rank + 1] - b[rank], kept_in[rank], 4, coded=True)[0]
+        assert r[step]["bytes"] == scatter + gather + 2 * (world - 1) * 16, (step, rank)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_senders_average_each_entry_over_the_ranks_that_sent_it_before_the_cut(world):
+    """SparseLoCo's average on the balanced allreduce: each owner divides each sum by the
+    ranks whose payload held that entry, counted from what it received, then cuts: the same
+    bytes as the mean for the same entries."""
+    results = run_world(_rank, world, 3, "fp32", True)
+    for step in range(3):
+        inputs = [_input(r, step) for r in range(world)]
+        sums, count = np.zeros(NUMEL, np.float64), np.zeros(NUMEL, np.float32)
+        for indices, values in inputs:
+            sums[indices] += values
+            count[indices] += 1
+        # The owner's arithmetic: float32 sums, divided in float32.
+        averages = np.zeros(NUMEL, np.float32)
+        held = count > 0
+        averages[held] = sums.astype(np.float32)[held] / count[held]
+        assert np.any(count > 1) and np.any(count == 1)  # shared entries and lone ones
+        bounds, threshold = results[0][step]["plan"]
+        kept = results[0][step]["kept"]
+        assert kept.tolist() == _expected_kept(averages, bounds, threshold, world)
+        reference = np.zeros(NUMEL, np.float32)
+        reference[kept] = averages[kept]
+        for r in results:
+            np.testing.assert_array_equal(r[step]["total"], reference)
+        _check_bytes(results, step, inputs, bounds, kept, world)
 
 
 def test_fp16_values_keep_every_rank_bitwise_equal():

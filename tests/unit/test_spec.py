@@ -47,7 +47,7 @@ BAD_SPECS = [
     ("an unknown combine", with_change("compression.combine", "median"),
      "compression.combine: Input should be 'mean' or 'senders'"),
     ("combine senders on the ring", with_change("compression.combine", "senders", "compression.collective", "ring"),
-     "combine senders runs on the allgather collective, not ring"),
+     "combine senders runs on the allgather or balanced collective, not ring"),
     ("combine senders with parameter servers", with_change("compression.combine", "senders",
                                                            "compression.collective", "ps"),
      "with collective ps the shards average the pushes"),
