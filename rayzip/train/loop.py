@@ -38,7 +38,7 @@ from ..comm.control import RankDisagreement
 from ..spec import BUILTIN_LOOPS, JobSpec, import_callable
 from ..torch.lr import learning_rate
 from ..torch.optim import build_optimizer
-from .checkpoints import GroupCheckpoints, Parts, take_parts, unwrap, write_taken
+from .checkpoints import GroupCheckpoints, Parts, take_parts, take_shards, unwrap, write_taken
 from .exchange import Exchange, build_exchange, compute_time
 from .faults import Faults
 from .records import StepRecord, Totals, held_bytes
@@ -439,9 +439,10 @@ class LoopContext:
         """Keep this rank's state after ``step`` in its node's keeper (the spec's ``snapshots``),
         so that a restart's :meth:`restore` resumes here: what :meth:`report` would checkpoint,
         as a memory copy. Every rank calls it after the same steps; ``extra`` is what
-        :meth:`restore` returns (your step, your data's position). Nothing where snapshots are
-        off, or for a sharded model."""
-        from .api import _trainer_part
+        :meth:`restore` returns (your step, your data's position); for a sharded model, each
+        rank's own shards (a restart onto another world size reads storage). Nothing where
+        snapshots are off."""
+        from .api import _is_sharded, _trainer_part
 
         snapshots = self._open_snapshots(model)
         if snapshots is None:
@@ -449,17 +450,17 @@ class LoopContext:
         now = time.perf_counter()
         step_s = now - self._snapshot_at if self._snapshot_at is not None else 0.0
         if snapshots.due(step, forced=False):
-            snapshots.take(step, *_trainer_part(model, optimizer, extra), step_s)
+            shards = take_shards(model, optimizer) if _is_sharded(model) else None
+            snapshots.take(step, *_trainer_part(model, optimizer, extra), step_s, shards=shards)
         self._snapshot_at = time.perf_counter()
 
     def _open_snapshots(self, model: torch.nn.Module) -> Snapshots | None:
         from .api import _is_sharded
 
-        if self._snapshots is None and self.spec.snapshots.enabled and self._config.get("keepers") is not None \
-                and not _is_sharded(model):
+        if self._snapshots is None and self.spec.snapshots.enabled and self._config.get("keepers") is not None:
             self._snapshots = Snapshots(_keepers(self.spec, self._config), self.rank,
                                         self.world, ray.get_runtime_context().get_node_id(),
-                                        self.spec.snapshots.every)
+                                        self.spec.snapshots.every, sharded=_is_sharded(model))
         return self._snapshots
 
     def report(self, metrics: dict, model: torch.nn.Module | None = None,

@@ -11,6 +11,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from rayzip.runner import run_job
 from rayzip.train.faults import Faults
 from rayzip.spec import JobSpec
@@ -94,19 +96,22 @@ def test_a_spec_named_user_loop_trains_through_the_context(local_ray, tmp_path):
     assert kept["tensors"] > 0  # rank 1's compression state went into the checkpoint
 
 
-def test_a_user_loop_on_a_sharded_model_resumes_a_killed_worker_exactly(local_ray, tmp_path):
+@pytest.mark.parametrize("snapshots", [False, True], ids=["storage", "memory"])
+def test_a_user_loop_on_a_sharded_model_resumes_a_killed_worker_exactly(local_ray, tmp_path, snapshots):
     """``rayzip.train.prepare_model(sharding=...)`` through the context: FSDP2 shard groups of
     one worker, each gradient shard averaged between them by group top-k with error feedback;
     ``report`` writes each rank's shards through DCP, ``restore`` reads them back after a
-    worker is killed, with each rank's residuals."""
+    worker is killed, with each rank's residuals. With ``ctx.snapshot`` after each step,
+    ``restore`` reads each rank's own shards from memory instead, and no step is lost."""
     spec = JobSpec.model_validate({
         "name": "sharded-user-loop",
-        "training": {"loop": "user_loops:digits_loop", "config": {"hidden": 64, "steps": 400, "checkpoint_every": 40},
-                     "lr": 0.05},
+        "training": {"loop": "user_loops:digits_loop", "lr": 0.05,
+                     "config": {"hidden": 64, "steps": 400, "checkpoint_every": 40, "snapshots": snapshots}},
         "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 1},
         "compression": {"codec": "group_topk", "density": 0.05, "momentum_correction": True},
         "sharding": {"enabled": True, "mode": "hsdp", "shard_size": 1},
         "checkpoint": {"background": False},
+        "snapshots": {"every": 1},  # taken where the loop calls ctx.snapshot
     })
     killed: dict = {}
 
@@ -124,11 +129,15 @@ def test_a_user_loop_on_a_sharded_model_resumes_a_killed_worker_exactly(local_ra
     assert "step" in killed and summary["restarts"] == 1, (killed, summary["resumes"])
     assert summary["steps"] == 400
     (resume,) = summary["resumes"]
-    assert 0 < resume["resumed_at"] <= killed["step"] + 1 and resume["resumed_at"] % 40 == 0, (resume, killed)
-    # The shards of the model and of SGD's state, and each rank's residuals and momentum, came
-    # back: the redone steps repeated rank 0's loss of the first attempt bit for bit.
     replayed = summary["replayed"]
-    assert replayed["steps"] >= 1 and replayed["identical"] == replayed["steps"], replayed
+    if snapshots:
+        assert resume["source"] == "memory" and resume["steps_lost"] == 0, resume
+        assert resume["resumed_at"] > killed["step"] - 2, (resume, killed)
+    else:
+        assert 0 < resume["resumed_at"] <= killed["step"] + 1 and resume["resumed_at"] % 40 == 0, (resume, killed)
+        # The shards of the model and of SGD's state, and each rank's residuals and momentum,
+        # came back: the redone steps repeated rank 0's loss of the first attempt bit for bit.
+        assert replayed["steps"] >= 1 and replayed["identical"] == replayed["steps"], replayed
     print(f"killed at step {killed['step']}, resumed at {resume['resumed_at']}, {replayed['steps']} steps replayed")
     last = summary["metrics"]
     assert last["compressed"] and last["dense_bytes"] / last["bytes_sent"] > 10, last
