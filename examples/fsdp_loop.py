@@ -13,6 +13,7 @@ feedback.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -37,7 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     if cuda:
         torch.cuda.set_device(device)
     train(args, device)
-    # Once the model is gone: a live one holds the group's threads, which can abort Python's exit.
+    # Once the model is gone, its reference cycles (FSDP2's hooks) too: a live one holds the
+    # group's threads, which can abort Python's exit.
+    gc.collect()
     dist.destroy_process_group()
 
 
