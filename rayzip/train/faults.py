@@ -28,7 +28,8 @@ class Faults:
     ``kill_after_steps``: steps after which rank 0's worker process kills itself (SIGKILL),
     once the step's snapshot is taken and before the step is reported: a kill at a known
     place in the built-in loop, where a kill from outside lands wherever the worker happens
-    to be (a resume past the step does not reach it again)."""
+    to be. The i-th kill strikes in the i-th attempt only, so a resume before its step
+    (one that redoes steps) does not strike again."""
 
     emulation: Emulation | None = None
     checkpoint_write_delay_s: float = 0.0

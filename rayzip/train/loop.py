@@ -111,6 +111,7 @@ class _Run:
     snapshots: Snapshots | None = None  # this rank's in-memory snapshots, where the mode takes them
     resumed_source: str = "start"  # start, memory (a snapshot) or storage (a checkpoint)
     faults: Faults = field(default_factory=Faults)
+    attempt: int = 0  # this attempt's index, where faults kill (0: the first; one more per restart)
     checkpoint_steps: dict = field(default_factory=dict)  # checkpoint directory -> its step, until reported
     uploading_step: int | None = None  # the last checkpoint handed to Ray Train, maybe not yet registered
     reported_step: int | None = None  # the last checkpoint Ray Train has taken from this attempt
@@ -140,6 +141,8 @@ def run_task(spec: JobSpec, config: dict, task: Task, exchange: Exchange) -> Non
                progress=ray.get_actor(config["progress"]) if config.get("progress") and rank == 0 else None,
                started=float(config.get("t0", time.time())), resumed_from=start, snapshots=snapshots,
                resumed_source=source, faults=faults)
+    if faults.kill_after_steps and run.progress is not None:
+        run.attempt = _attempt(run.progress)
     if exchange.only_step_changes_weights:
         run.checkpoints.guard(exchange.optimizer)
     try:
@@ -152,6 +155,14 @@ def run_task(spec: JobSpec, config: dict, task: Task, exchange: Exchange) -> Non
 
 def _newest_snapshot(snapshots: Snapshots | None):
     return snapshots.newest_checkpoint() if snapshots is not None else contextlib.nullcontext()
+
+
+def _attempt(progress) -> int:
+    """This attempt's index, from the driver's progress actor before this attempt's first
+    step: the restarts it has seen, and one more once any step has run (the restart into
+    this attempt shows only at its first step)."""
+    seen = ray.get(progress.get_restarts.remote())
+    return seen["restarts"] + (1 if seen["steps_run"] else 0)
 
 
 def _stored() -> tuple[Any, str]:
@@ -276,7 +287,8 @@ def _after_step(spec: JobSpec, task: Task, exchange: Exchange, telemetry: Teleme
     metrics.update({"checkpoint_stall_s": totals.checkpoint_stall_s, "resumed_from": run.resumed_from,
                     "checkpoint_reported_step": run.reported_step, "checkpoint_uploading_step": run.uploading_step,
                     "checkpoint_pending_step": run.checkpoint_steps.get(checkpoints.pending)})
-    if rank == 0 and step in run.faults.kill_after_steps:
+    kills = run.faults.kill_after_steps
+    if rank == 0 and step in kills and kills.index(step) == run.attempt:
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 0:
         for directory in ready:

@@ -15,6 +15,7 @@ import pytest
 
 from rayzip import checkpoint
 from rayzip.runner import run_job
+from rayzip.train.faults import Faults
 from rayzip.spec import JobSpec
 
 from two_nodes import two_node_ray
@@ -127,19 +128,21 @@ def test_hsdp_resumes_a_killed_worker_from_memory_with_no_step_lost(local_ray, t
 
 def test_local_steps_on_shards_resume_a_killed_worker_exactly(local_ray, tmp_path):
     """DiLoCo on FSDP2: each node trains 5 steps alone, then its pseudo-gradient shards cross
-    between the nodes through group top-k; a worker killed after a checkpoint (the DCP shards
-    with the outer momentum, each rank's residuals) resumes bit for bit."""
-    killed, kill_once = _killer()
+    between the nodes through group top-k; a worker killed inside a round resumes bit for bit
+    from the snapshot of the round's start (each rank's shards with the outer momentum, its
+    residuals), in memory."""
     spec = _spec("hsdp-local-killed", {"codec": "group_topk", "density": 0.05},
                  local_steps={"enabled": True, "every": 5})
-    summary = run_job(spec, storage_path=str(tmp_path), on_progress=kill_once)
-    assert killed and summary["restarts"] == 1, (killed, summary["resumes"])
+    # Rank 0 kills itself after step 12, inside the round that synchronization 9 began.
+    summary = run_job(spec, storage_path=str(tmp_path), faults=Faults(kill_after_steps=(12,)))
+    assert summary["restarts"] == 1, summary["resumes"]
     assert summary["steps"] == 20 and summary["world_size"] == 4
     shards = Path(summary["checkpoint"]) / "shards"
     assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0", "__1", "__2", "__3"]
     (resume,) = summary["resumes"]
-    # From the snapshot of the last synchronization (taken at synchronizations only), in memory.
-    assert resume["resumed_at"] % 5 == 0 and resume["source"] == "memory", resume
+    # Snapshots are taken at synchronizations only: the round's steps are redone, each
+    # repeating rank 0's loss of the first attempt bit for bit.
+    assert resume["resumed_at"] == 10 and resume["source"] == "memory", resume
     replayed = summary["replayed"]
     assert replayed["steps"] >= 1 and replayed["identical"] == replayed["steps"], replayed
     # Four synchronizations of group top-k at 5%, against dense HSDP's exchange every step.
