@@ -476,7 +476,9 @@ def bench_cluster(
                                               "(compression.hierarchy auto; a method:flat suffix turns it off)."),
     latency: Optional[str] = typer.Option(None, help="Added one-way delay, e.g. 1ms (needs netem)."),
     spec: Optional[Path] = typer.Option(None, help="Job spec (default: jobs/bench-synthetic.yaml)."),
-    methods: str = typer.Option("dense,powersgd,fp16,group_topk,dct_quant", help="Comma-separated methods."),
+    methods: str = typer.Option("dense,powersgd,fp16,group_topk,dct_quant",
+                                help="Comma-separated methods; NAME:muon trains NAME with Muon inside (the "
+                                     "spec's AdamW settings)."),
     powersgd_start_iter: int = typer.Option(10, help="torch PowerSGD start_powerSGD_iter (torch's default, 1000, "
                                                      "would leave it uncompressed for a short run)."),
     budget_steps: Optional[int] = typer.Option(None, "--budget-steps", min=1,

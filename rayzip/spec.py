@@ -134,7 +134,10 @@ class TrainingSpec(_Strict):
                                                     "function(config, ctx) with training.config and a "
                                                     "rayzip.train.LoopContext.")
     config: dict[str, Any] = Field({}, description="Handed to a 'module:function' loop as its config.")
-    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    optimizer: Literal["sgd", "adam", "adamw", "muon"] = Field(
+        "sgd", description="muon: Muon on the model's hidden matrices and AdamW on the rest (embeddings, "
+                           "head, norms, biases), both with lr, betas and weight_decay (Muon's step scaled to "
+                           "AdamW's RMS, so an AdamW spec carries over).")
     lr: float = Field(0.05, gt=0, description="Learning rate at base_world_size workers.")
     lr_schedule: Literal["constant", "cosine"] = Field(
         "constant", description="constant (after lr_warmup_steps, which ramp from lr up to the scaled lr), or "
@@ -572,6 +575,21 @@ class JobSpec(_Strict):
                                         ("compression.adam_correction", c.adam_correction)) if on]
         if others:
             raise ValueError(f"sharding does not run with {', '.join(others)} yet")
+        return self
+
+    @model_validator(mode="after")
+    def _muon_sees_whole_matrices(self):
+        if self.training.optimizer != "muon":
+            return self
+        # Newton-Schulz orthogonalizes a whole weight matrix: a shard or a flat slice is none.
+        where = [what for what, on in (("sharding", self.sharding.enabled),
+                                       ("compression.collective ps without local_steps (the shards run the "
+                                        "optimizer on flat slices)",
+                                        self.compression.collective == "ps" and not self.local_steps.enabled))
+                 if on]
+        if where:
+            raise ValueError(f"training.optimizer muon needs each weight matrix whole: not with {where[0]}; "
+                             "use adamw there")
         return self
 
     @model_validator(mode="after")

@@ -103,15 +103,32 @@ def _method_name(method: str) -> str:
     return method.partition(":")[0].partition("@")[0]
 
 
+def _modifiers(method: str) -> tuple[str, bool]:
+    """A method argument's structural modifier ('' for none) and whether it ends in
+    ``:muon`` (the job's optimizer replaced by Muon with AdamW's settings)."""
+    modifiers = method.split(":")[1:]
+    muon = modifiers[-1:] == ["muon"]
+    if muon:
+        modifiers.pop()
+    if len(modifiers) > 1:
+        raise ValueError(f"method {method!r}: one modifier at most, and :muon last")
+    return (modifiers[0] if modifiers else ""), muon
+
+
 def _method_base(method: str) -> tuple[str, dict[str, Any]]:
     """``group_topk@0.05`` is group_topk at a fixed density of 0.05 (any sparse method takes
     @DENSITY); ``dct_quant@4`` is dct_quant at 4 bits. Suffixes for rayzip's hook methods:
     ``:serial`` runs without overlap (the whole exchange after backward), ``:flat`` without
     the node hierarchy (every worker exchanges compressed), to compare with the default;
     ``dense:node`` is the hierarchy's exchange uncompressed (dense inside and across nodes);
-    ``local@H:overlap`` sends each round during the next (local_steps.overlap)."""
-    method, _, modifier = method.partition(":")
+    ``local@H:overlap`` sends each round during the next (local_steps.overlap). Any method
+    but the sharded and parameter-server ones may end in ``:muon``: the workers' optimizer
+    becomes Muon on the hidden matrices with AdamW's settings (``training.optimizer: muon``)."""
+    modifier, muon = _modifiers(method)
+    method = method.partition(":")[0]
     name, _, value = method.partition("@")
+    if muon and (name in SHARDED or name in PS):
+        raise ValueError(f"method {method}:muon: Muon needs each weight matrix whole, which shards do not hold")
     hook = METHODS.get(name, {}).get("torch_hook") is None and name not in PS
     allowed = set() if name in SHARDED else {"overlap"} if name in LOCAL else \
         {"serial", "flat"} if hook and METHODS.get(name, {}).get("codec", "none") != "none" else \
@@ -150,12 +167,12 @@ def method_compression(method: str, powersgd_start_iter: int, training: dict | N
     quantizers (DCT, QSGD) send the gradient with error feedback and AdamW runs on the
     decompressed mean, as it does on DDP's (on the GPT, DCT at 4 bits ended at 2.975 bits per
     byte this way, against 3.106 with Adam correction and DDP's 3.035)."""
-    method, compression = _method_base(method)
+    method, compression = _method_base(method_arg := method)
     if method in LOCAL:
         return compression  # momentum stays in the inner optimizer
     if method == "powersgd":
         compression["powersgd_start_iter"] = powersgd_start_iter
-    training = TrainingSpec.model_validate(training or {})
+    training = TrainingSpec.model_validate({**(training or {}), **_optimizer(method_arg)})
     if CODECS[compression["codec"]].sparse and training.optimizer == "sgd" and training.momentum > 0:
         compression["momentum_correction"] = True
     if CODECS[compression["codec"]].sparse and training.optimizer == "adamw" and compression.get("collective") != "ps":
@@ -163,11 +180,18 @@ def method_compression(method: str, powersgd_start_iter: int, training: dict | N
     return compression
 
 
+def _optimizer(method: str) -> dict[str, str]:
+    """The training fields a method argument changes: ``{"optimizer": "muon"}`` for ``:muon``."""
+    return {"optimizer": "muon"} if _modifiers(method)[1] else {}
+
+
 def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 10) -> dict:
     """The whole job spec for one method: ``base`` with the method's compression, and its
     controller or parameter-server section."""
     spec = {**base, "name": f"bench-{slug}",
             "compression": method_compression(method, powersgd_start_iter, base.get("training"))}
+    if _optimizer(method):
+        spec["training"] = {**spec.get("training", {}), **_optimizer(method)}
     name = _method_name(method)
     if name == "adaptive":
         spec["adaptive"] = {**ADAPTIVE, "policy": "time_to_target"}
@@ -183,7 +207,7 @@ def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 1
         every = int(value) if value and not tuned else LOCAL[name]
         # The base spec's local_steps section (its outer optimizer) holds for every local method.
         spec["local_steps"] = {**base.get("local_steps", {}), "enabled": True, "every": every,
-                               "overlap": method.partition(":")[2] == "overlap",
+                               "overlap": _modifiers(method)[0] == "overlap",
                                **({"adaptive": True, "max_every": LOCAL_AUTO_MAX} if tuned else {})}
         # Evaluations and checkpoints fall on synchronizations: the next multiple of H (tuned:
         # of its bound, as each forces a synchronization, which would cap H below it).
@@ -267,7 +291,7 @@ def replica_held_bytes(base: dict) -> dict[str, int] | None:
     if m.name != "gpt":
         return None
     model = GPT(vocab=256, layers=m.layers, width=m.width, heads=m.heads, context=m.context, dropout=m.dropout)
-    optimizer = build_optimizer(spec.training, model.parameters())
+    optimizer = build_optimizer(spec.training, model)
     tokens = torch.randint(0, 256, (1, m.context))
     torch.nn.functional.cross_entropy(model(tokens).reshape(-1, 256), tokens.reshape(-1)).backward()
     optimizer.step()

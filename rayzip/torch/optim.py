@@ -5,7 +5,7 @@ Any object with the settings of :class:`OptimizerSettings` will do (the job spec
 
 Usage::
 
-    optimizer = build_optimizer(spec.training, model.parameters())
+    optimizer = build_optimizer(spec.training, model)    # or model.parameters(), but for muon
     load_optimizer(optimizer, saved)  # a checkpoint's state, keeping this run's settings
 """
 
@@ -24,13 +24,14 @@ __all__ = ["OptimizerSettings", "adaptive", "build_optimizer", "build_outer_opti
 ADAPTIVE = tuple(getattr(torch.optim, name) for name in
                  ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Adafactor")
                  if hasattr(torch.optim, name))
-ADAPTIVE_NAMES = {cls.__name__.lower() for cls in ADAPTIVE}
+# MuonWithAdamW is one of them: its AdamW part steps the embeddings, head and norms.
+ADAPTIVE_NAMES = {cls.__name__.lower() for cls in ADAPTIVE} | {"muon"}
 
 
 class OptimizerSettings(Protocol):
     """What :func:`build_optimizer` reads."""
 
-    optimizer: str  # sgd, adam or adamw
+    optimizer: str  # sgd, adam, adamw or muon
     lr: float
     momentum: float
     betas: tuple[float, float]
@@ -46,10 +47,24 @@ def build_outer_optimizer(params, lr: float, momentum: float, nesterov: bool) ->
 def build_optimizer(training: OptimizerSettings, params, momentum_elsewhere: bool = False,
                     adam_elsewhere: bool = False) -> torch.optim.Optimizer:
     """SGD (with the spec's momentum, or none when ``momentum_elsewhere``: momentum correction
-    keeps it on the workers), Adam or AdamW, at the spec's base learning rate. With
-    ``adam_elsewhere`` (Adam correction: the hook sends each worker's AdamW direction), SGD
-    without momentum whose L2 term is AdamW's decoupled decay: ``p -= lr * (d + wd * p)``.
-    Fused where torch has the kernel (:func:`fused_where_possible`)."""
+    keeps it on the workers), Adam, AdamW, or Muon on the hidden matrices with AdamW on the
+    rest (:class:`~rayzip.torch.muon.MuonWithAdamW`, AdamW's settings for both), at the spec's
+    base learning rate. With ``adam_elsewhere`` (Adam correction: the hook sends each worker's
+    AdamW direction), SGD without momentum whose L2 term is AdamW's decoupled decay:
+    ``p -= lr * (d + wd * p)``. Fused where torch has the kernel (:func:`fused_where_possible`).
+
+    ``params`` is the model or its parameters; muon needs the model, to tell its embeddings
+    from its hidden matrices."""
+    if training.optimizer == "muon" and not (momentum_elsewhere or adam_elsewhere):
+        from .muon import MuonWithAdamW
+
+        if not isinstance(params, torch.nn.Module):
+            raise TypeError("training.optimizer muon needs the model, not its parameters: "
+                            "build_optimizer(training, model)")
+        return MuonWithAdamW(params, lr=training.lr, betas=tuple(training.betas),
+                             weight_decay=training.weight_decay)
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
     if adam_elsewhere:
         return fused_where_possible(torch.optim.SGD, params, lr=training.lr, momentum=0.0,
                                     weight_decay=training.weight_decay)
@@ -97,11 +112,13 @@ def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
 
 def adaptive(optimizer: torch.optim.Optimizer | str | None) -> bool:
     """Whether ``optimizer`` (or its name) scales each entry by its own running statistics:
-    Adam's family, Adagrad, RMSprop, Adafactor and the like. Plain SGD is not; nor is an
-    optimizer rayzip does not know."""
+    Adam's family, Adagrad, RMSprop, Adafactor and the like, and rayzip's Muon (AdamW steps
+    its embeddings and norms). Plain SGD is not; nor is an optimizer rayzip does not know."""
+    from .muon import MuonWithAdamW
+
     if isinstance(optimizer, str):
         return optimizer.lower() in ADAPTIVE_NAMES
-    return isinstance(optimizer, ADAPTIVE)
+    return isinstance(optimizer, (*ADAPTIVE, MuonWithAdamW))
 
 
 def default_compression(optimizer: torch.optim.Optimizer | str | None):

@@ -697,7 +697,7 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
     if spec.local_steps.enabled and comp.collective == "ps":
         model = ray.train.torch.prepare_model(model, parallel_strategy=None)
         client = ParameterServerClient(ps_shards, spec, rank, world)
-        return LocalStepsServerExchange(spec, model, rank, world, client, build_optimizer(training, model.parameters()))
+        return LocalStepsServerExchange(spec, model, rank, world, client, build_optimizer(training, model))
     if spec.local_steps.enabled:
         # Inner steps exchange nothing: no DDP. Every rank starts from the same weights (the
         # seed) and each synchronization sets them alike.
@@ -708,7 +708,7 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
                             compression=comp.to_config(),
                             on_nonfinite=training.on_nonfinite, max_skipped_rounds=training.max_skipped_steps,
                             tuner=_every_tuner(spec), overlap=local.overlap, emulation=emulation, node_key=node_id())
-        return LocalStepsExchange(spec, model, rank, world, build_optimizer(training, model.parameters()), synced)
+        return LocalStepsExchange(spec, model, rank, world, build_optimizer(training, model), synced)
     if comp.collective == "ps":
         # The shards combine gradients: no DDP allreduce underneath.
         model = ray.train.torch.prepare_model(model, parallel_strategy=None)
@@ -723,7 +723,7 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
     ddp = isinstance(model, DistributedDataParallel)
     if ddp and comp.torch_hook is not None:
         counter = register_torch_hook(model, comp.torch_hook, comp.powersgd_rank, comp.powersgd_start_iter)
-        return TorchHookExchange(spec, model, rank, world, build_optimizer(training, model.parameters()),
+        return TorchHookExchange(spec, model, rank, world, build_optimizer(training, model),
                                  counter=counter)
     if ddp and hooked:
         state = compress(model, config, momentum=training.momentum if comp.momentum_correction else None,
@@ -731,7 +731,7 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
                          on_nonfinite=training.on_nonfinite, emulation=emulation, node_key=node_id(),
                          optimizer=training.optimizer)
         state.link_probe = probe
-        optimizer = build_optimizer(training, model.parameters(), momentum_elsewhere=comp.momentum_correction,
+        optimizer = build_optimizer(training, model, momentum_elsewhere=comp.momentum_correction,
                                     adam_elsewhere=comp.adam_correction)
         exchange = HookExchange(spec, model, rank, world, optimizer, state=state)
         # Under Adam correction the optimizer receives the averaged Adam direction, which the
@@ -739,7 +739,7 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
         exchange.clips = not comp.adam_correction
         return exchange
     # At world size 1 there is no hook, so momentum stays in the optimizer.
-    return DenseExchange(spec, model, rank, world, build_optimizer(training, model.parameters()))
+    return DenseExchange(spec, model, rank, world, build_optimizer(training, model))
 
 
 

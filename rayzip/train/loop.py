@@ -415,7 +415,8 @@ class LoopContext:
         return self.model
 
     def build_optimizer(self, params) -> torch.optim.Optimizer:
-        """The spec's ``training`` optimizer (momentum in the hook under momentum correction)."""
+        """The spec's ``training`` optimizer (momentum in the hook under momentum correction),
+        for ``params``: the model, or its parameters (muon needs the model)."""
         from .api import compression_state
 
         hooked = self.model is not None and compression_state(self.model) is not None

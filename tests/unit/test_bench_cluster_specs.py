@@ -185,3 +185,26 @@ def test_sharded_methods_shard_per_node_and_compare_with_dense_hsdp():
     table = markdown_table({"methods": rows, "ddp_held_bytes": replica})
     assert "| hsdp_local@4 | 100.0 s | 4.00× | 3.0150 | +0.5% | 1000 | 0.2 | 500.0× |" in table
     assert table.rstrip().endswith("| 0.500× |"), table
+
+
+def test_a_muon_suffix_swaps_the_workers_optimizer_and_keeps_the_method():
+    import yaml
+
+    from rayzip.bench.cluster import method_compression, method_spec
+    from rayzip.spec import JobSpec
+
+    from paths import ROOT
+
+    base = yaml.safe_load((ROOT / "jobs" / "bench-gpt.yaml").read_text())
+    for method in ("dense:muon", "group_topk:muon", "local_sparseloco@4:muon", "local@4:overlap:muon"):
+        spec = JobSpec.model_validate(method_spec(method, base, "m"))
+        assert spec.training.optimizer == "muon", method
+        plain = JobSpec.model_validate(method_spec(method.rpartition(":")[0], base, "m"))
+        assert plain.training.optimizer == "adamw"
+        assert spec.local_steps == plain.local_steps, method
+    # Muon on the decoded mean: no Adam correction for a sparse codec, as under AdamW.
+    assert "adam_correction" not in method_compression("group_topk:muon", 10, {"optimizer": "adamw"})
+    assert method_spec("local@4:overlap:muon", base, "m")["local_steps"]["overlap"] is True
+    for bad in ("hsdp:muon", "ps:muon", "local@4:muon:overlap", "dense:node:flat"):
+        with pytest.raises(ValueError):
+            method_spec(bad, base, "m")
