@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from rayzip.bench import provenance
 from rayzip.codecs.dct_quant import dct_matrix
 from rayzip.torch.lr import cosine_lr
+from rayzip.torch.muon import MuonWithAdamW
 from rayzip.train.gpt import GPT, lm_loss
 from rayzip.train.text import ShardSampler, Windows, load_python_stdlib
 
@@ -179,6 +180,13 @@ class Sim:
         self.curve: list[tuple[int, float, float]] = []
         self.start = time.time()
 
+    def optimizer(self, model) -> torch.optim.Optimizer:
+        """The job's AdamW, or (``--inner muon``) Muon on the hidden matrices with AdamW's settings."""
+        if self.args.inner == "muon":
+            return MuonWithAdamW(model, lr=PEAK_LR, betas=BETAS, weight_decay=DECAY)
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=PEAK_LR, betas=BETAS,
+                                 weight_decay=DECAY)
+
     def lr(self, step: int) -> float:
         return cosine_lr(PEAK_LR, step, self.args.steps, WARMUP, 0.1)
 
@@ -207,7 +215,7 @@ class Sim:
 
     # --- per-step methods: W gradients in, the update out ---------------------------------
     def run_per_step(self, exchange) -> None:
-        optimizer = torch.optim.AdamW(self.params, lr=PEAK_LR, betas=BETAS, weight_decay=DECAY)
+        optimizer = self.optimizer(self.model)
         for step in range(self.last_step()):
             lr = self.lr(step)
             for group in optimizer.param_groups:
@@ -326,7 +334,7 @@ class Sim:
         ratio = 32 * a.every / (a.density * per_entry)
         workers = [copy.deepcopy(self.model) for _ in range(a.workers)]
         inner = [[p for p in w.parameters() if p.requires_grad] for w in workers]
-        optimizers = [torch.optim.AdamW(ps, lr=PEAK_LR, betas=BETAS, weight_decay=DECAY) for ps in inner]
+        optimizers = [self.optimizer(w) for w in workers]
         residuals = [torch.zeros(self.numel) for _ in range(a.workers)]
         for step in range(self.last_step()):
             for rank in range(a.workers):
@@ -361,17 +369,25 @@ class Sim:
 
 
 def table(path: str) -> str:
+    """The rows of ``path`` as markdown, each against dense training with the workers' own
+    optimizer (the row ``dense``, AdamW; or ``dense, Muon inside`` for ``--inner muon``) and
+    against AdamW's."""
     rows = json.loads(Path(path).read_text())["rows"]
-    dense = {s: v for s, v, _ in rows["dense"]["curve"]} if "dense" in rows else {}
-    lines = ["| method | fewer bytes than fp32 | last step | val bpb there | DDP's there | vs DDP |",
-             "|---|---|---|---|---|---|"]
+    dense = {inner: {s: v for s, v, _ in rows[label]["curve"]}
+             for inner, label in (("adamw", "dense"), ("muon", "dense, Muon inside")) if label in rows}
+
+    def versus(value: float, ddp: float | None) -> str:
+        return f"{(value / ddp - 1) * 100:+.1f}%" if ddp else "–"
+
+    lines = ["| method | fewer bytes than fp32 | last step | val bpb there | "
+             "DDP's there, same optimizer | vs it | vs AdamW DDP |",
+             "|---|---|---|---|---|---|---|"]
     for label, row in rows.items():
         step, value, _ = row["curve"][-1]
-        ddp = dense.get(step)
-        versus = f"{(value / ddp - 1) * 100:+.1f}%" if ddp else "–"
+        inner = row["args"].get("inner", "adamw")
+        same, adamw = dense.get(inner, {}).get(step), dense.get("adamw", {}).get(step)
         lines.append(f"| {label} | {row['wire_reduction']:.0f}× | {step} | {value:.4f} | "
-                     f"{ddp:.4f} | {versus} |" if ddp else f"| {label} | {row['wire_reduction']:.0f}× | {step} | "
-                     f"{value:.4f} | – | – |")
+                     f"{f'{same:.4f}' if same else '–'} | {versus(value, same)} | {versus(value, adamw)} |")
     return "\n".join(lines)
 
 
@@ -426,6 +442,9 @@ def main() -> None:
     ap.add_argument("--combine", default="mean", choices=["mean", "senders"],
                     help="local, topk: average each entry over every worker, or over those that sent it")
     ap.add_argument("--outer-lr", type=float, default=1.0)
+    ap.add_argument("--inner", default="adamw", choices=["adamw", "muon"],
+                    help="the workers' optimizer (dense and local): the job's AdamW, or Muon on the hidden "
+                         "matrices with AdamW's settings (rayzip.torch.muon)")
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--label", default=None)
     ap.add_argument("--json", default=None, help="add this run's row to this file")
