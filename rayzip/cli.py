@@ -489,6 +489,10 @@ def bench_cluster(
     drop_at_step: int = typer.Option(100, "--drop-at-step", min=1, help="Step at which the links drop."),
     repeat: int = typer.Option(3, "--repeat", min=1, help="Runs per method, interleaved; the table shows "
                                                          "medians with [min–max]."),
+    kill_node_at_step: Optional[int] = typer.Option(
+        None, "--kill-node-at-step", min=1, help="Also run each method with its last worker node lost whole at "
+                                                 "this step (every process SIGKILLed) and replaced, beside the "
+                                                 "uninterrupted run."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write accuracy-vs-time PNG here."),
 ):
@@ -499,15 +503,22 @@ def bench_cluster(
     from .bench.cluster import plot, render_table, run_cluster_bench
 
     chosen, spec_path = _cluster_bench_inputs(methods, spec, latency)
+    if kill_node_at_step is not None and (drop_to or nodes < 2):
+        console.print("[red]error:[/red] --kill-node-at-step needs 2 nodes or more, and no --drop-to")
+        raise typer.Exit(2)
     report = _run_cluster(lambda log: run_cluster_bench(
         chosen, bandwidth, nodes, latency, spec_path, powersgd_start_iter, log=log, budget_steps=budget_steps,
         drop_to=drop_to, drop_at_step=drop_at_step if drop_to else None, workers_per_node=workers_per_node,
-        repeat=repeat))
+        repeat=repeat, kill_node_at_step=kill_node_at_step))
     console.print(render_table(report))
     if drop_to:
         from .bench.cluster import render_drop_table
 
         console.print(render_drop_table(report))
+    if kill_node_at_step is not None:
+        from .bench.cluster import markdown_table
+
+        print(markdown_table(report))
     _write_report(report, json_path)
     if plot_path:
         plot(report, plot_path)

@@ -224,7 +224,8 @@ def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 1
 def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: str | None, spec_path: Path,
                       powersgd_start_iter: int = 10, log: Callable[[str], None] = print,
                       budget_steps: int | None = None, drop_to: str | None = None,
-                      drop_at_step: int | None = None, workers_per_node: int = 1, repeat: int = 1) -> dict[str, Any]:
+                      drop_at_step: int | None = None, workers_per_node: int = 1, repeat: int = 1,
+                      kill_node_at_step: int | None = None) -> dict[str, Any]:
     """Run every method on one namespace cluster. With ``budget_steps``, each method trains
     exactly that many steps (time to target is still taken where the target is first
     reached), so final accuracies compare at the same budget. With ``drop_to``, every run
@@ -236,7 +237,13 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
     With ``repeat`` above 1 every method runs that many times, interleaved (round r runs the
     methods rotated by r, so that no method always runs first or last), and each row holds
     the medians, with every run's figures under ``runs`` and each figure's min and max under
-    ``spread`` (see :func:`aggregate_runs`)."""
+    ``spread`` (see :func:`aggregate_runs`).
+
+    With ``kill_node_at_step``, every method also runs a second time in each round, as
+    ``METHOD, node lost``: once it reaches that step the last worker node is lost whole (every
+    process in its namespace SIGKILLed: raylet, worker, snapshot keeper) and a replacement node
+    starts at its address once Ray has marked it dead. Its row carries the recovery
+    (``node_loss``) and its final metric against the uninterrupted run's."""
     base = yaml.safe_load(spec_path.read_text())
     workers = nodes * workers_per_node
     base.setdefault("scaling", {}).update({"min_workers": workers, "max_workers": workers})
@@ -249,16 +256,25 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
     training = TrainingSpec.model_validate(base.get("training", {}))
     lm = training.loop == "language_model"
     target = training.target_val_loss if lm else training.target_accuracy
-    runs: dict[str, list[dict]] = {method: [] for method in methods}
+    if kill_node_at_step is not None and not 0 < kill_node_at_step < training.steps:
+        raise ValueError(f"kill_node_at_step {kill_node_at_step} is not a step of the run's {training.steps}")
+    if kill_node_at_step is not None and nodes < 2:
+        raise ValueError("kill_node_at_step needs 2 nodes or more: one must survive with the snapshots")
+    # (name, method, step at which a node is lost or None)
+    entries = [(m, m, None) for m in methods] + \
+        ([(f"{m}{NODE_LOST}", m, kill_node_at_step) for m in methods] if kill_node_at_step is not None else [])
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in entries}
     with NetnsCluster(nodes=nodes, bandwidth=bandwidth, latency=latency, cpus_per_node=workers_per_node) as cluster:
         log(f"cluster up: {nodes} worker nodes at {bandwidth}" + (f", {latency} latency" if latency else "")
             + (f", {workers_per_node} workers each" if workers_per_node > 1 else ""))
         for round_ in range(repeat):
-            for method in interleaved(methods, round_):
-                label = method if repeat == 1 else f"{method} (run {round_ + 1} of {repeat})"
-                runs[method].append(_run_method(cluster, method, label, base, powersgd_start_iter, drop_to,
-                                                drop_at_step, workers_per_node, bandwidth, log))
-    rows = [aggregate_runs(runs[method]) for method in methods]
+            for name, method, kill_at in interleaved(entries, round_):
+                label = name if repeat == 1 else f"{name} (run {round_ + 1} of {repeat})"
+                row = _run_method(cluster, method, label, base, powersgd_start_iter, drop_to,
+                                  drop_at_step, workers_per_node, bandwidth, log, kill_node_at_step=kill_at)
+                runs[name].append({**row, "name": name})
+    rows = [aggregate_runs(runs[name]) for name, _, _ in entries]
+    _compare_with_uninterrupted(rows)
     sharded = any(_method_name(m) in SHARDED for m in methods)
     _compare_with_dense(rows)
     _compare_with_best_fixed(rows, "step_s", "step_vs_best_fixed")
@@ -271,6 +287,7 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
             "target": target, "target_accuracy": None if lm else target,
             "stop_at_target": training.stop_at_target, "steps": training.steps,
             "budget_steps": budget_steps, "drop_to": drop_to, "drop_at_step": drop_at_step,
+            "kill_node_at_step": kill_node_at_step,
             "spec": str(spec_path), "powersgd_start_iter": powersgd_start_iter,
             "python": sys.version.split()[0], "methods": rows,
             "ddp_held_bytes": replica_held_bytes(base) if sharded else None}
@@ -300,8 +317,9 @@ def replica_held_bytes(base: dict) -> dict[str, int] | None:
 
 def _run_method(cluster: NetnsCluster, method: str, label: str, base: dict, powersgd_start_iter: int,
                 drop_to: str | None, drop_at_step: int | None, workers_per_node: int, bandwidth: str,
-                log: Callable[[str], None]) -> dict[str, Any]:
-    """One `rayzip run` of ``method`` on the cluster: its row, or ``{name, error}``."""
+                log: Callable[[str], None], kill_node_at_step: int | None = None) -> dict[str, Any]:
+    """One `rayzip run` of ``method`` on the cluster: its row, or ``{name, error}``. With
+    ``kill_node_at_step``, the last worker node is lost there and replaced (:class:`_NodeLoss`)."""
     slug = re.sub(r"[^a-z0-9]+", "-", method.lower()).strip("-")
     spec = method_spec(method, base, slug, powersgd_start_iter)
     spec_file = cluster.tmp / f"{slug}.yaml"
@@ -315,10 +333,11 @@ def _run_method(cluster: NetnsCluster, method: str, label: str, base: dict, powe
     started = time.time()
     log(f"running {label} ...")
     dropper = _Dropper(cluster, progress, drop_to, drop_at_step, log) if drop_to is not None else None
+    loss = _NodeLoss(cluster, progress, kill_node_at_step, log) if kill_node_at_step is not None else None
+    poll = dropper.poll if dropper is not None else loss.poll if loss is not None else None
     proc = cluster.run_in_head([cluster.python, "-m", "rayzip", "run", str(spec_file), "--summary-json", str(out),
                                 "--storage-path", str(cluster.tmp / "results"), "--progress-file", str(progress)],
-                               capture_output=True, text=True, timeout=3600,
-                               on_poll=dropper.poll if dropper is not None else None)
+                               capture_output=True, text=True, timeout=3600, on_poll=poll)
     tx_after = cluster.tx_bytes()
     if proc.returncode != 0 or not out.exists():
         error = _last_error(proc.stdout + proc.stderr)
@@ -326,6 +345,16 @@ def _run_method(cluster: NetnsCluster, method: str, label: str, base: dict, powe
         return {"name": method, "error": error, "run_s": time.time() - started}
     summary = json.loads(out.read_text())
     row = _row(method, summary, tx_before, tx_after, time.time() - started, workers_per_node)
+    if loss is not None:
+        row["node_loss"] = {**loss.record(), "resumes": summary.get("resumes", []),
+                            "steps_lost": summary.get("steps_redone"), "restarts": summary.get("restarts")}
+        if loss.killed_at is None:
+            log(f"  {label}: the run ended before step {kill_node_at_step}; no node was lost")
+        else:
+            log(f"  {label}: node lost at step {loss.killed_at}; resumes "
+                + "; ".join(f"{r.get('cause')} from {r.get('source')} at {r.get('resumed_at')}, "
+                            f"{r.get('steps_lost')} steps lost, {r.get('seconds', 0):.1f} s"
+                            for r in summary.get("resumes", [])))
     if drop_to is not None:
         row.update(_drop_phases(summary, dropper.dropped_at))
         log(f"  {label}: step {row['step_ms_before_drop']} ms before the drop, {row['step_ms_after_drop']} ms after")
@@ -410,16 +439,63 @@ class _Dropper:
         self.dropped_at: int | None = None
 
     def poll(self, proc) -> None:
-        if self.dropped_at is not None:
-            return
-        try:
-            step = json.loads(self.progress.read_text())["step"]
-        except (OSError, ValueError, KeyError):
-            return
-        if step + 1 >= self.drop_at_step:
+        step = _next_step(self.progress) if self.dropped_at is None else None
+        if step is not None and step >= self.drop_at_step:
             self.cluster.set_bandwidth(self.drop_to)
-            self.dropped_at = step + 1
-            self.log(f"  links dropped to {self.drop_to} at step {step + 1}")
+            self.dropped_at = step
+            self.log(f"  links dropped to {self.drop_to} at step {step}")
+
+
+def _next_step(progress: Path) -> int | None:
+    """The step the running job is on (the last it reported, plus one), or None before its
+    first report."""
+    try:
+        return json.loads(progress.read_text())["step"] + 1
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+NODE_LOST = ", node lost"  # the name of a method's run with a node lost (kill_node_at_step)
+
+
+class _NodeLoss:
+    """A poll callback for the running job: once it reaches the step, loses the last worker
+    node whole and starts its replacement (:meth:`NetnsCluster.kill_node`,
+    :meth:`NetnsCluster.replace_node`)."""
+
+    def __init__(self, cluster, progress: Path, at_step: int, log: Callable[[str], None]):
+        self.cluster, self.progress, self.at_step, self.log = cluster, progress, at_step, log
+        self.node = cluster.nodes
+        self.killed_at: int | None = None
+        self.processes = 0
+        self.replaced_after_s: float | None = None
+
+    def poll(self, proc) -> None:
+        step = _next_step(self.progress) if self.killed_at is None else None
+        if step is None or step < self.at_step:
+            return
+        self.killed_at = step
+        started = time.monotonic()
+        self.processes = self.cluster.kill_node(self.node)
+        self.log(f"  node {self.node} lost at step {step} ({self.processes} processes killed)")
+        self.cluster.replace_node(self.node)
+        self.replaced_after_s = time.monotonic() - started
+        self.log(f"  node {self.node} replaced after {self.replaced_after_s:.1f} s")
+
+    def record(self) -> dict[str, Any]:
+        return {"node": self.node, "killed_at_step": self.killed_at, "processes_killed": self.processes,
+                "replaced_after_s": self.replaced_after_s}
+
+
+def _compare_with_uninterrupted(rows: list[dict]) -> None:
+    """Each node-loss row's final metric against its method's uninterrupted run in the same
+    report."""
+    plain = {r["name"]: r for r in rows if "error" not in r}
+    for row in rows:
+        if row["name"].endswith(NODE_LOST) and "error" not in row:
+            base = plain.get(row["name"][:-len(NODE_LOST)])
+            row["final_vs_uninterrupted"] = ((row["final_metric"] - base["final_metric"]) / base["final_metric"]
+                                             if base and base["final_metric"] else None)
 
 
 def mean_step_s(history: list[dict], first: int, last: int) -> float | None:
@@ -671,6 +747,8 @@ def markdown_table(report: dict) -> str:
         return _hierarchy_table(report)
     if report.get("drop_to"):
         return _drop_table(report)
+    if report.get("kill_node_at_step"):
+        return _node_loss_table(report)
     lm = report.get("metric") == "val_loss"
     rows = [r for r in report["methods"] if "error" not in r]
     pulled = any(r.get("wire_bytes_pulled") is not None for r in rows)
@@ -712,6 +790,27 @@ def headline_markdown_table(report: dict) -> str:
                 _number(r.get("speedup_vs_dense") or None, "{:.2f}×"),
                 f"{r.get('final_metric', r.get('final_accuracy')):.4f}", f"{r['step_s'] * 1e3:.0f}",
                 f"{_network(r) / 1e6:.1f}", _number(r.get("wire_reduction") or None, "{:.1f}×")]
+
+    return _markdown(head, report["methods"], cells)
+
+
+def _node_loss_table(report: dict) -> str:
+    """Each method uninterrupted and with a node lost: where the lost run resumed, from
+    where, the steps it did again, how long from the last step before the loss to the first
+    after it, and its final metric against the uninterrupted run's."""
+    lm = report.get("metric") == "val_loss"
+    head = ["run", "node lost at", "resumed at", "from", "cause", "steps lost", "recovery", "replacement up after",
+            "final val bpb" if lm else "final acc", "vs uninterrupted", "MB sent / worker"]
+
+    def cells(r: dict) -> list[str]:
+        loss = r.get("node_loss") or {}
+        resumes = loss.get("resumes") or []
+        each = lambda key, fmt="{}": ", ".join(fmt.format(x.get(key)) for x in resumes) or "–"  # noqa: E731
+        return [r["name"], str(loss.get("killed_at_step") or "–"), each("resumed_at"), each("source"), each("cause"),
+                str(loss["steps_lost"]) if loss else "–", each("seconds", "{:.1f} s"),
+                _number(loss.get("replaced_after_s"), "{:.1f} s"),
+                f"{r.get('final_metric', r.get('final_accuracy')):.4f}",
+                _number(r.get("final_vs_uninterrupted"), "{:+.2%}"), f"{_network(r) / 1e6:.1f}"]
 
     return _markdown(head, report["methods"], cells)
 

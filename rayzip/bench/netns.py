@@ -192,26 +192,56 @@ class NetnsCluster:
         _run(["ip", "netns", "exec", self.head_ns, ray, "start", "--head", f"--node-ip-address={self.head_ip}",
               "--port=6379", "--num-cpus=0", "--dashboard-host=0.0.0.0", "--dashboard-port=8265",
               "--disable-usage-stats", f"--temp-dir={self.tmp / 'ray'}"], env=self.env(), timeout=300)
-        for index, ns in enumerate(self.worker_ns, start=1):
-            _run(["ip", "netns", "exec", ns, ray, "start", f"--address={self.address}",
-                  f"--node-ip-address={self.node_ip(index)}", f"--num-cpus={self.cpus_per_node}",
-                  "--disable-usage-stats"], env=self.env(), timeout=300)
-        self._wait_for_nodes(timeout=180)
+        for index in range(1, self.nodes + 1):
+            self._start_worker(index)
+        self._wait_for_nodes(self.nodes + 1, timeout=180)
 
-    def _wait_for_nodes(self, timeout: float) -> None:
+    def _start_worker(self, index: int) -> None:
+        _run(["ip", "netns", "exec", self.worker_ns[index - 1], str(Path(self.bin) / "ray"), "start",
+              f"--address={self.address}", f"--node-ip-address={self.node_ip(index)}",
+              f"--num-cpus={self.cpus_per_node}", "--disable-usage-stats"], env=self.env(), timeout=300)
+
+    def alive_nodes(self) -> int:
+        """How many of the cluster's Ray nodes (the head among them) the GCS holds alive
+        (0 where the question failed)."""
         probe = ("import ray; ray.init(address='auto', logging_level='ERROR'); "
                  "print(sum(1 for n in ray.nodes() if n['Alive']))")
+        out = self.run_in_head([self.python, "-c", probe], capture_output=True, text=True,
+                               env=self.env(RAY_ADDRESS=self.address), timeout=120)
+        lines = out.stdout.strip().splitlines()
+        return int(lines[-1]) if out.returncode == 0 and lines and lines[-1].isdigit() else 0
+
+    def _wait_for_nodes(self, count: int, timeout: float) -> None:
         deadline = time.time() + timeout
         alive = 0
         while time.time() < deadline:
-            out = self.run_in_head([self.python, "-c", probe], capture_output=True, text=True,
-                                   env=self.env(RAY_ADDRESS=self.address), timeout=120)
-            lines = out.stdout.strip().splitlines()
-            alive = int(lines[-1]) if out.returncode == 0 and lines and lines[-1].isdigit() else 0
-            if alive == self.nodes + 1:
+            alive = self.alive_nodes()
+            if alive == count:
                 return
             time.sleep(2)
-        raise ClusterError(f"only {alive} of {self.nodes + 1} Ray nodes came up")
+        raise ClusterError(f"{alive} of the {count} Ray nodes expected are alive after {timeout:.0f} s")
+
+    def kill_node(self, index: int) -> int:
+        """Lose worker node ``index`` (1 .. nodes) at once, as a machine that dies: SIGKILL every
+        process in its namespace (its raylet, its training worker, its snapshot keeper). Its
+        link stays, so peers get refused connections rather than silence. Returns how many
+        processes were killed."""
+        ns = self.worker_ns[index - 1]
+        pids = [int(p) for p in _run(["ip", "netns", "pids", ns]).stdout.split()]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return len(pids)
+
+    def replace_node(self, index: int, timeout: float = 180) -> None:
+        """After :meth:`kill_node`: wait until the GCS has marked the lost node dead, then
+        start a new Ray node in its namespace (same address, a new node id and an empty
+        keeper, as a replacement machine), and wait until it is alive."""
+        self._wait_for_nodes(self.nodes, timeout)
+        self._start_worker(index)
+        self._wait_for_nodes(self.nodes + 1, timeout)
 
     def teardown(self) -> None:
         """Kill every process in the cluster's namespaces, then delete them and their links.

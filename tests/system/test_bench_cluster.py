@@ -73,3 +73,47 @@ def test_latency_is_emulated_where_the_kernel_has_netem_and_refused_where_not():
             preflight("1ms")
     preflight()  # without --latency, netem is not needed
     assert leftover_namespaces("rzprobe") == []  # the probes removed their namespaces
+
+
+LOSABLE = """\
+name: tiny-node-loss
+model: {name: mlp, hidden: [64]}
+dataset: {name: digits}
+training: {steps: 400, eval_every: 100, lr: 0.1}
+scaling: {min_workers: 2, max_workers: 2}
+compression: {codec: group_topk, density: 0.05, collective: allgather}
+checkpoint: {every_steps: 0}
+snapshots: {every: 1}
+"""
+
+
+@needs_root
+def test_a_node_lost_whole_is_replaced_and_the_run_resumes_from_the_survivors_snapshot(tmp_path):
+    """--kill-node-at-step: the second worker node's every process is SIGKILLed (raylet,
+    worker, keeper) and a new Ray node starts at its address; the run resumes from the
+    surviving node's keeper with no step lost (there is no checkpoint in storage to fall
+    back on), beside the uninterrupted run."""
+    spec = tmp_path / "losable.yaml"
+    spec.write_text(LOSABLE)
+    out = tmp_path / "bench.json"
+    tag, env = tagged_env()
+    bench = subprocess.Popen([sys.executable, "-m", "rayzip", "bench", "cluster", "--bandwidth", "1gbit",
+                              "--nodes", "2", "--spec", str(spec), "--methods", "group_topk", "--repeat", "1",
+                              "--kill-node-at-step", "100", "--json", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    stdout, stderr = bench.communicate(timeout=1200)
+    assert bench.returncode == 0, stdout[-4000:] + stderr[-4000:]
+    rows = {r["name"]: r for r in json.loads(out.read_text())["methods"]}
+    assert set(rows) == {"group_topk", "group_topk, node lost"}
+    lost = rows["group_topk, node lost"]
+    loss = lost["node_loss"]
+    assert loss["killed_at_step"] >= 100 and loss["processes_killed"] >= 2 and loss["replaced_after_s"] > 0, loss
+    (resume,) = loss["resumes"]
+    assert resume["cause"] == "node_lost" and resume["source"] == "memory", resume
+    assert resume["steps_lost"] <= 1 and resume["resumed_at"] >= 100, resume
+    assert (resume["world_before"], resume["world_after"]) == (2, 2), resume  # on the replacement node
+    assert lost["steps"] == 400 and rows["group_topk"]["steps"] == 400
+    assert lost["final_accuracy"] > 0.8 and lost["final_vs_uninterrupted"] is not None
+    assert "| group_topk, node lost |" in stdout  # the node-loss table
+    assert leftover_namespaces(f"rz{bench.pid}-") == []
+    assert tagged_pids(tag) == set(), "the benchmark left processes behind"

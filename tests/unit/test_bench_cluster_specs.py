@@ -208,3 +208,37 @@ def test_a_muon_suffix_swaps_the_workers_optimizer_and_keeps_the_method():
     for bad in ("hsdp:muon", "ps:muon", "local@4:muon:overlap", "dense:node:flat"):
         with pytest.raises(ValueError):
             method_spec(bad, base, "m")
+
+
+def test_a_lost_nodes_run_is_set_beside_its_uninterrupted_run_and_tabled():
+    from rayzip.bench.cluster import NODE_LOST, _compare_with_uninterrupted, markdown_table
+
+    def run(name, final, loss=None):
+        return {"name": name, "final_metric": final, "final_accuracy": 0.0, "wire_bytes_counted": 2e6,
+                "metric": "val_loss", **({"node_loss": loss} if loss else {})}
+
+    lost = {"node": 2, "killed_at_step": 61, "processes_killed": 9, "replaced_after_s": 31.5, "steps_lost": 1,
+            "restarts": 1, "resumes": [{"resumed_at": 61, "source": "memory", "cause": "node_lost",
+                                        "steps_lost": 1, "seconds": 42.25}]}
+    rows = [run("local@4", 3.0), run(f"local@4{NODE_LOST}", 3.006, lost), run("dense", 3.1),
+            {"name": f"dense{NODE_LOST}", "error": "boom"}]
+    _compare_with_uninterrupted(rows)
+    assert rows[1]["final_vs_uninterrupted"] == pytest.approx(0.002)
+    assert "final_vs_uninterrupted" not in rows[0] and "final_vs_uninterrupted" not in rows[3]
+    table = markdown_table({"methods": rows, "metric": "val_loss", "kill_node_at_step": 60}).splitlines()
+    assert table[0].startswith("| run | node lost at | resumed at | from | cause | steps lost | recovery |")
+    assert table[3] == ("| local@4, node lost | 61 | 61 | memory | node_lost | 1 | 42.2 s | 31.5 s | 3.0060 | "
+                        "+0.20% | 2.0 |")
+    assert table[2].startswith("| local@4 | – | – | – | – | – |")
+
+
+def test_a_node_loss_needs_a_step_inside_the_run_and_a_node_to_survive(tmp_path):
+    from rayzip.bench.cluster import run_cluster_bench
+
+    from paths import ROOT
+
+    spec = ROOT / "jobs" / "bench-gpt.yaml"
+    with pytest.raises(ValueError, match="is not a step of the run's 200"):
+        run_cluster_bench(["dense"], "100mbit", 2, None, spec, kill_node_at_step=200)
+    with pytest.raises(ValueError, match="needs 2 nodes or more"):
+        run_cluster_bench(["dense"], "100mbit", 1, None, spec, kill_node_at_step=50)
