@@ -143,3 +143,28 @@ def test_a_user_loop_on_a_sharded_model_resumes_a_killed_worker_exactly(local_ra
     assert last["compressed"] and last["dense_bytes"] / last["bytes_sent"] > 10, last
     assert summary["final_test_accuracy"] >= 0.8, summary
     assert (Path(summary["checkpoint"]) / "shards" / ".metadata").exists()
+
+
+def test_local_steps_with_muon_inside_resume_a_killed_worker_exactly(local_ray, tmp_path):
+    """``training.optimizer: muon`` as the inner optimizer of local steps with SparseLoCo's
+    outer updates (issue 46): rank 0 is killed inside a round; the restart from storage
+    brings back Muon's momentum and AdamW's moments with the rest, and every redone step
+    repeats its loss bit for bit."""
+    base = _lm_spec("lm-muon").model_dump()
+    spec = JobSpec.model_validate({
+        **base,
+        "training": {**base["training"], "optimizer": "muon", "steps": 40},
+        "compression": {"codec": "group_topk", "density": 0.01, "value_dtype": "2bit", "coded_indices": True,
+                        "collective": "allgather", "error_decay": 0.95, "combine": "senders"},
+        "local_steps": {"enabled": True, "every": 4, "outer_lr": 1.0, "outer_momentum": 0.0},
+        "checkpoint": {"every_steps": 20, "background": False},
+    })
+    summary = run_job(spec, storage_path=str(tmp_path), faults=Faults(kill_after_steps=(29,)))
+    assert summary["restarts"] == 1 and summary["steps"] == 40, summary["resumes"]
+    (resume,) = summary["resumes"]
+    assert resume["source"] == "storage" and resume["resumed_at"] == 20, resume
+    replayed = summary["replayed"]
+    assert replayed["steps"] >= 9 and replayed["identical"] == replayed["steps"], replayed
+    history = [h["val_loss"] for h in summary["history"]]
+    assert history[-1] < history[0] < 8.5, history
+    assert summary["wire_reduction"] > 500, summary["wire_reduction"]
