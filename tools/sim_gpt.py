@@ -399,19 +399,21 @@ def plot(path: str, out: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = json.loads(Path(path).read_text())["rows"]
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    fig, ax = plt.subplots(figsize=(12, 5), dpi=120)
     palette = plt.cm.tab20.colors
     for i, (label, row) in enumerate(rows.items()):
         steps, values = zip(*[(s, v) for s, v, _ in row["curve"]])
+        dense = row["method"] == "dense"  # DDP under AdamW, and under Muon: black, bold
         ax.plot(steps, values, marker=".", label=f"{label} ({row['wire_reduction']:.0f}x)",
-                linewidth=2.5 if label == "dense" else 1.2, color="black" if label == "dense" else palette[i % 20],
-                linestyle="--" if row["method"] == "local" else "-")
+                linewidth=2.5 if dense else 1.2, color="black" if dense else palette[i % 20],
+                linestyle=":" if dense and row["args"].get("inner") == "muon" else
+                "--" if row["method"] == "local" else "-")
     ax.set_ylim(top=6.0)
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss (bits/byte)")
     ax.set_title("GPT, 2 workers simulated in one process")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6.5)
+    ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
