@@ -55,9 +55,12 @@ def build_optimizer(training: OptimizerSettings, params, momentum_elsewhere: boo
 
     ``params`` is the model or its parameters; muon needs the model, to tell its embeddings
     from its hidden matrices."""
-    if training.optimizer == "muon" and not (momentum_elsewhere or adam_elsewhere):
+    if training.optimizer == "muon":
         from .muon import MuonWithAdamW
 
+        if momentum_elsewhere or adam_elsewhere:
+            raise ValueError("momentum and Adam correction move SGD's or AdamW's state into the hook; "
+                             "training.optimizer muon has none there")
         if not isinstance(params, torch.nn.Module):
             raise TypeError("training.optimizer muon needs the model, not its parameters: "
                             "build_optimizer(training, model)")

@@ -97,6 +97,9 @@ def test_the_spec_builds_it_from_the_model_with_adamws_settings():
     assert adamw.param_groups[0]["betas"] == (0.9, 0.95) and adamw.param_groups[0]["weight_decay"] == 0.1
     with pytest.raises(TypeError, match="muon needs the model, not its parameters"):
         build_optimizer(training, _gpt().parameters())
+    for elsewhere in ({"momentum_elsewhere": True}, {"adam_elsewhere": True}):
+        with pytest.raises(ValueError, match="muon has none there"):
+            build_optimizer(training, _gpt(), **elsewhere)
 
 
 def test_muon_gets_the_compression_that_holds_an_adaptive_optimizers_quality():
