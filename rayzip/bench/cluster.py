@@ -167,12 +167,12 @@ def method_compression(method: str, powersgd_start_iter: int, training: dict | N
     quantizers (DCT, QSGD) send the gradient with error feedback and AdamW runs on the
     decompressed mean, as it does on DDP's (on the GPT, DCT at 4 bits ended at 2.975 bits per
     byte this way, against 3.106 with Adam correction and DDP's 3.035)."""
-    method, compression = _method_base(method_arg := method)
-    if method in LOCAL:
+    name, compression = _method_base(method)
+    if name in LOCAL:
         return compression  # momentum stays in the inner optimizer
-    if method == "powersgd":
+    if name == "powersgd":
         compression["powersgd_start_iter"] = powersgd_start_iter
-    training = TrainingSpec.model_validate({**(training or {}), **_optimizer(method_arg)})
+    training = TrainingSpec.model_validate({**(training or {}), **_optimizer(method)})
     if CODECS[compression["codec"]].sparse and training.optimizer == "sgd" and training.momentum > 0:
         compression["momentum_correction"] = True
     if CODECS[compression["codec"]].sparse and training.optimizer == "adamw" and compression.get("collective") != "ps":
@@ -190,8 +190,8 @@ def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 1
     controller or parameter-server section."""
     spec = {**base, "name": f"bench-{slug}",
             "compression": method_compression(method, powersgd_start_iter, base.get("training"))}
-    if _optimizer(method):
-        spec["training"] = {**spec.get("training", {}), **_optimizer(method)}
+    if changed := _optimizer(method):
+        spec["training"] = {**spec.get("training", {}), **changed}
     name = _method_name(method)
     if name == "adaptive":
         spec["adaptive"] = {**ADAPTIVE, "policy": "time_to_target"}

@@ -32,12 +32,10 @@ def muon_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Param
     so a head tied to an embedding stays out) and those AdamW steps (the rest), each in the
     model's order, each parameter once."""
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    matrices, rest, seen = [], [], set()
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (matrices if p.dim() == 2 and id(p) not in embedded else rest).append(p)
+    matrices, rest = [], []
+    for p in model.parameters():  # a shared (tied) parameter comes once
+        if p.requires_grad:
+            (matrices if p.dim() == 2 and id(p) not in embedded else rest).append(p)
     return matrices, rest
 
 
@@ -67,12 +65,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         matrices, rest = muon_parameters(model)
         if not matrices:
             raise ValueError("muon: the model has no hidden 2-D weight for Muon to step; use adamw")
-        self._muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay,
-                                      momentum=betas[0] if momentum is None else momentum, nesterov=True,
-                                      adjust_lr_fn="match_rms_adamw")
-        self._adamw = torch.optim.AdamW(rest, lr=lr, betas=betas, weight_decay=weight_decay,
-                                        fused=fused) if rest else None
-        self._parts = [o for o in (self._muon, self._adamw) if o is not None]
+        self._parts: list[torch.optim.Optimizer] = [torch.optim.Muon(
+            matrices, lr=lr, weight_decay=weight_decay, momentum=betas[0] if momentum is None else momentum,
+            nesterov=True, adjust_lr_fn="match_rms_adamw")]
+        if rest:
+            self._parts.append(torch.optim.AdamW(rest, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused))
         super().__init__([g for o in self._parts for g in o.param_groups], {"lr": lr})
         self._share()
 
