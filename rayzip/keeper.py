@@ -18,7 +18,10 @@ import shutil
 import struct
 from pathlib import Path
 
-__all__ = ["HEADER", "MAGIC", "Keeper", "default_root", "keeper_name", "keeper_prefix", "read_header"]
+__all__ = ["DEFAULT_MAX_BYTES", "HEADER", "MAGIC", "Keeper", "default_root", "keeper_name", "keeper_prefix",
+           "read_header"]
+
+DEFAULT_MAX_BYTES = 8 * 2 ** 30  # what one node's snapshots may hold unless told
 
 MAGIC = b"RZSNAP03"
 # magic, committed (1; 2: sealed with its checksum), step, world, the writer's rank, skeleton bytes, data bytes,
@@ -68,10 +71,17 @@ class Keeper:
         node_id: this node's Ray id.
         max_bytes: what all the node's slot files may hold together; a rank whose slots would
             pass it takes no more snapshots (its restarts fall back to storage), with a log line.
+        known: the nodes that had a keeper when the run started: a worker that finds any one
+            keeper learns from it which nodes' keepers are gone (their nodes lost), and what a
+            keeper it starts on a node that joined later takes (:meth:`settings`).
+        every: the ranks' snapshot interval, for workers that learn it from their keeper
+            (:func:`rayzip.train.keep_snapshots`): N steps, or ``"auto"``.
     """
 
-    def __init__(self, root: str | None, run_id: str, node_id: str, max_bytes: int):
-        self.node_id, self.max_bytes = node_id, int(max_bytes)
+    def __init__(self, root: str | None, run_id: str, node_id: str, max_bytes: int, known: list[str] = (),
+                 every: int | str = "auto"):
+        self.node_id, self.max_bytes, self.root, self.known = node_id, int(max_bytes), root, list(known)
+        self.every = every
         self.path = Path(root or default_root()) / "rayzip-snapshots" / run_id / node_id[:16]
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.reserved: dict[str, int] = {}
@@ -79,6 +89,10 @@ class Keeper:
 
     def directory(self) -> str:
         return str(self.path)
+
+    def settings(self) -> dict:
+        """``root``, ``max_bytes``, ``known`` and ``every``, as this keeper was started with."""
+        return {"root": self.root, "max_bytes": self.max_bytes, "known": self.known, "every": self.every}
 
     def reserve(self, owner: str, nbytes: int) -> bool:
         """Whether ``owner``'s slots (all of them) may hold ``nbytes``; a refusal is logged once."""

@@ -17,7 +17,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 import uuid
@@ -30,13 +29,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray.train.torch import TorchTrainer
 
 from .adaptive import controller_name, start_controller
-from .keeper import default_root
 from .progress import Progress
 from .ps import shard_names, shard_report, start_shards, stop_shards
 from .spec import JobSpec, check_allowed_modules
 from .train.faults import Faults
 from .train.loop import train_loop
-from .train.snapshots import find_keepers, start_keeper
+from .train.snapshots import start_keepers, stop_keepers
 
 __all__ = ["ProgressActor", "TrainingFailed", "run_job", "summarize"]
 
@@ -47,36 +45,18 @@ class TrainingFailed(RuntimeError):
 
 
 ProgressActor = ray.remote(num_cpus=0)(Progress)
-def start_keepers(spec: JobSpec, run_id: str) -> dict[str, Any]:
-    """One snapshot keeper on each live node, owned by the driver (rayzip.keeper): {node id:
-    actor}. Named, so that every worker finds its node's; a node that joins later gets its
-    keeper from its first worker."""
+def _start_keepers(spec: JobSpec, run_id: str) -> dict[str, Any]:
+    """One snapshot keeper on each live node where the spec takes snapshots (rayzip.keeper)."""
     if not spec.snapshots.enabled:
         return {}
-    return {node["NodeID"]: start_keeper(run_id, node["NodeID"], spec.snapshots.directory,
-                                         spec.snapshots.max_bytes_per_node)
-            for node in ray.nodes() if node.get("Alive")}
+    return start_keepers(run_id, spec.snapshots.directory, spec.snapshots.max_bytes_per_node)
 
 
-def stop_keepers(keepers: dict[str, Any], spec: JobSpec, run_id: str) -> dict[str, dict]:
-    """Remove every node's snapshots, those of keepers that workers started on nodes that
-    joined later too; what each node's held at the end ({node id: :meth:`Keeper.usage`}). A
-    keeper whose node is gone cannot: what its node left on this host (nodes emulated on one
-    machine) is removed here."""
-    if spec.snapshots.enabled:
-        keepers = {**keepers, **{n: k for n, k in find_keepers(run_id).items() if k is not None}}
-    usage = {}
-    for node, keeper in keepers.items():
-        try:
-            usage[node] = ray.get(keeper.usage.remote(), timeout=30)
-            ray.get(keeper.close.remote(), timeout=30)
-        except Exception:  # noqa: BLE001 - the node is gone
-            pass
-        ray.kill(keeper)
-    if keepers:
-        shutil.rmtree(Path(spec.snapshots.directory or default_root()) / "rayzip-snapshots" / run_id,
-                      ignore_errors=True)
-    return usage
+def _stop_keepers(keepers: dict[str, Any], spec: JobSpec, run_id: str) -> dict[str, dict]:
+    """What each node's keeper held at the end ({node id: usage}), every one removed."""
+    if not spec.snapshots.enabled:
+        return {}
+    return stop_keepers(run_id, keepers, spec.snapshots.directory)
 
 
 def _scaling(spec: JobSpec) -> ScalingConfig:
@@ -213,7 +193,7 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
                                       initial_compression=1.0 / (spec.compression.density or 0.01),
                                       scheduling_strategy=on_this_node())
     shards = start_shards(run_id, spec) if spec.compression.collective == "ps" else None
-    keepers = start_keepers(spec, run_id)
+    keepers = _start_keepers(spec, run_id)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"spec": spec.model_dump(), "progress": progress_name, "t0": time.time(),
@@ -234,7 +214,7 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     try:
         outcome, wall_s = _fit_watching(trainer, progress, on_progress)
     finally:
-        kept = stop_keepers(keepers, spec, run_id)
+        kept = _stop_keepers(keepers, spec, run_id)
     history = ray.get(progress.get_history.remote())
     failure = ray.get(progress.get_failure.remote())
     restarts = ray.get(progress.get_restarts.remote())

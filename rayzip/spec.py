@@ -22,6 +22,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 from .codecs import CODECS
 from .comm.cost import Link
 from .engine.config import CODEC_FIELDS, CompressionConfig
+from .keeper import DEFAULT_MAX_BYTES
 
 __all__ = [
     "CheckpointSpec", "CompressionSpec", "DatasetSpec", "JobSpec", "LocalStepsSpec", "MetricsSpec", "ModelSpec",
@@ -360,7 +361,7 @@ class SnapshotsSpec(_Strict):
     every: int | Literal["auto"] = Field("auto", description="Snapshot every N steps; auto: every step while a "
                                                              "snapshot costs at most 5% of one, else the fewest "
                                                              "steps between them that keep it there.")
-    max_bytes_per_node: int = Field(8 * 2 ** 30, gt=0, description="What a node's snapshots may hold (two slots "
+    max_bytes_per_node: int = Field(DEFAULT_MAX_BYTES, gt=0, description="What a node's snapshots may hold (two slots "
                                                                   "per rank); a rank past it takes no more, "
                                                                   "with a log line.")
     directory: str | None = Field(None, description="Where each node keeps them (default /dev/shm, shared "

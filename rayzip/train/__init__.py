@@ -12,9 +12,10 @@ from importlib import import_module
 
 # Every name is loaded when first asked for: the API and the loop import Ray Train, and the
 # package's other modules (checkpoints, the GPT, the text data) are used where Ray is not.
-_WHERE = {"CompressionConfig": "api", "compression_state": "api", "flush": "api", "prepare_model": "api",
-          "report": "api", "restore": "api", "save_checkpoint": "api", "ShardingConfig": "api", "StepRecord": "records", "Totals": "records",
-          "Traffic": "records", "Telemetry": "telemetry", "LoopContext": "loop", "Faults": "faults"}
+_WHERE = {"CompressionConfig": "api", "compression_state": "api", "flush": "api", "keep_snapshots": "api",
+          "prepare_model": "api", "report": "api", "restore": "api", "save_checkpoint": "api", "snapshot": "api",
+          "ShardingConfig": "api", "StepRecord": "records", "Totals": "records", "Traffic": "records",
+          "Telemetry": "telemetry", "LoopContext": "loop", "Faults": "faults"}
 
 
 def __getattr__(name: str):
@@ -25,5 +26,6 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["CompressionConfig", "Faults", "LoopContext", "ShardingConfig", "StepRecord", "Telemetry", "Totals", "Traffic", "compression_state",
-           "flush", "prepare_model", "report", "restore", "save_checkpoint"]
+__all__ = ["CompressionConfig", "Faults", "LoopContext", "ShardingConfig", "StepRecord", "Telemetry", "Totals", "Traffic",
+           "compression_state", "flush", "keep_snapshots", "prepare_model", "report", "restore", "save_checkpoint",
+           "snapshot"]

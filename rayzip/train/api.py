@@ -23,13 +23,21 @@ world size changed (see :func:`rayzip.train.checkpoints.restore_hook`).
 Every rank must call ``report`` and ``restore`` at the same points, as with
 ``ray.train.report``. ``report(..., background=True)`` writes the checkpoint on a thread while
 training goes on and reports it at the next ``report`` or :func:`flush`.
+
+So that a lost worker costs no steps, not only those since the last checkpoint, wrap
+``trainer.fit()`` in :func:`keep_snapshots` on the driver and call :func:`snapshot` after each
+optimizer step: each rank's state goes to a keeper on its node, outside the worker, and
+``restore`` after a restart takes the newest step that every rank's keeper holds before it
+reads storage (:mod:`rayzip.train.snapshots`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import ray.train
 import ray.train.torch
@@ -44,12 +52,13 @@ from ..torch.fsdp import ShardedExchange, ShardingConfig, compress_sharded, shar
 from ..torch.hook import compress, ddp_kwargs
 from ..torch.optim import default_compression, warn_for_optimizer
 from .checkpoints import (GroupCheckpoints, load_optimizer, load_trainer, restore_hook, restore_shards, save_shards,
-                          take_parts, unwrap, write_parts, write_taken)
+                          take_parts, take_shards, unwrap, write_parts, write_taken)
+from ..keeper import DEFAULT_MAX_BYTES
 from .exchange import node_id
 from .probe import prepare_timed
 
-__all__ = ["CompressionConfig", "ShardingConfig", "compression_state", "flush", "prepare_model", "report", "restore",
-           "save_checkpoint"]
+__all__ = ["CompressionConfig", "ShardingConfig", "compression_state", "flush", "keep_snapshots", "prepare_model",
+           "report", "restore", "save_checkpoint", "snapshot"]
 
 _ATTRIBUTE = "_rayzip_compression_state"
 
@@ -274,23 +283,43 @@ def _report(metrics: dict, ready: list[Path]) -> None:
 
 def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
             checkpoint: ray.train.Checkpoint | None = None) -> dict:
-    """Load the latest checkpoint into ``model``, ``optimizer`` and the compression state,
+    """Load the latest state into ``model``, ``optimizer`` and the compression state,
     re-sharding error feedback when the world size changed. Every rank calls it.
+
+    Without ``checkpoint``, the newest step that every rank's snapshot keeper holds complete
+    (:func:`snapshot`, under :func:`keep_snapshots`) comes first, checksums verified, and
+    ``ray.train.get_checkpoint()`` where the keepers hold nothing newer.
 
     Args:
         model: the prepared model.
         optimizer: restored where the checkpoint has one.
-        checkpoint: default ``ray.train.get_checkpoint()``.
+        checkpoint: this checkpoint, and nothing else (default: memory, then storage).
 
     Returns:
-        The ``extra`` saved with the checkpoint, or {} when there is none.
+        The ``extra`` saved with the snapshot or checkpoint, or {} when there is none.
 
     Example::
 
         saved = rayzip.train.restore(model, optimizer)
         start_epoch = saved.get("epoch", -1) + 1
     """
-    checkpoint = checkpoint if checkpoint is not None else ray.train.get_checkpoint()
+    if checkpoint is not None:
+        return restore_checkpoint(model, optimizer, checkpoint)
+    snapshots = _snapshots(model)
+    found = snapshots.newest() if snapshots is not None else None  # every rank, together
+    if found is None:
+        return restore_checkpoint(model, optimizer, ray.train.get_checkpoint())
+    directory = snapshots.checkpoint(*found)
+    try:
+        print(f"rayzip: rank {snapshots.rank}: resuming from the in-memory snapshot of step {found[0]}")
+        return restore_checkpoint(model, optimizer, ray.train.Checkpoint.from_directory(str(directory)))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def restore_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                       checkpoint: ray.train.Checkpoint | None) -> dict:
+    """:func:`restore` from ``checkpoint`` only ({} where it is None)."""
     if checkpoint is None:
         return {}
     context = ray.train.get_context()
@@ -306,3 +335,125 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         if state is not None:
             restore_hook(path, context.get_world_rank(), context.get_world_size(), trainer, state)
     return dict(trainer.get("extra") or {})
+
+
+# -- in-memory snapshots ----------------------------------------------------------------------
+
+# (run, rank, world) -> this worker's Snapshots, or why the run keeps none (said once, then "")
+_SNAPSHOTS: dict[tuple, Any] = {}
+
+
+@contextlib.contextmanager
+def keep_snapshots(run: str | ray.train.RunConfig, every: int | str = "auto",
+                   max_bytes_per_node: int = DEFAULT_MAX_BYTES, directory: str | None = None) -> Iterator[dict]:
+    """On the driver, around ``trainer.fit()``: a snapshot keeper on each node for the run, so
+    that the workers' :func:`snapshot` keeps each step off the worker and :func:`restore`
+    resumes a restarted worker group from memory. The keepers are removed, with everything
+    they hold, when the block ends.
+
+    A keeper is a Ray actor (no CPU) that owns a folder on its node's shared memory; each
+    rank's snapshot is one memory copy into its slots there, so a killed worker process leaves
+    it behind. A node that joins later gets its keeper from its first worker. When a node is
+    lost with its keeper, the survivors' snapshots still resume the run: the lost ranks' error
+    feedback is dropped, as on a resize.
+
+    Args:
+        run: the ``ray.train.RunConfig`` that the trainer is given (the workers find their
+            keepers by its ``name``, which Ray Train makes up where you give none), or that name.
+        every: snapshot every N steps, or ``"auto"``: every step while a snapshot costs at most
+            5% of one, else the fewest steps between them that keep it there (every rank agrees).
+        max_bytes_per_node: what one node's snapshots may hold (each rank keeps two); a rank
+            past it takes no more, with a log line, and its restarts read storage.
+        directory: where each node keeps them (default ``/dev/shm``).
+
+    Yields:
+        A dict, filled when the block ends: {node id: what its keeper held then
+        (``held_bytes``, ``reserved_bytes``, ``max_bytes``, ``refused``)}.
+
+    Example::
+
+        run_config = ray.train.RunConfig(name="digits", failure_config=ray.train.FailureConfig(max_failures=3))
+        trainer = TorchTrainer(train_func, scaling_config=scaling, run_config=run_config)
+        with rayzip.train.keep_snapshots(run_config):
+            result = trainer.fit()
+    """
+    from .snapshots import start_keepers, stop_keepers
+
+    name = run if isinstance(run, str) else run.name
+    if not name:
+        raise ValueError("keep_snapshots needs the run's name (the trainer's RunConfig, or its name): the workers "
+                         "find their keepers by it")
+    if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"every is a number of steps >= 1, or 'auto', got {every!r}")
+    keepers = start_keepers(name, directory, max_bytes_per_node, every=every)
+    held: dict = {}
+    try:
+        yield held
+    finally:
+        held.update(stop_keepers(name, keepers, directory))
+
+
+def snapshot(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+             extra: dict | None = None) -> None:
+    """Keep this rank's state after ``step`` in its node's keeper (:func:`keep_snapshots` on the
+    driver), so that a restart's :func:`restore` resumes here: what :func:`report` would
+    checkpoint (the model, the optimizer, ``extra`` and the compression state), as a memory
+    copy. Every rank calls it after the same steps. Nothing, after one log line, where the
+    driver keeps no snapshots for this run.
+
+    For a bitwise resume, ``extra`` holds what your loop needs to redo the next step exactly:
+    the step, your data's position, RNG states your model draws from.
+
+    Args:
+        step: the step just done; ``restore`` returns ``extra`` of the newest one kept.
+        model: the prepared model.
+        optimizer: kept with it.
+        extra: numbers, strings, tensors and containers, as for :func:`report`.
+
+    Example::
+
+        optimizer.step()
+        rayzip.train.snapshot(step, model, optimizer, extra={"step": step})
+    """
+    snapshots = _snapshots(model, asked=True)
+    if snapshots is None:
+        return
+    shards = (lambda: take_shards(model, optimizer)) if _is_sharded(model) else None
+    snapshots.after_step(step, *_trainer_part(model, optimizer, extra), shards=shards)
+
+
+def _snapshots(model: torch.nn.Module, asked: bool = False):
+    """This worker's snapshots of the run, made on the first call (every rank's first call at
+    the same point: they agree whether the run keeps any), or None; where ``asked`` (by
+    :func:`snapshot`), a run without them says so once."""
+    import torch.distributed as dist
+
+    from .snapshots import Snapshots, worker_keepers
+
+    context = ray.train.get_context()
+    key = (context.get_experiment_name(), context.get_world_rank(), context.get_world_size())
+    if key not in _SNAPSHOTS:
+        run, rank, world = key
+        keepers, settings = worker_keepers(run)
+        kept = torch.tensor([1 if keepers else 0])
+        if world > 1 and dist.is_available() and dist.is_initialized():
+            if dist.get_backend() == "nccl":
+                kept = kept.to(ray.train.torch.get_device())
+            dist.all_reduce(kept, op=dist.ReduceOp.MIN)  # all ranks in Snapshots' collectives, or none
+        if not keepers:
+            _SNAPSHOTS[key] = (f"rayzip: rank {rank}: no snapshot keepers for run {run!r} "
+                               "(rayzip.train.keep_snapshots on the driver starts them): snapshot() keeps nothing, "
+                               "and restarts resume from the checkpoint in storage")
+        elif not int(kept):
+            _SNAPSHOTS[key] = (f"rayzip: rank {rank}: other ranks found no snapshot keepers for run {run!r}: "
+                               "snapshot() keeps nothing, and restarts resume from the checkpoint in storage")
+        else:
+            _SNAPSHOTS[key] = Snapshots(keepers, rank, world, ray.get_runtime_context().get_node_id(),
+                                        settings["every"], sharded=_is_sharded(model))
+    found = _SNAPSHOTS[key]
+    if isinstance(found, str):  # why there are none, said once, by the first snapshot()
+        if asked and found:
+            print(found)
+            _SNAPSHOTS[key] = ""
+        return None
+    return found

@@ -42,7 +42,7 @@ from .checkpoints import GroupCheckpoints, Parts, take_parts, take_shards, unwra
 from .exchange import Exchange, build_exchange, compute_time
 from .faults import Faults
 from .records import StepRecord, Totals, held_bytes
-from .snapshots import Snapshots, find_keepers, start_keeper
+from .snapshots import Snapshots, worker_keepers
 from .tasks import Task, agreed_accuracy, build_task, shard_plan
 from .telemetry import Adoption, Telemetry
 
@@ -182,12 +182,7 @@ def open_snapshots(spec: JobSpec, config: dict, exchange: Exchange) -> Snapshots
 def _keepers(spec: JobSpec, config: dict) -> dict:
     """{node: its keeper's handle, or None where the keeper is gone with its node}; this
     node's keeper started here (detached) when the node joined after the run started."""
-    found = find_keepers(config["run_id"], config["keepers"])
-    node = ray.get_runtime_context().get_node_id()
-    if found.get(node) is None and node not in config["keepers"]:
-        found[node] = start_keeper(config["run_id"], node, spec.snapshots.directory,
-                                   spec.snapshots.max_bytes_per_node, detached=True)
-    return found
+    return worker_keepers(config["run_id"])[0]
 
 
 def _train(spec: JobSpec, config: dict, task: Task, exchange: Exchange, run: _Run, start: int,
@@ -400,7 +395,6 @@ class LoopContext:
         self._telemetry: Telemetry | None = None
         self._progress = ray.get_actor(config["progress"]) if config.get("progress") and self.rank == 0 else None
         self._snapshots: Snapshots | None = None
-        self._snapshot_at: float | None = None  # when the last snapshot ended: a step's time, for every: auto
         self.resumed_source = "start"
 
     def prepare_model(self, model: torch.nn.Module, **prepare_kwargs: Any) -> torch.nn.Module:
@@ -441,11 +435,11 @@ class LoopContext:
         """:func:`rayzip.train.restore`, from the newest in-memory snapshot that every rank took
         (:meth:`snapshot`) where there is one, else from the checkpoint in storage. Every rank
         calls it."""
-        from .api import restore
+        from .api import restore_checkpoint
 
         with _newest_snapshot(self._open_snapshots(model)) as memory:  # every rank, together
             checkpoint, self.resumed_source = (memory, "memory") if memory is not None else _stored()
-            return restore(model, optimizer, checkpoint=checkpoint)
+            return restore_checkpoint(model, optimizer, checkpoint)
 
     def snapshot(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  extra: dict | None = None) -> None:
@@ -458,14 +452,9 @@ class LoopContext:
         from .api import _is_sharded, _trainer_part
 
         snapshots = self._open_snapshots(model)
-        if snapshots is None:
-            return
-        now = time.perf_counter()
-        step_s = now - self._snapshot_at if self._snapshot_at is not None else 0.0
-        if snapshots.due(step, forced=False):
-            shards = take_shards(model, optimizer) if _is_sharded(model) else None
-            snapshots.take(step, *_trainer_part(model, optimizer, extra), step_s, shards=shards)
-        self._snapshot_at = time.perf_counter()
+        if snapshots is not None:
+            shards = (lambda: take_shards(model, optimizer)) if _is_sharded(model) else None
+            snapshots.after_step(step, *_trainer_part(model, optimizer, extra), shards=shards)
 
     def _open_snapshots(self, model: torch.nn.Module) -> Snapshots | None:
         from .api import _is_sharded

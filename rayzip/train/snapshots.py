@@ -53,12 +53,13 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from ..keeper import HEADER, HEADER_BYTES, MAGIC, Keeper, keeper_name, keeper_prefix
+from ..keeper import DEFAULT_MAX_BYTES, HEADER, HEADER_BYTES, MAGIC, Keeper, default_root, keeper_name, keeper_prefix
 from ..checkpoint import save as save_checkpoint
 from .checkpoints import OWN_SHARDS, Parts, SplitState, local_shards, take_parts, write_taken
 
 __all__ = ["SnapshotError", "Snapshots", "find_keepers", "keeper_actor", "newest_complete", "placed", "read_arrays",
-           "read_part", "read_slot", "start_keeper", "tensor_key", "write_slot"]
+           "read_part", "read_slot", "start_keeper", "start_keepers", "stop_keepers", "tensor_key", "worker_keepers",
+           "write_slot"]
 
 ALIGN = 64
 COST_SHARE = 0.05  # snapshots every step while they cost at most this share of it
@@ -79,11 +80,12 @@ def keeper_actor():
     return _KEEPER_ACTOR
 
 
-def start_keeper(run_id: str, node_id: str, root: str | None, max_bytes: int, detached: bool = False):
+def start_keeper(run_id: str, node_id: str, root: str | None, max_bytes: int, detached: bool = False,
+                 known: list[str] = (), every: int | str = "auto"):
     """The keeper of ``node_id`` for ``run_id``, started on that node if it is not there yet.
-    The driver starts one per node at the start (owned by it); a worker on a node that joined
-    later starts its node's ``detached``, so that it outlives the worker (the driver removes
-    every keeper of the run at the end, :func:`find_keepers`)."""
+    The driver starts one per node at the start (owned by it, :func:`start_keepers`); a worker
+    on a node that joined later starts its node's ``detached``, so that it outlives the worker
+    (the driver removes every keeper of the run at the end, :func:`stop_keepers`)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -91,7 +93,39 @@ def start_keeper(run_id: str, node_id: str, root: str | None, max_bytes: int, de
     return keeper_actor().options(
         name=keeper_name(run_id, node_id), get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False), **options,
-    ).remote(root, run_id, node_id, max_bytes)
+    ).remote(root, run_id, node_id, max_bytes, known, every)
+
+
+def start_keepers(run_id: str, root: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                  every: int | str = "auto") -> dict:
+    """One keeper on each live node, owned by the caller (the driver): {node id: actor}.
+    Named, so that every worker finds its node's; each knows the nodes that had one."""
+    import ray
+
+    nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
+    return {node: start_keeper(run_id, node, root, max_bytes, known=nodes, every=every) for node in nodes}
+
+
+def stop_keepers(run_id: str, keepers: dict, root: str | None = None) -> dict[str, dict]:
+    """Remove every node's snapshots of ``run_id``, those of keepers that workers started on
+    nodes that joined later too; what each node's held at the end ({node id:
+    :meth:`Keeper.usage`}). A keeper whose node is gone cannot: what its node left on this
+    host (nodes emulated on one machine) is removed here."""
+    import ray
+
+    keepers = {**keepers, **{n: k for n, k in find_keepers(run_id).items() if k is not None}}
+    usage = {}
+    for node, keeper in keepers.items():
+        if keeper is None:
+            continue
+        try:
+            usage[node] = ray.get(keeper.usage.remote(), timeout=30)
+            ray.get(keeper.close.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - the node is gone
+            pass
+        ray.kill(keeper)
+    shutil.rmtree(Path(root or default_root()) / "rayzip-snapshots" / run_id, ignore_errors=True)
+    return usage
 
 
 def find_keepers(run_id: str, known: list[str] = ()) -> dict:
@@ -109,6 +143,31 @@ def find_keepers(run_id: str, known: list[str] = ()) -> dict:
             except ValueError:  # gone since it was listed
                 pass
     return {**{node: None for node in known}, **found}
+
+
+def worker_keepers(run_id: str) -> tuple[dict, dict]:
+    """A worker's view of ``run_id``'s keepers: ({node: handle, or None where the keeper is gone
+    with its node}, their :meth:`~rayzip.keeper.Keeper.settings`), its own node's started here
+    (detached, with the others' settings) when the node joined after the run started;
+    ({}, {}) when the run has none."""
+    import ray
+
+    found = find_keepers(run_id)
+    settings = None
+    for keeper in found.values():
+        try:
+            settings = ray.get(keeper.settings.remote(), timeout=30)
+            break
+        except Exception:  # noqa: BLE001 - gone with its node since it was listed: ask another
+            continue
+    if settings is None:
+        return {}, {}
+    found = {**{node: None for node in settings["known"]}, **found}
+    node = ray.get_runtime_context().get_node_id()
+    if found.get(node) is None and node not in settings["known"]:
+        found[node] = start_keeper(run_id, node, settings["root"], settings["max_bytes"], detached=True,
+                                   known=settings["known"], every=settings["every"])
+    return found, settings
 
 
 class SnapshotError(RuntimeError):
@@ -468,6 +527,7 @@ class Snapshots:
         self.costs: list[tuple[float, float]] = []  # (snapshot s, step s) of the first snapshots
         self.total_s = 0.0
         self.taken = 0
+        self.last_end: float | None = None  # when :meth:`after_step` last returned
         self.bytes = 0  # what this rank's last snapshot wrote (its slots on this node's shared memory)
         # A SplitState's part that changes now and then: its generation written last, the
         # stable slot's (index, step) holding it, stable slots written, and the largest.
@@ -483,6 +543,17 @@ class Snapshots:
         """Whether ``step`` is snapshotted: every rank's same answer (a rank whose snapshots
         are off still goes through :meth:`take`, for the agreement on the interval)."""
         return forced or (step + 1) % self.every == 0
+
+    def after_step(self, step: int, trainer: Callable[[], dict], state,
+                   shards: Callable[[], dict] | None = None) -> None:
+        """:meth:`take` where ``step`` is :meth:`due`, its step's time measured from the end of
+        this call after the step before (a user loop's steps: it has no timer of its own);
+        ``shards`` makes a sharded model's nest only where one is taken."""
+        now = time.perf_counter()
+        step_s = now - self.last_end if self.last_end is not None else 0.0
+        if self.due(step, forced=False):
+            self.take(step, trainer, state, step_s, shards=shards() if shards is not None else None)
+        self.last_end = time.perf_counter()
 
     def take(self, step: int, trainer: Callable[[], dict], state, step_s: float, shards: dict | None = None) -> float:
         """Write this rank's parts of ``step`` into the next slot (:func:`take_parts`: rank 0's

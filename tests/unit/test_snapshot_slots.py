@@ -174,3 +174,23 @@ def test_a_rank_slot_takes_its_stable_slots_entries_only_while_that_slot_holds_t
     with pytest.raises(SnapshotError, match=r"rank0.2 refers to stable0.1 of step 40, which holds rank 0's step 48"):
         read_part("rank0.2", arrays_of)
     keeper.close()
+
+
+def test_a_keeper_hands_its_settings_to_the_workers_that_find_it(tmp_path):
+    keeper = Keeper(str(tmp_path), "run-3", "node" * 8, max_bytes=1 << 20, known=["a", "b"], every=4)
+    assert keeper.settings() == {"root": str(tmp_path), "max_bytes": 1 << 20, "known": ["a", "b"], "every": 4}
+    assert Keeper(str(tmp_path), "run-4", "node" * 8, max_bytes=1).settings()["every"] == "auto"
+
+
+@pytest.mark.parametrize("run, every, message", [
+    ("", "auto", "needs the run's name"),
+    ("run", 0, "every is a number of steps >= 1"),
+    ("run", "often", "every is a number of steps >= 1"),
+    ("run", True, "every is a number of steps >= 1"),
+])
+def test_keep_snapshots_refuses_a_run_without_a_name_and_a_bad_interval(run, every, message):
+    from rayzip.train import keep_snapshots
+
+    with pytest.raises(ValueError, match=message):
+        with keep_snapshots(run, every=every):
+            pass
