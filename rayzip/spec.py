@@ -245,9 +245,10 @@ class CompressionSpec(_Strict):
                            "the Adam direction with error feedback (see rayzip.codecs.memory.AdamCorrection). "
                            "Needs error_feedback and optimizer adamw; the optimizer then runs as SGD without "
                            "momentum, with AdamW's decoupled weight decay.")
-    collective: Literal["auto", "ring", "balanced", "allreduce", "allgather", "ps"] = Field(
+    collective: Literal["auto", "ring", "balanced", "allreduce", "allgather", "dense", "ps"] = Field(
         "auto", description="How workers combine gradients: a collective among them (auto picks ring, "
-                            "allreduce or allgather to fit the codec and the number of workers), or ps: push "
+                            "allreduce, allgather or dense to fit the codec and the number of workers; dense: a "
+                            "sparse payload scattered into a vector and all-reduced), or ps: push "
                             "to parameter-server shards and pull parameters (see the ps section). balanced "
                             "(sparse codecs, by name only) cuts the sum back to about k entries, so its bytes "
                             "per worker do not grow with the workers; what it cuts waits in error feedback.")

@@ -28,8 +28,8 @@ from .gloo import run_world
 
 __all__ = ["markdown_table", "render_table", "run_collectives_bench"]
 
-COLLECTIVES = ("ring", "allgather", "balanced", "auto")
-MEASURED = ("ring", "allgather", "balanced")  # the collectives with a model and a measured column
+COLLECTIVES = ("ring", "allgather", "balanced", "dense", "auto")
+MEASURED = ("ring", "allgather", "balanced", "dense")  # the collectives with a model and a measured column
 WIDTH = 1024  # hidden width of the MLP: 1.9M parameters, 7.5 MB of fp32 gradient
 BATCH = 64
 

@@ -104,7 +104,7 @@ def balanced_cost(numel: int, kept: int, world: int, value_bytes: int) -> Cost:
 def collective_costs(codec, numel: int, world: int) -> dict[str, Cost]:
     """The cost of every collective that can carry ``codec``'s payloads of ``numel``
     entries among ``world`` workers, by name (``allreduce``, ``allgather``, ``ring``,
-    ``balanced``)."""
+    ``balanced``, ``dense``)."""
     fields = {f.name: f for f in codec.wire_fields(numel)}
     costs = {"allgather": Cost((world - 1) * codec.wire_nbytes(numel), world - 1)}
     if codec.summable:  # only the values are summed (randomk's seed stays home)
@@ -116,4 +116,5 @@ def collective_costs(codec, numel: int, world: int) -> dict[str, Cost]:
         kept = kept_entries(codec, numel)
         costs["ring"] = ring_cost(numel, kept / numel if numel else 0.0, world, summed_value_bytes(codec))
         costs["balanced"] = balanced_cost(numel, kept, world, summed_value_bytes(codec))
+        costs["dense"] = Cost(ring_allreduce_bytes(numel * summed_value_bytes(codec), world), 2 * (world - 1))
     return costs

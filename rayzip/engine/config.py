@@ -27,7 +27,7 @@ __all__ = ["CODEC_FIELDS", "COLLECTIVES", "HIERARCHIES", "CompressionConfig"]
 # The codecs' parameters.
 CODEC_FIELDS = ("density", "group_size", "value_dtype", "packed_indices", "coded_indices", "block", "bits", "keep",
                 "levels", "bucket_size", "seed")
-COLLECTIVES = ("auto", "ring", "balanced", "allreduce", "allgather")
+COLLECTIVES = ("auto", "ring", "balanced", "allreduce", "allgather", "dense")
 HIERARCHIES = ("auto", "node", "none")
 
 

@@ -213,3 +213,39 @@ def test_combine_senders_averages_each_entry_over_the_ranks_that_sent_it(world):
         assert bytes_sent == (world - 1) * wire  # the allgather's bytes: nothing more is sent
     for average, *_ in results[1:]:
         assert np.array_equal(average, results[0][0])  # replicas agree bitwise
+
+
+def _dense_rank(rank, world):
+    """Sparse payloads (fp32 top-k, and group top-k's 2-bit values, summed in fp16) scattered
+    into a vector and all-reduced."""
+    from rayzip.comm import DenseAllReduce
+
+    out = {}
+    for name, codec in (("topk", get_codec("topk", density=0.02, value_dtype="fp32")),
+                        ("group_topk:2bit", get_codec("group_topk", density=0.05, value_dtype="2bit"))):
+        transport = Transport()
+        communicator = DenseAllReduce(transport)
+        x = np.random.default_rng(rank).standard_normal(10_001).astype(np.float32)
+        payload = codec.encode(x * communicator.input_scale)
+        indices, values = codec.to_coo(payload)
+        average = communicator.average(codec, payload)
+        out[name] = (average, np.asarray(indices), np.asarray(values), transport.bytes_sent,
+                     communicator.documented_bytes(codec, payload))
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_the_dense_collective_sums_the_sparse_payloads_exactly_and_counts_the_vector(world):
+    results = run_world(_dense_rank, world)
+    for name, tol, value_bytes in (("topk", 1e-6, 4), ("group_topk:2bit", 2e-3, 2)):
+        total = np.zeros(10_001, np.float64)
+        for per_rank in results:
+            _, indices, values, _, _ = per_rank[name]
+            total[indices] += values  # each rank sent grad / n: the sum is the mean
+        for per_rank in results:
+            average, _, _, bytes_sent, documented = per_rank[name]
+            np.testing.assert_allclose(average, total, atol=tol)
+            # 2(n-1)/n of the vector, in the type the values are summed in, at any density.
+            assert bytes_sent == documented == 2 * (world - 1) * 10_001 * value_bytes // world, name
+        for per_rank in results[1:]:
+            assert np.array_equal(per_rank[name][0], results[0][name][0])  # replicas agree bitwise

@@ -70,6 +70,27 @@ def test_ring_hook_averages_the_decoded_payloads_and_counts_bytes():
         assert not np.allclose(grads[0], results[0][step][1])  # compressed differs from plain DDP
 
 
+def test_the_dense_collective_through_the_hook_is_the_mean_of_the_decoded_payloads():
+    """collective: dense (sparse payloads scattered and all-reduced) with verify on: the mean
+    of each rank's own error-fed payloads, and the vector's bytes on the wire."""
+    spec = {"codec": "group_topk", "density": 0.05, "value_dtype": "fp32", "verify": True, "collective": "dense"}
+    world = 3
+    results = run_world(_train_rank, world, spec, 3)
+    numel = sum(p.numel() for p in _model().parameters())
+    codec = get_codec("group_topk", density=0.05, value_dtype="fp32")
+    memories = [ErrorFeedback() for _ in range(world)]
+    for step in range(3):
+        grads = [r[step][0] for r in results]
+        for g in grads[1:]:
+            assert np.array_equal(g, grads[0])
+        decoded = [codec.decode(memories[r].encode(codec, "grad", results[r][step][3])) for r in range(world)]
+        np.testing.assert_allclose(grads[0], np.mean(decoded, axis=0), rtol=1e-5, atol=1e-7)
+        for _, _, stats, _ in (r[step] for r in results):
+            assert stats["verify_max_abs_err"] < 1e-6
+            vector = 2 * (world - 1) * 4 * numel // world
+            assert stats["bytes_sent"] == stats["verify_documented_bytes"] == vector + control_nbytes(world)
+
+
 def test_fp16_ring_keeps_replicas_identical():
     results = run_world(_train_rank, 2, {"codec": "group_topk", "density": 0.02, "verify": True}, 3)
     for step in range(3):

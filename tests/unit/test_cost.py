@@ -73,6 +73,13 @@ def test_auto_picks_the_cheaper_collective_by_the_model():
     costs = collective_costs(dense_topk, numel, 2)
     assert costs["ring"].bytes < costs["allgather"].bytes
     assert choose_collective("auto", dense_topk, [numel], 2) == "ring"
+    # Dense from where n sparse payloads, or the ring's filled-in chunks, pass the vector
+    # (2(n-1)/n of it, summed in the values' fp16): many workers, or a high density.
+    gtopk = get_codec("group_topk", density=0.01)
+    assert choose_collective("auto", gtopk, [numel], 8) == "allgather"
+    assert choose_collective("auto", gtopk, [numel], 256) == "dense"
+    assert choose_collective("auto", get_codec("group_topk", density=0.2), [numel], 16) == "dense"
+    assert collective_costs(gtopk, numel, 4)["dense"] == Cost(2 * 3 * numel * 2 // 4, 6)
     # Latency counts: many tiny segments on a high-latency link favour fewer messages.
     tiny = get_codec("topk", density=0.5, value_dtype="fp32")
     slow = Link(bandwidth=1e12, latency=1.0)
