@@ -106,7 +106,7 @@ def test_a_user_loop_on_a_sharded_model_resumes_a_killed_worker_exactly(local_ra
     spec = JobSpec.model_validate({
         "name": "sharded-user-loop",
         "training": {"loop": "user_loops:digits_loop", "lr": 0.05,
-                     "config": {"hidden": 64, "steps": 400, "checkpoint_every": 40, "snapshots": snapshots}},
+                     "config": {"hidden": 64, "steps": 300, "checkpoint_every": 100, "snapshots": snapshots}},
         "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 1},
         "compression": {"codec": "group_topk", "density": 0.05, "momentum_correction": True},
         "sharding": {"enabled": True, "mode": "hsdp", "shard_size": 1},
@@ -127,14 +127,14 @@ def test_a_user_loop_on_a_sharded_model_resumes_a_killed_worker_exactly(local_ra
 
     summary = run_job(spec, storage_path=str(tmp_path), on_progress=kill_once)
     assert "step" in killed and summary["restarts"] == 1, (killed, summary["resumes"])
-    assert summary["steps"] == 400
+    assert summary["steps"] == 300
     (resume,) = summary["resumes"]
     replayed = summary["replayed"]
     if snapshots:
         assert resume["source"] == "memory" and resume["steps_lost"] == 0, resume
         assert resume["resumed_at"] > killed["step"] - 2, (resume, killed)
     else:
-        assert 0 < resume["resumed_at"] <= killed["step"] + 1 and resume["resumed_at"] % 40 == 0, (resume, killed)
+        assert 0 < resume["resumed_at"] <= killed["step"] + 1 and resume["resumed_at"] % 100 == 0, (resume, killed)
         # The shards of the model and of SGD's state, and each rank's residuals and momentum,
         # came back: the redone steps repeated rank 0's loss of the first attempt bit for bit.
         assert replayed["steps"] >= 1 and replayed["identical"] == replayed["steps"], replayed

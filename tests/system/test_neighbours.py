@@ -18,7 +18,7 @@ TINY = """\
 name: beside-a-neighbour
 model: {name: mlp, hidden: [64]}
 dataset: {name: digits}
-training: {steps: 1500, eval_every: 500}
+training: {steps: 600, eval_every: 300}
 scaling: {min_workers: 2, max_workers: 2, max_failures: 0}
 compression: {codec: group_topk, density: 0.05}
 checkpoint: {every_steps: 0}

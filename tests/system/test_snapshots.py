@@ -144,7 +144,7 @@ def _user_loop(name: str, snapshots: bool):
     return JobSpec.model_validate({
         "name": name,
         "training": {"loop": "user_loops:digits_loop", "lr": 0.05,
-                     "config": {"hidden": 64, "steps": 700, "checkpoint_every": 200, "snapshots": snapshots}},
+                     "config": {"hidden": 64, "steps": 400, "checkpoint_every": 100, "snapshots": snapshots}},
         "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 3},
         "compression": {"codec": "group_topk", "density": 0.05, "momentum_correction": True},
         "snapshots": {"enabled": snapshots, "every": 1},
@@ -154,11 +154,11 @@ def _user_loop(name: str, snapshots: bool):
 def test_a_user_loop_snapshots_through_the_context_and_loses_no_step(local_ray, tmp_path):
     """`ctx.snapshot` after each step, and `ctx.restore` reads memory first."""
     plain = run_job(_user_loop("snap-user-plain", snapshots=False), storage_path=str(tmp_path / "plain"))
-    kill, killed = killer((150, 450))
+    kill, killed = killer((150,))
 
     summary = run_job(_user_loop("snap-user-killed", snapshots=True), storage_path=str(tmp_path / "killed"),
                       on_progress=kill)
-    assert len(killed) == 2 and summary["restarts"] == 2, (killed, summary["resumes"])
+    assert len(killed) == 1 and summary["restarts"] == 1, (killed, summary["resumes"])
     for resume in summary["resumes"]:
         assert resume["source"] == "memory" and resume["steps_lost"] == 0, summary["resumes"]
     mine, theirs = _final_weights(summary), _final_weights(plain)
