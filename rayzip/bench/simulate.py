@@ -41,7 +41,7 @@ from .collectives import BATCH, _batch_source, _model
 
 __all__ = ["SIMULATED", "check_against_real", "markdown_table", "simulate_collectives"]
 
-SIMULATED = ("ring", "allgather", "balanced")
+SIMULATED = ("ring", "allgather", "balanced", "dense")
 
 
 def _simulate_one(world: int, compression: dict, collective: str, steps: int, skip: int) -> dict[str, Any]:
@@ -109,7 +109,7 @@ def simulate_collectives(worlds: list[int], compression: dict, steps: int = 6, s
                          collectives: tuple[str, ...] = SIMULATED, link: Link = Link(bandwidth=12.5e6, latency=1e-4),
                          others_upto: int | None = None, progress=lambda world, collective: None) -> dict[str, Any]:
     """Each collective at each world size, simulated (see the module docstring). Above
-    ``others_upto`` workers only the balanced allreduce runs: the ring and the allgather
+    ``others_upto`` workers only the balanced allreduce runs: the ring, the allgather and dense
     decode every worker's entries on every rank, n² work that takes hours at n = 256 here."""
     torch.set_num_threads(1)  # the ranks' threads share the cores
     rows = []
