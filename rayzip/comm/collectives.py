@@ -250,17 +250,13 @@ class DenseAllReduce(Communicator):
     def average(self, codec, payload, segment=""):
         indices, values = codec.to_coo(payload)
         values = to_torch(values)
-        dense = torch.zeros(payload.numel, dtype=self.DTYPES[self._value_dtype(codec)], device=values.device)
+        dense = torch.zeros(payload.numel, dtype=self.DTYPES[Ring._value_dtype(codec)], device=values.device)
         dense[to_torch(indices).to(torch.int64)] = values.to(dense.dtype)
         self.transport.all_reduce(dense)
         return as_array(dense.float())[0]  # a fresh float32 array: the mean, as the others return it
 
     def documented_bytes(self, codec, payload):
         return ring_allreduce_bytes(payload.numel * summed_value_bytes(codec), self.transport.world)
-
-    @staticmethod
-    def _value_dtype(codec) -> str:
-        return summed_value_dtype(codec.value_dtype or "fp32")
 
 
 COLLECTIVES = {cls.name: cls for cls in (AllReduce, AllGather, Ring, BalancedAllReduce, DenseAllReduce)}

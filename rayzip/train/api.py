@@ -34,7 +34,6 @@ reads storage (:mod:`rayzip.train.snapshots`).
 from __future__ import annotations
 
 import contextlib
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -306,15 +305,13 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if checkpoint is not None:
         return restore_checkpoint(model, optimizer, checkpoint)
     snapshots = _snapshots(model)
-    found = snapshots.newest() if snapshots is not None else None  # every rank, together
-    if found is None:
+    if snapshots is None:
         return restore_checkpoint(model, optimizer, ray.train.get_checkpoint())
-    directory = snapshots.checkpoint(*found)
-    try:
-        print(f"rayzip: rank {snapshots.rank}: resuming from the in-memory snapshot of step {found[0]}")
-        return restore_checkpoint(model, optimizer, ray.train.Checkpoint.from_directory(str(directory)))
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    with snapshots.newest_checkpoint() as memory:  # every rank, together
+        if memory is None:
+            return restore_checkpoint(model, optimizer, ray.train.get_checkpoint())
+        print(f"rayzip: rank {snapshots.rank}: resuming from the newest in-memory snapshot that every rank holds")
+        return restore_checkpoint(model, optimizer, memory)
 
 
 def restore_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,

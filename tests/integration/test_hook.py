@@ -43,22 +43,29 @@ def _train_rank(rank, world, spec, steps, density_at=None, nan_at=None):
     return out
 
 
+def _checked_steps(results, world: int, steps: int, atol: float):
+    """Each step's (step, rank 0's averaged gradient, every rank's stats), once the replicas
+    are checked identical and equal to the reference without the hook: each rank's own
+    gradient through a fresh group top-k (5%, fp32) and error feedback of its own, decoded,
+    and averaged over the ranks."""
+    codec = get_codec("group_topk", density=0.05, value_dtype="fp32")
+    memories = [ErrorFeedback() for _ in range(world)]
+    for step in range(steps):
+        grads = [r[step][0] for r in results]
+        for g in grads[1:]:
+            assert np.array_equal(g, grads[0])  # replicas stay identical
+        decoded = [codec.decode(memories[r].encode(codec, "grad", results[r][step][3])) for r in range(world)]
+        np.testing.assert_allclose(grads[0], np.mean(decoded, axis=0), rtol=1e-5, atol=atol)
+        yield step, grads[0], [r[step][2] for r in results]
+
+
 def test_ring_hook_averages_the_decoded_payloads_and_counts_bytes():
     spec = {"codec": "group_topk", "density": 0.05, "value_dtype": "fp32", "verify": True}
     world = 3
     results = run_world(_train_rank, world, spec, 4)
     numel = sum(p.numel() for p in _model().parameters())
-    # The reference, without the hook: each rank's own gradient through a fresh codec and
-    # error feedback of its own, decoded, and averaged over the ranks.
-    codec = get_codec("group_topk", density=0.05, value_dtype="fp32")
-    memories = [ErrorFeedback() for _ in range(world)]
-    for step in range(4):
-        grads = [r[step][0] for r in results]
-        for g in grads[1:]:
-            assert np.array_equal(g, grads[0])  # replicas stay identical
-        decoded = [codec.decode(memories[r].encode(codec, "grad", results[r][step][3])) for r in range(world)]
-        np.testing.assert_allclose(grads[0], np.mean(decoded, axis=0), rtol=1e-5, atol=1e-8)
-        for _, _, stats, _ in (r[step] for r in results):
+    for step, grad, ranks_stats in _checked_steps(results, world, 4, atol=1e-8):
+        for stats in ranks_stats:
             assert stats["compressed"] and stats["step"] == step
             assert stats["verify_max_abs_err"] < 1e-6
             assert stats["numel"] == numel
@@ -67,7 +74,7 @@ def test_ring_hook_averages_the_decoded_payloads_and_counts_bytes():
             assert stats["buckets"] == [numel]
             assert stats["dense_bytes"] == sum(2 * (world - 1) * 4 * n // world for n in stats["buckets"])
             assert stats["bytes_sent"] < stats["dense_bytes"] / 3
-        assert not np.allclose(grads[0], results[0][step][1])  # compressed differs from plain DDP
+        assert not np.allclose(grad, results[0][step][1])  # compressed differs from plain DDP
 
 
 def test_the_dense_collective_through_the_hook_is_the_mean_of_the_decoded_payloads():
@@ -77,15 +84,8 @@ def test_the_dense_collective_through_the_hook_is_the_mean_of_the_decoded_payloa
     world = 3
     results = run_world(_train_rank, world, spec, 3)
     numel = sum(p.numel() for p in _model().parameters())
-    codec = get_codec("group_topk", density=0.05, value_dtype="fp32")
-    memories = [ErrorFeedback() for _ in range(world)]
-    for step in range(3):
-        grads = [r[step][0] for r in results]
-        for g in grads[1:]:
-            assert np.array_equal(g, grads[0])
-        decoded = [codec.decode(memories[r].encode(codec, "grad", results[r][step][3])) for r in range(world)]
-        np.testing.assert_allclose(grads[0], np.mean(decoded, axis=0), rtol=1e-5, atol=1e-7)
-        for _, _, stats, _ in (r[step] for r in results):
+    for _, _, ranks_stats in _checked_steps(results, world, 3, atol=1e-7):
+        for stats in ranks_stats:
             assert stats["verify_max_abs_err"] < 1e-6
             vector = 2 * (world - 1) * 4 * numel // world
             assert stats["bytes_sent"] == stats["verify_documented_bytes"] == vector + control_nbytes(world)
