@@ -69,8 +69,8 @@ def train_func(config: dict) -> None:
                                 model=model, optimizer=optimizer, extra={"step": step})
 
 
-def main(argv: list[str] | None = None) -> tuple[ray.train.Result, dict]:
-    """The run's result, and what each node's keeper held at the end."""
+def main(argv: list[str] | None = None) -> tuple[ray.train.Result, rayzip.train.api.KeptSnapshots | None]:
+    """The run's result, and what the keepers kept (None with ``--no-snapshots``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=300)
@@ -90,17 +90,21 @@ def main(argv: list[str] | None = None) -> tuple[ray.train.Result, dict]:
         scaling_config=ScalingConfig(num_workers=args.workers),
         run_config=run_config,
     )
-    held: dict = {}
+    kept = None
     if args.no_snapshots:
         result = trainer.fit()
     else:
         every = args.every if args.every == "auto" else int(args.every)
-        with rayzip.train.keep_snapshots(run_config, every=every) as held:  # rayzip: a keeper on each node
+        with rayzip.train.keep_snapshots(run_config, every=every) as kept:  # rayzip: a keeper on each node
             result = trainer.fit()
     m = result.metrics
-    print(f"step {m['step']}: test accuracy {m['test_accuracy']:.4f}; the last start was at step {m['started_at']}; "
-          f"the keepers held {sum(u['held_bytes'] for u in held.values()):,} bytes at the end")
-    return result, held
+    print(f"step {m['step']}: test accuracy {m['test_accuracy']:.4f}; the last start was at step {m['started_at']}")
+    if kept is not None:
+        for r in kept.resumes:
+            print(f"restart ({r['cause']}): resumed at step {r['resumed_at']} from {r['source']}, "
+                  f"{r['steps_lost']} steps lost, {r['seconds']:.1f} s")
+        print(f"the keepers held {sum(u['held_bytes'] for u in kept.memory.values()):,} bytes at the end")
+    return result, kept
 
 
 if __name__ == "__main__":

@@ -56,8 +56,8 @@ from ..keeper import DEFAULT_MAX_BYTES
 from .exchange import node_id
 from .probe import prepare_timed
 
-__all__ = ["CompressionConfig", "ShardingConfig", "compression_state", "flush", "keep_snapshots", "prepare_model",
-           "report", "restore", "save_checkpoint", "snapshot"]
+__all__ = ["CompressionConfig", "KeptSnapshots", "ShardingConfig", "compression_state", "flush", "keep_snapshots",
+           "prepare_model", "report", "restore", "save_checkpoint", "snapshot"]
 
 _ATTRIBUTE = "_rayzip_compression_state"
 
@@ -303,15 +303,29 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         start_epoch = saved.get("epoch", -1) + 1
     """
     if checkpoint is not None:
-        return restore_checkpoint(model, optimizer, checkpoint)
+        return _restored_from("storage", restore_checkpoint(model, optimizer, checkpoint))
     snapshots = _snapshots(model)
     if snapshots is None:
-        return restore_checkpoint(model, optimizer, ray.train.get_checkpoint())
+        return _restore_storage(model, optimizer)
     with snapshots.newest_checkpoint() as memory:  # every rank, together
         if memory is None:
-            return restore_checkpoint(model, optimizer, ray.train.get_checkpoint())
+            return _restore_storage(model, optimizer)
         print(f"rayzip: rank {snapshots.rank}: resuming from the newest in-memory snapshot that every rank holds")
-        return restore_checkpoint(model, optimizer, memory)
+        return _restored_from("memory", restore_checkpoint(model, optimizer, memory))
+
+
+def _restore_storage(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    stored = ray.train.get_checkpoint()
+    return _restored_from("storage" if stored is not None else "start", restore_checkpoint(model, optimizer, stored))
+
+
+# Where this worker process's restore() resumed from, for keep_snapshots' record of restarts.
+_RESUMED = {"source": "start"}
+
+
+def _restored_from(source: str, extra: dict) -> dict:
+    _RESUMED["source"] = source
+    return extra
 
 
 def restore_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -338,6 +352,40 @@ def restore_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
 
 # (run, rank, world) -> this worker's Snapshots, or why the run keeps none (said once, then "")
 _SNAPSHOTS: dict[tuple, Any] = {}
+# run -> keep_snapshots' record of restarts (rank 0 posts each step to it), or None
+_RECORDERS: dict[str, Any] = {}
+
+
+def _recorder_name(run: str) -> str:
+    # Not the name `rayzip run` gives its own progress actor: a loop under it that calls
+    # snapshot() must not post its steps twice.
+    return f"rayzip-recoveries-{run}"
+
+
+class KeptSnapshots:
+    """What :func:`keep_snapshots` kept for a run, filled when its block ends.
+
+    Attributes:
+        memory: {node id: what its keeper held at the end (``held_bytes``,
+            ``reserved_bytes``, ``max_bytes``, ``refused``)}.
+        resumes: one entry per worker-group restart, as in ``rayzip run``'s summary: the last
+            step before it (``last_step``), the step it resumed at (``resumed_at``),
+            ``steps_lost`` (done before it and again after), ``seconds`` from the last step
+            before it to the first after, ``source`` (``memory``, ``storage`` or ``start``),
+            ``cause`` (``worker_failure``, ``node_lost`` or ``scale_up``), ``nodes_lost`` and
+            the world sizes before and after.
+        restarts: how many restarts.
+        steps_lost: the steps lost, over all of them.
+    """
+
+    def __init__(self) -> None:
+        self.memory: dict[str, dict] = {}
+        self.resumes: list[dict] = []
+        self.restarts = 0
+        self.steps_lost = 0
+
+    def __repr__(self) -> str:
+        return f"KeptSnapshots(restarts={self.restarts}, steps_lost={self.steps_lost}, nodes={len(self.memory)})"
 
 
 @contextlib.contextmanager
@@ -363,17 +411,27 @@ def keep_snapshots(run: str | ray.train.RunConfig, every: int | str = "auto",
             past it takes no more, with a log line, and its restarts read storage.
         directory: where each node keeps them (default ``/dev/shm``).
 
+    Each restart is recorded, as ``rayzip run`` records its own: rank 0's :func:`snapshot`
+    posts each step to a small actor on the driver's node, which counts the restarts, the
+    steps each lost and its recovery time, and exports ``rayzip_recoveries_total``,
+    ``rayzip_steps_lost_total`` and ``rayzip_recovery_seconds`` (labels ``run`` and ``job``:
+    the run's name) to Prometheus.
+
     Yields:
-        A dict, filled when the block ends: {node id: what its keeper held then
-        (``held_bytes``, ``reserved_bytes``, ``max_bytes``, ``refused``)}.
+        A :class:`KeptSnapshots`, filled when the block ends: what each node's keeper held
+        then, and the run's restarts.
 
     Example::
 
         run_config = ray.train.RunConfig(name="digits", failure_config=ray.train.FailureConfig(max_failures=3))
         trainer = TorchTrainer(train_func, scaling_config=scaling, run_config=run_config)
-        with rayzip.train.keep_snapshots(run_config):
+        with rayzip.train.keep_snapshots(run_config) as kept:
             result = trainer.fit()
+        print(kept.restarts, kept.steps_lost, kept.resumes)
     """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from ..progress import Progress
     from .snapshots import start_keepers, stop_keepers
 
     name = run if isinstance(run, str) else run.name
@@ -382,12 +440,22 @@ def keep_snapshots(run: str | ray.train.RunConfig, every: int | str = "auto",
                          "find their keepers by it")
     if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise ValueError(f"every is a number of steps >= 1, or 'auto', got {every!r}")
+    # On the driver's node, as rayzip run's own bookkeeping: a lost worker node must not take it along.
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    recorder = ray.remote(num_cpus=0)(Progress).options(name=_recorder_name(name), scheduling_strategy=here).remote(
+        name, name)
     keepers = start_keepers(name, directory, max_bytes_per_node, every=every)
-    held: dict = {}
+    kept = KeptSnapshots()
     try:
-        yield held
+        yield kept
     finally:
-        held.update(stop_keepers(name, keepers, directory))
+        kept.memory.update(stop_keepers(name, keepers, directory))
+        try:
+            restarts = ray.get(recorder.get_restarts.remote(), timeout=30)
+            kept.resumes = restarts["resumes"]
+            kept.restarts, kept.steps_lost = restarts["restarts"], restarts["steps_redone"]
+        finally:
+            ray.kill(recorder)
 
 
 def snapshot(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -417,6 +485,25 @@ def snapshot(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         return
     shards = (lambda: take_shards(model, optimizer)) if _is_sharded(model) else None
     snapshots.after_step(step, *_trainer_part(model, optimizer, extra), shards=shards)
+    if snapshots.rank == 0:
+        _post_step(step, snapshots.world)
+
+
+def _post_step(step: int, world: int) -> None:
+    """Rank 0's step to keep_snapshots' recorder: a new process, or a step at or before the
+    last one, is a restart there."""
+    import os
+
+    run = ray.train.get_context().get_experiment_name()
+    if run not in _RECORDERS:
+        try:
+            _RECORDERS[run] = ray.get_actor(_recorder_name(run))
+        except ValueError:  # keepers started some other way: nothing records the restarts
+            _RECORDERS[run] = None
+    recorder = _RECORDERS[run]
+    if recorder is not None:  # fire and forget, as rayzip run's progress
+        recorder.update.remote({"step": step, "pid": os.getpid(), "world_size": world,
+                                "resumed_source": _RESUMED["source"]})
 
 
 def _snapshots(model: torch.nn.Module, asked: bool = False):

@@ -181,19 +181,26 @@ def test_a_plain_torchtrainer_loop_resumes_from_memory_and_ends_bitwise_equal(lo
     killed after step 130 (checkpoints at 99 and 199) resumes at 131 from memory, and the run
     ends where the same loop without keepers (its snapshot() a no-op) ends, bit for bit."""
     example = _snapshot_example()
-    plain, held = example.main(["--steps", "300", "--no-snapshots", "--name", "snap-plain-loop",
+    plain, kept = example.main(["--steps", "300", "--no-snapshots", "--name", "snap-plain-loop",
                                 "--storage-path", str(tmp_path / "plain")])
-    assert plain.metrics["started_at"] == 0 and held == {}
-    killed, held = example.main(["--steps", "300", "--kill-at-step", "130", "--every", "1", "--name", "snap-killed-loop",
+    assert plain.metrics["started_at"] == 0 and kept is None
+    killed, kept = example.main(["--steps", "300", "--kill-at-step", "130", "--every", "1", "--name", "snap-killed-loop",
                                  "--storage-path", str(tmp_path / "killed")])
     assert (tmp_path / "killed" / "killed-once").exists()
     assert killed.metrics["started_at"] == 131, killed.metrics  # not 100, the checkpoint's
+    # The driver's record of it, as rayzip run's summary has it: one restart, from memory,
+    # after step 130, with no step lost.
+    assert kept.restarts == 1 and kept.steps_lost == 0, kept.resumes
+    (resume,) = kept.resumes
+    assert (resume["last_step"], resume["resumed_at"], resume["source"]) == (130, 131, "memory"), resume
+    assert resume["cause"] == "worker_failure" and resume["seconds"] > 0, resume
+    assert (resume["world_before"], resume["world_after"]) == (2, 2), resume
     mine, theirs = (checkpoint.load(os.path.join(r.checkpoint.path, "trainer"))["model"] for r in (killed, plain))
     assert list(mine) == list(theirs)
     for name in mine:
         assert torch.equal(mine[name].view(torch.int32), theirs[name].view(torch.int32)), name
     assert killed.metrics["test_accuracy"] == plain.metrics["test_accuracy"] >= 0.9
     # The node's keeper held both ranks' slots, and nothing is left once the block ends.
-    (usage,) = held.values()
+    (usage,) = kept.memory.values()
     assert 0 < usage["held_bytes"] <= usage["reserved_bytes"] <= usage["max_bytes"] and usage["refused"] == []
     assert not (Path(default_root()) / "rayzip-snapshots" / "snap-killed-loop").exists()
