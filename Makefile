@@ -26,8 +26,10 @@ run: setup
 	$(BIN)/rayzip run $(SPEC) --summary-json out/summary.json
 
 # Every lane: tests/unit, tests/integration (gloo ranks), tests/system (Ray, Prometheus, namespaces).
+# -X faulthandler: a crash after pytest's own handler is gone (at interpreter exit) still
+# prints every thread's Python stack.
 test: system-deps setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -X faulthandler -m pytest -q
 
 # Pure functions and codecs only: the lane for daily work.
 test-unit: setup
