@@ -12,7 +12,24 @@ import struct
 import time
 from typing import Callable
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "on_this_node", "start_progress"]
+
+
+def on_this_node():
+    """Where the driver's own actors go: the driver's node, so that losing a worker node
+    (which elastic training survives) does not take the run's bookkeeping with it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def start_progress(name: str, run: str | None = None, job: str | None = None):
+    """A :class:`Progress` actor named ``name`` on the driver's node (no CPU); ``run`` and
+    ``job`` label its recovery series in Prometheus (none without them)."""
+    import ray
+
+    return ray.remote(num_cpus=0)(Progress).options(name=name, scheduling_strategy=on_this_node()).remote(run, job)
 
 
 def _dead_nodes() -> set[str]:
@@ -23,7 +40,7 @@ def _dead_nodes() -> set[str]:
 
 
 class Progress:
-    """Rank 0 posts each step's metrics here (the runner's ``ProgressActor``); the driver polls it
+    """Rank 0 posts each step's metrics here (:func:`start_progress`); the driver polls it
     for the progress bar. Each restart is a recovery: the steps it lost (done before it and
     redone after), the seconds from the last step before it to the first step after, and
     where it resumed from (``memory``: a snapshot; ``storage``: a checkpoint), also exported

@@ -25,26 +25,23 @@ from typing import Any, Callable
 
 import ray
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray.train.torch import TorchTrainer
 
 from .adaptive import controller_name, start_controller
-from .progress import Progress
+from .progress import on_this_node, start_progress
 from .ps import shard_names, shard_report, start_shards, stop_shards
 from .spec import JobSpec, check_allowed_modules
 from .train.faults import Faults
 from .train.loop import train_loop
 from .train.snapshots import start_keepers, stop_keepers
 
-__all__ = ["ProgressActor", "TrainingFailed", "run_job", "summarize"]
+__all__ = ["TrainingFailed", "run_job", "summarize"]
 
 
 class TrainingFailed(RuntimeError):
     """Every rank stopped together on an error that a retry would only repeat (a non-finite
     gradient under ``training.on_nonfinite: raise``, or ranks that disagree)."""
 
-
-ProgressActor = ray.remote(num_cpus=0)(Progress)
 def _start_keepers(spec: JobSpec, run_id: str) -> dict[str, Any]:
     """One snapshot keeper on each live node where the spec takes snapshots (rayzip.keeper)."""
     if not spec.snapshots.enabled:
@@ -114,12 +111,6 @@ def _own_address():
                 os.environ[k] = v
 
 
-def on_this_node() -> NodeAffinitySchedulingStrategy:
-    """Where the driver's own actors go: the driver's node, so that losing a worker node
-    (which elastic training survives) does not take the run's bookkeeping with it."""
-    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-
-
 def summarize(spec: JobSpec, metrics: dict, wall_s: float) -> dict[str, Any]:
     sent, dense = metrics.get("total_bytes_sent", 0), metrics.get("total_dense_bytes", 0)
     return {
@@ -185,8 +176,7 @@ def run_job(spec: JobSpec, storage_path: str | None = None,
     run_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     storage = storage_path or os.environ.get("RAYZIP_STORAGE_PATH") or os.path.expanduser("~/ray_results")
     progress_name = f"rayzip-progress-{run_id}"
-    progress = ProgressActor.options(name=progress_name, scheduling_strategy=on_this_node()).remote(
-        run_id if spec.metrics.enabled else None, spec.name)
+    progress = start_progress(progress_name, run_id if spec.metrics.enabled else None, spec.name)
     controller = None
     if spec.adaptive.enabled:
         controller = start_controller(run_id, spec.name, spec.adaptive,

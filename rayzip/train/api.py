@@ -34,6 +34,7 @@ reads storage (:mod:`rayzip.train.snapshots`).
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -429,9 +430,7 @@ def keep_snapshots(run: str | ray.train.RunConfig, every: int | str = "auto",
             result = trainer.fit()
         print(kept.restarts, kept.steps_lost, kept.resumes)
     """
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from ..progress import Progress
+    from ..progress import start_progress
     from .snapshots import start_keepers, stop_keepers
 
     name = run if isinstance(run, str) else run.name
@@ -440,22 +439,20 @@ def keep_snapshots(run: str | ray.train.RunConfig, every: int | str = "auto",
                          "find their keepers by it")
     if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise ValueError(f"every is a number of steps >= 1, or 'auto', got {every!r}")
-    # On the driver's node, as rayzip run's own bookkeeping: a lost worker node must not take it along.
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    recorder = ray.remote(num_cpus=0)(Progress).options(name=_recorder_name(name), scheduling_strategy=here).remote(
-        name, name)
     keepers = start_keepers(name, directory, max_bytes_per_node, every=every)
-    kept = KeptSnapshots()
+    kept, recorder = KeptSnapshots(), None
     try:
+        recorder = start_progress(_recorder_name(name), name, name)
         yield kept
     finally:
         kept.memory.update(stop_keepers(name, keepers, directory))
-        try:
-            restarts = ray.get(recorder.get_restarts.remote(), timeout=30)
-            kept.resumes = restarts["resumes"]
-            kept.restarts, kept.steps_lost = restarts["restarts"], restarts["steps_redone"]
-        finally:
-            ray.kill(recorder)
+        if recorder is not None:
+            try:
+                restarts = ray.get(recorder.get_restarts.remote(), timeout=30)
+                kept.resumes = restarts["resumes"]
+                kept.restarts, kept.steps_lost = restarts["restarts"], restarts["steps_redone"]
+            finally:
+                ray.kill(recorder)
 
 
 def snapshot(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -492,8 +489,6 @@ def snapshot(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 def _post_step(step: int, world: int) -> None:
     """Rank 0's step to keep_snapshots' recorder: a new process, or a step at or before the
     last one, is a restart there."""
-    import os
-
     run = ray.train.get_context().get_experiment_name()
     if run not in _RECORDERS:
         try:
