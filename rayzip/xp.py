@@ -31,8 +31,10 @@ __all__ = [
     "as_array",
     "asnumpy",
     "cupy_available",
+    "is_dtensor",
     "is_torch",
     "keep_freed_memory",
+    "local_part",
     "to_torch",
 ]
 
@@ -65,6 +67,18 @@ def is_torch(obj: Any) -> bool:
     # torch is only looked up, never imported here: numpy-only callers stay torch-free.
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def is_dtensor(obj: Any) -> bool:
+    # Looked up like torch itself: torch.distributed.tensor costs every process that imports
+    # it most of a second (DTensor's op tables, sympy), and one that never did holds none.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(obj, module.DTensor)
+
+
+def local_part(tensor: Any) -> Any:
+    """This rank's part of ``tensor``: its local shard where it is a DTensor, else itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def as_array(x: Any) -> tuple[Any, Any]:

@@ -33,7 +33,6 @@ Usage::
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,7 +41,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..xp import is_torch
+from ..xp import is_dtensor, is_torch
 from .crew import Crew
 
 __all__ = ["BackgroundWriter", "Deferred", "SnapshotBuffers", "snapshot"]
@@ -192,12 +191,6 @@ class _Shard:
         self.shape, self.stride = like.shape, like.stride()
 
 
-def _dtensor(obj: Any) -> bool:
-    """Whether ``obj`` is a DTensor: only where torch's DTensor module was imported."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(obj, module.DTensor)
-
-
 def _fill(obj: Any, copies: dict) -> Any:
     if isinstance(obj, _Slot):
         return copies[obj.key][1]
@@ -216,7 +209,7 @@ def _fill(obj: Any, copies: dict) -> Any:
 
 
 def _copy(obj: Any, copies: dict, buffers: SnapshotBuffers) -> Any:
-    if _dtensor(obj):  # its own shard, copied as any tensor is
+    if is_dtensor(obj):  # its own shard, copied as any tensor is
         return _Shard(_copy(obj.to_local(), copies, buffers), obj)
     if is_torch(obj):
         key = ("torch", obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape),

@@ -63,12 +63,8 @@ from ..comm import ring_allreduce_bytes
 from ..comm.emulation import Emulation
 from ..engine import NONFINITE_POLICIES, GradientExchange, StepStats
 from ..engine.config import CompressionConfig
+from ..xp import is_dtensor, local_part
 from .optim import build_outer_optimizer
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch without DTensor shards nothing
-    DTensor = ()
 
 __all__ = ["LocalSteps"]
 
@@ -108,7 +104,7 @@ class LocalSteps:
         exchanging = (not alone and dist.is_available() and dist.is_initialized()
                       and dist.get_world_size(process_group) > 1)
         self.overlap = bool(overlap)
-        if self.overlap and (control_group is not None or any(isinstance(p, DTensor) for p in self.params)):
+        if self.overlap and (control_group is not None or any(is_dtensor(p) for p in self.params)):
             # The exchange's thread would share the world's group with FSDP2's and the loop's
             # collectives on the training thread.
             raise ValueError("overlap does not run on a sharded model yet")
@@ -405,7 +401,7 @@ class LocalSteps:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: its local shard where it is a DTensor (a view of the
     shard's storage: writing it writes the parameter), else the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local_part(tensor)
 
 
 def _merged(first: StepStats | None, second: StepStats) -> StepStats:

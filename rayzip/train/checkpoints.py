@@ -26,7 +26,6 @@ from ..checkpoint import DeltaChain
 from ..checkpoint.background import BackgroundWriter, Deferred, SnapshotBuffers, snapshot
 from ..checkpoint import load as load_checkpoint
 from ..checkpoint import save as save_checkpoint
-from ..checkpoint.dcp import CompressedStorageReader, CompressedStorageWriter
 from ..codecs.memory import reshard_state
 from ..torch.optim import load_optimizer
 
@@ -210,6 +209,8 @@ def write_shards(directory: Path, shards: dict, process_group: dist.ProcessGroup
     every rank calls it, on a thread of its own if the group is its own."""
     import torch.distributed.checkpoint as dcp
 
+    from ..checkpoint.dcp import CompressedStorageWriter
+
     dcp.save(shards, storage_writer=CompressedStorageWriter(directory / SHARDS), process_group=process_group)
 
 
@@ -226,6 +227,8 @@ def load_shards(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
     ``optimizer_key``: where the optimizer's shards were saved (see :func:`take_shards`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    from ..checkpoint.dcp import CompressedStorageReader
 
     state = _sharded_state(model, optimizer, optimizer_key)
     dcp.load({**state, **(extra or {})}, storage_reader=CompressedStorageReader(path / SHARDS))

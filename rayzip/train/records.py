@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from ..xp import local_part
 
 __all__ = ["LinkProbe", "StepRecord", "Totals", "Traffic", "held_bytes", "traffic_of"]
 
@@ -21,7 +22,7 @@ def _local_nbytes(tensor) -> int:
     """Bytes of ``tensor`` this rank holds: its local shard where it is a DTensor."""
     if not isinstance(tensor, torch.Tensor):
         return 0
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = local_part(tensor)
     return local.numel() * local.element_size()
 
 

@@ -86,3 +86,15 @@ def test_every_import_in_the_package_points_down_a_layer():
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "layers.py")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:]
     assert "every import points down" in result.stdout
+
+
+def test_a_replicated_training_worker_does_not_import_dtensor():
+    """What a Ray Train worker of an unsharded job imports of rayzip pulls neither DTensor nor
+    DCP nor FSDP: together most of a second of CPU in every worker process, at every start and
+    restart. Their isinstance checks look the modules up instead (rayzip.xp.is_dtensor)."""
+    code = ("import sys, ray.train.torch, rayzip.runner, rayzip.train.loop\n"
+            "heavy = ('torch.distributed.tensor', 'torch.distributed.checkpoint', 'torch.distributed.fsdp')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.strip() == "[]", result.stdout
