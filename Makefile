@@ -19,6 +19,9 @@ $(VENV)/.installed: pyproject.toml setup.py rayzip/checkpoint/_kernels.c rayzip/
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	@# Bytecode for the editable sources too (pip compiles only what it copies): where
+	@# PYTHONDONTWRITEBYTECODE is set, every Ray worker would otherwise compile rayzip again.
+	$(BIN)/python -m compileall -q rayzip tests examples
 	touch $@
 
 # Embedded local Ray unless RAY_ADDRESS is set.
