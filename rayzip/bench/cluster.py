@@ -395,7 +395,28 @@ def aggregate_runs(runs: list[dict]) -> dict[str, Any]:
     row["repeats"] = len(ok)
     row["failed_runs"] = len(runs) - len(ok)
     row["runs"] = [{k: v for k, v in r.items() if k != "history"} for r in ok]
+    losses = [r["node_loss"] for r in ok if r.get("node_loss")]
+    if losses:
+        row["node_loss"] = aggregate_node_losses(losses)
     return row
+
+
+def aggregate_node_losses(losses: list[dict]) -> dict[str, Any]:
+    """A node-loss row's repeated runs: each run's record under ``runs``, and the medians of
+    the step it was lost at, the steps lost, the recovery (the first resume's seconds from
+    the last step before the loss to the first after it) and the replacement's start, with
+    their [min, max] under ``spread``. ``resumes`` are every run's, in order."""
+    figures = {"killed_at_step": [loss.get("killed_at_step") for loss in losses],
+               "steps_lost": [loss.get("steps_lost") for loss in losses],
+               "recovery_s": [(loss.get("resumes") or [{}])[0].get("seconds") for loss in losses],
+               "replaced_after_s": [loss.get("replaced_after_s") for loss in losses]}
+    out: dict[str, Any] = {"runs": losses, "resumes": [r for loss in losses for r in loss.get("resumes") or []],
+                           "spread": {}}
+    for key, values in figures.items():
+        known = [v for v in values if v is not None]
+        out[key] = statistics.median(known) if known else None
+        out["spread"][key] = [min(known), max(known)] if known else None
+    return out
 
 
 def _compare_with_best_fixed(rows: list[dict], key: str, into: str) -> None:
@@ -806,6 +827,16 @@ def _node_loss_table(report: dict) -> str:
         loss = r.get("node_loss") or {}
         resumes = loss.get("resumes") or []
         each = lambda key, fmt="{}": ", ".join(fmt.format(x.get(key)) for x in resumes) or "–"  # noqa: E731
+        if "runs" in loss:  # repeated: each run's step and steps lost, the medians [min–max] of the times
+            runs = loss["runs"]
+            return [r["name"], ", ".join(str(x.get("killed_at_step")) for x in runs), each("resumed_at"),
+                    ", ".join(sorted({str(x.get("source")) for x in resumes})) or "–",
+                    ", ".join(sorted({str(x.get("cause")) for x in resumes})) or "–",
+                    ", ".join(str(x.get("steps_lost")) for x in runs),
+                    _number(loss.get("recovery_s"), "{:.1f} s") + _spread(loss, "recovery_s", "{:.1f}"),
+                    _number(loss.get("replaced_after_s"), "{:.1f} s") + _spread(loss, "replaced_after_s", "{:.1f}"),
+                    f"{r.get('final_metric', r.get('final_accuracy')):.4f}" + _spread(r, "final_metric", "{:.4f}"),
+                    _number(r.get("final_vs_uninterrupted"), "{:+.2%}"), f"{_network(r) / 1e6:.1f}"]
         return [r["name"], str(loss.get("killed_at_step") or "–"), each("resumed_at"), each("source"), each("cause"),
                 str(loss["steps_lost"]) if loss else "–", each("seconds", "{:.1f} s"),
                 _number(loss.get("replaced_after_s"), "{:.1f} s"),

@@ -242,3 +242,25 @@ def test_a_node_loss_needs_a_step_inside_the_run_and_a_node_to_survive(tmp_path)
         run_cluster_bench(["dense"], "100mbit", 2, None, spec, kill_node_at_step=200)
     with pytest.raises(ValueError, match="needs 2 nodes or more"):
         run_cluster_bench(["dense"], "100mbit", 1, None, spec, kill_node_at_step=50)
+
+
+def test_repeated_node_losses_give_medians_of_the_recovery_and_each_runs_steps_lost():
+    from rayzip.bench.cluster import NODE_LOST, aggregate_runs, markdown_table
+
+    def run(step_s, final, killed_at, lost, seconds, replaced):
+        resume = {"resumed_at": killed_at + 1, "source": "memory", "cause": "node_lost", "steps_lost": lost,
+                  "seconds": seconds}
+        return {"name": f"local@4{NODE_LOST}", "step_s": step_s, "comm_s": 0.1, "final_metric": final,
+                "final_accuracy": 0.0, "wire_bytes_counted": 2e6, "time_to_target_s": None, "metric": "val_loss",
+                "node_loss": {"node": 2, "killed_at_step": killed_at, "processes_killed": 7, "steps_lost": lost,
+                              "replaced_after_s": replaced, "restarts": 1, "resumes": [resume]}}
+
+    row = aggregate_runs([run(1.2, 3.01, 61, 0, 40.0, 20.0), run(1.1, 3.02, 62, 1, 55.0, 30.0),
+                          run(1.3, 3.00, 61, 0, 47.0, 24.0)])
+    loss = row["node_loss"]
+    assert (loss["recovery_s"], loss["spread"]["recovery_s"]) == (47.0, [40.0, 55.0])
+    assert (loss["replaced_after_s"], loss["steps_lost"], loss["killed_at_step"]) == (24.0, 0, 61)
+    assert [r["resumed_at"] for r in loss["resumes"]] == [62, 63, 62] and len(loss["runs"]) == 3
+    line = markdown_table({"methods": [row], "metric": "val_loss", "kill_node_at_step": 60}).splitlines()[2]
+    assert line == ("| local@4, node lost | 61, 62, 61 | 62, 63, 62 | memory | node_lost | 0, 1, 0 | "
+                    "47.0 s [40.0–55.0] | 24.0 s [20.0–30.0] | 3.0100 [3.0000–3.0200] | – | 2.0 |")
