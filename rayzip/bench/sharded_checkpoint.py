@@ -20,15 +20,11 @@ from typing import Callable
 
 import torch
 
+from ..xp import local_part
+
 __all__ = ["markdown_table", "memory_markdown_table", "render_table", "run_sharded_checkpoint_bench"]
 
 WRITERS = ("rayzip", "torch")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t  # a DTensor's own shard
 
 
 def _leaves(nest):
@@ -44,7 +40,7 @@ def _leaves(nest):
 
 def _held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """This rank's parameter, gradient and optimizer-state bytes, from the tensors it holds."""
-    size = lambda t: _local(t).numel() * _local(t).element_size()  # noqa: E731
+    size = lambda t: local_part(t).numel() * local_part(t).element_size()  # noqa: E731
     params = [p for p in model.parameters()]
     return {"parameters": sum(size(p) for p in params),
             "gradients": sum(size(p.grad) for p in params if p.grad is not None),
@@ -100,7 +96,7 @@ def _rank(rank: int, world: int, root: str, steps: int, rounds: int, shard_size:
     raw = zipped = 0
     codec = ZipNN(input_format="byte", bytearray_dtype="float32", threads=1)
     for tensor in _leaves(state):
-        piece = _local(tensor)
+        piece = local_part(tensor)
         if piece.dtype == torch.float32 and piece.numel() > 1 and (shard_size is None or rank < shard_size):
             data = piece.detach().contiguous().numpy().tobytes()
             raw, zipped = raw + len(data), zipped + len(codec.compress(data))

@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from ..xp import is_dtensor
+
 __all__ = ["OptimizerSettings", "adaptive", "build_optimizer", "build_outer_optimizer", "default_compression",
            "fused_where_possible", "load_optimizer", "warn_for_optimizer"]
 
@@ -87,12 +89,10 @@ def fused_where_possible(cls: type[torch.optim.Optimizer], params, **settings) -
     cannot take the parameters (sparse or integer tensors, other devices, torch before 2.4 on
     CPU), and for a sharded model's DTensors: some fused kernels (SGD's) have no sharding rule,
     which only the first step would find."""
-    from torch.distributed.tensor import DTensor
-
     params = list(params)
     tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
     if tensors and all(p.is_floating_point() and p.layout == torch.strided and p.device.type in ("cpu", "cuda")
-                       and not isinstance(p, DTensor) for p in tensors):
+                       and not is_dtensor(p) for p in tensors):
         try:
             return cls(params, fused=True, **settings)
         except RuntimeError:  # this torch has no fused kernel for these parameters

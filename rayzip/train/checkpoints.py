@@ -28,6 +28,7 @@ from ..checkpoint import load as load_checkpoint
 from ..checkpoint import save as save_checkpoint
 from ..codecs.memory import reshard_state
 from ..torch.optim import load_optimizer
+from ..xp import is_dtensor
 
 __all__ = ["GroupCheckpoints", "OWN_SHARDS", "Parts", "SplitState", "holder_parts", "load_local_shards",
            "load_optimizer", "load_shards", "load_trainer", "local_shards", "restore_hook", "restore_shards",
@@ -241,9 +242,7 @@ def load_shards(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
 def local_shards(shards: Any) -> Any:
     """:func:`take_shards`' nest with each DTensor replaced by this rank's local shard (a view
     of its storage): what a snapshot copies."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(shards, DTensor):
+    if is_dtensor(shards):
         return shards.to_local()
     if isinstance(shards, dict):
         return {k: local_shards(v) for k, v in shards.items()}
@@ -268,14 +267,12 @@ def load_local_shards(saved: dict, model: torch.nn.Module, optimizer: torch.opti
 
 
 def _copy_into(live: dict | list, saved: Any, where: str) -> None:
-    from torch.distributed.tensor import DTensor
-
     for key, value in list(live.items() if isinstance(live, dict) else enumerate(live)):
         try:
             held = saved[key]
         except (KeyError, IndexError, TypeError):
             raise ValueError(f"a snapshot's shards lack {where}/{key}: saved on another layout") from None
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             value.to_local().copy_(held)
         elif isinstance(value, torch.Tensor):
             value.copy_(held)

@@ -89,9 +89,11 @@ def test_every_import_in_the_package_points_down_a_layer():
 
 
 def test_a_replicated_training_worker_does_not_import_dtensor():
-    """What a Ray Train worker of an unsharded job imports of rayzip pulls neither DTensor nor
-    DCP nor FSDP: together most of a second of CPU in every worker process, at every start and
-    restart. Their isinstance checks look the modules up instead (rayzip.xp.is_dtensor)."""
+    """Importing rayzip's runner and training loop (a driver's, a Ray Train worker's) pulls
+    neither DTensor nor DCP nor FSDP: together most of a second of CPU. rayzip's isinstance
+    checks look the module up instead (rayzip.xp.is_dtensor). A worker that builds a torch
+    optimizer loads them anyway at its first step (torch._dynamo imports FSDP); the
+    driver of `rayzip run` builds none."""
     code = ("import sys, ray.train.torch, rayzip.runner, rayzip.train.loop\n"
             "heavy = ('torch.distributed.tensor', 'torch.distributed.checkpoint', 'torch.distributed.fsdp')\n"
             "print(sorted(m for m in heavy if m in sys.modules))")
