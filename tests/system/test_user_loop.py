@@ -20,16 +20,16 @@ def _example():
 
 
 def test_user_loop_example_compresses_and_resumes_its_compression_state(local_ray, tmp_path):
-    result = _example().main(["--workers", "2", "--epochs", "15", "--fail-at-epoch", "5",
+    result = _example().main(["--workers", "2", "--epochs", "8", "--fail-at-epoch", "3",
                               "--storage-path", str(tmp_path)])
     m = result.metrics
-    assert m["epoch"] == 14
+    assert m["epoch"] == 7
     resumed = m["resumed"]
-    assert resumed is not None and resumed["epoch"] < 5  # rank 0 was killed at epoch 5
+    assert resumed is not None and resumed["epoch"] < 3  # rank 0 was killed at epoch 3
     # The hook resumed at the checkpoint's step, with its error-feedback residual, and counted on.
     steps_per_epoch = resumed["hook_step"] // (resumed["epoch"] + 1)
     assert steps_per_epoch >= 20 and resumed["hook_step"] == steps_per_epoch * (resumed["epoch"] + 1)
-    assert m["hook_step"] == steps_per_epoch * 15
+    assert m["hook_step"] == steps_per_epoch * 8
     assert resumed["residual_norm"] > 0
     assert m["dense_bytes"] / m["bytes_sent"] >= 6  # 4-bit DCT, prepare_model's default under AdamW
     assert m["test_accuracy"] >= 0.9
