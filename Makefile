@@ -1,6 +1,5 @@
 # `make run` and `make test` work on a fresh machine: both set up .venv first.
-# The distribution's python3 where it can build .venv, else python3 (tools/python.sh says why).
-PYTHON ?= $(shell tools/python.sh)
+PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of torch; a bare `torch` would pull a multi-GB CUDA build.
