@@ -98,7 +98,7 @@ class LocalSteps:
         self.every, self.on_nonfinite, self.max_skipped_rounds = int(every), on_nonfinite, int(max_skipped_rounds)
         # The synchronized parameters, which the outer optimizer steps: float32 whatever the
         # model's dtype, so that small outer updates are not rounded away.
-        self.anchor = [_local(p).detach().to(torch.float32).clone() for p in self.params]
+        self.anchor = [local_part(p).detach().to(torch.float32).clone() for p in self.params]
         self.outer = build_outer_optimizer(self.anchor, outer_lr, outer_momentum, nesterov)
         compression = compression or CompressionConfig()
         exchanging = (not alone and dist.is_available() and dist.is_initialized()
@@ -150,7 +150,7 @@ class LocalSteps:
         at the next synchronization: under ``"raise"`` every rank stops there, naming rank
         and parameter; under ``"skip"`` every rank drops the round."""
         for name, p in zip(self.names, self.params):
-            if p.grad is not None and not all_finite(_local(p.grad)):
+            if p.grad is not None and not all_finite(local_part(p.grad)):
                 if self.bad is None:
                     self.bad = name
                     print(f"rayzip: rank {self.rank}: the gradient of {name} is not finite at step {step}; "
@@ -180,7 +180,7 @@ class LocalSteps:
         parameters."""
         parts = []
         for name, base, p in zip(self.names, self.base, self.params):
-            delta = (base - _local(p).detach().to(torch.float32)).reshape(-1)
+            delta = (base - local_part(p).detach().to(torch.float32)).reshape(-1)
             if name == self.bad:
                 delta = torch.full_like(delta, float("nan"))
             parts.append(delta)
@@ -208,7 +208,7 @@ class LocalSteps:
                     base.copy_(anchor)
                 else:
                     torch.sub(anchor, delta[offset: offset + n].view_as(anchor), out=base)
-                _local(p).copy_(base)
+                local_part(p).copy_(base)
             self._pending = _InFlight(lambda: self._exchange(delta, compute_s, agree=self.tuner is not None),
                                       device=delta.device)
             self.last_sync = landed
@@ -219,7 +219,7 @@ class LocalSteps:
         for anchor, base, p in zip(self.anchor, self.base, self.params):
             if base is not anchor:
                 base.copy_(anchor)
-            _local(p).copy_(anchor)
+            local_part(p).copy_(anchor)
         self.last_sync = _merged(landed, stats) if self.state is not None else None
         self.sync_s = time.perf_counter() - started
         if self.tuner is not None:
@@ -367,14 +367,14 @@ class LocalSteps:
 
     def load_round_state_dict(self, state: dict, compression: dict | None = None) -> None:
         """Restore :meth:`round_state_dict` (this rank's own parameters already loaded)."""
-        params = [_local(p).detach().clone() for p in self.params]
+        params = [local_part(p).detach().clone() for p in self.params]
         self.load_state_dict(state, compression)
         with torch.no_grad():
             for anchor, base, saved, p, own in zip(self.anchor, self.base, state["anchor"], self.params, params):
                 anchor.copy_(saved)
                 if base is not anchor:
                     base.copy_(anchor)
-                _local(p).copy_(own)
+                local_part(p).copy_(own)
         self.inner, self.bad, self.compute_s = int(state["inner"]), state["bad"], float(state["compute_s"])
         self.generation += 1
 
@@ -384,7 +384,7 @@ class LocalSteps:
         load instead of the saved one (re-sharded after a resize), or None for the saved."""
         with torch.no_grad():
             for anchor, base, p in zip(self.anchor, self.base, self.params):
-                anchor.copy_(_local(p).detach().to(torch.float32))
+                anchor.copy_(local_part(p).detach().to(torch.float32))
                 if base is not anchor:
                     base.copy_(anchor)
         self.outer.load_state_dict(state["outer"])
@@ -396,12 +396,6 @@ class LocalSteps:
         saved = compression if compression is not None else state.get("compression")
         if self.state is not None and saved is not None:
             self.state.load_state_dict(saved)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: its local shard where it is a DTensor (a view of the
-    shard's storage: writing it writes the parameter), else the tensor itself."""
-    return local_part(tensor)
 
 
 def _merged(first: StepStats | None, second: StepStats) -> StepStats:

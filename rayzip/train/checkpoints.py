@@ -28,7 +28,7 @@ from ..checkpoint import load as load_checkpoint
 from ..checkpoint import save as save_checkpoint
 from ..codecs.memory import reshard_state
 from ..torch.optim import load_optimizer
-from ..xp import is_dtensor
+from ..xp import local_part
 
 __all__ = ["GroupCheckpoints", "OWN_SHARDS", "Parts", "SplitState", "holder_parts", "load_local_shards",
            "load_optimizer", "load_shards", "load_trainer", "local_shards", "restore_hook", "restore_shards",
@@ -242,8 +242,8 @@ def load_shards(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
 def local_shards(shards: Any) -> Any:
     """:func:`take_shards`' nest with each DTensor replaced by this rank's local shard (a view
     of its storage): what a snapshot copies."""
-    if is_dtensor(shards):
-        return shards.to_local()
+    if isinstance(shards, torch.Tensor):
+        return local_part(shards)
     if isinstance(shards, dict):
         return {k: local_shards(v) for k, v in shards.items()}
     if isinstance(shards, list):
@@ -272,10 +272,8 @@ def _copy_into(live: dict | list, saved: Any, where: str) -> None:
             held = saved[key]
         except (KeyError, IndexError, TypeError):
             raise ValueError(f"a snapshot's shards lack {where}/{key}: saved on another layout") from None
-        if is_dtensor(value):
-            value.to_local().copy_(held)
-        elif isinstance(value, torch.Tensor):
-            value.copy_(held)
+        if isinstance(value, torch.Tensor):  # a DTensor's local shard is a view: this writes the shard
+            local_part(value).copy_(held)
         elif isinstance(value, (dict, list)):
             _copy_into(value, held, f"{where}/{key}")
         else:
