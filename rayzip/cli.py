@@ -493,6 +493,10 @@ def bench_cluster(
         None, "--kill-node-at-step", min=1, help="Also run each method with its last worker node lost whole at "
                                                  "this step (every process SIGKILLed) and replaced, beside the "
                                                  "uninterrupted run."),
+    lose_ranks: Optional[str] = typer.Option(
+        None, "--lose-ranks", help="With --kill-node-at-step: comma-separated ranks; each gets a run that loses "
+                                   "the node holding that rank, not the last node (ranks above 0: 2 nodes "
+                                   "of 1 worker)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write accuracy-vs-time PNG here."),
 ):
@@ -506,10 +510,11 @@ def bench_cluster(
     if kill_node_at_step is not None and (drop_to or nodes < 2):
         console.print("[red]error:[/red] --kill-node-at-step needs 2 nodes or more, and no --drop-to")
         raise typer.Exit(2)
+    ranks = _lose_ranks_or_exit(lose_ranks, kill_node_at_step, nodes, workers_per_node)
     report = _run_cluster(lambda log: run_cluster_bench(
         chosen, bandwidth, nodes, latency, spec_path, powersgd_start_iter, log=log, budget_steps=budget_steps,
         drop_to=drop_to, drop_at_step=drop_at_step if drop_to else None, workers_per_node=workers_per_node,
-        repeat=repeat, kill_node_at_step=kill_node_at_step))
+        repeat=repeat, kill_node_at_step=kill_node_at_step, lose_ranks=ranks))
     console.print(render_table(report))
     if drop_to:
         from .bench.cluster import render_drop_table
@@ -523,6 +528,24 @@ def bench_cluster(
     if plot_path:
         plot(report, plot_path)
         console.print(f"wrote {plot_path}")
+
+
+def _lose_ranks_or_exit(text: str | None, kill_node_at_step: int | None, nodes: int,
+                        workers_per_node: int) -> list[int] | None:
+    """``--lose-ranks`` as a list, or exit 2 naming what is wrong with it."""
+    from .bench.cluster import check_lose_ranks
+
+    if text is None:
+        return None
+    try:
+        if kill_node_at_step is None:
+            raise ValueError("it needs --kill-node-at-step")
+        ranks = [int(r) for r in text.split(",")]
+        check_lose_ranks(ranks, nodes, workers_per_node)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] --lose-ranks {text}: {exc}", soft_wrap=True)
+        raise typer.Exit(2)
+    return ranks
 
 
 @bench_app.command("table")

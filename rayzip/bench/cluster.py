@@ -225,7 +225,8 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
                       powersgd_start_iter: int = 10, log: Callable[[str], None] = print,
                       budget_steps: int | None = None, drop_to: str | None = None,
                       drop_at_step: int | None = None, workers_per_node: int = 1, repeat: int = 1,
-                      kill_node_at_step: int | None = None) -> dict[str, Any]:
+                      kill_node_at_step: int | None = None,
+                      lose_ranks: list[int] | None = None) -> dict[str, Any]:
     """Run every method on one namespace cluster. With ``budget_steps``, each method trains
     exactly that many steps (time to target is still taken where the target is first
     reached), so final accuracies compare at the same budget. With ``drop_to``, every run
@@ -243,7 +244,9 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
     ``METHOD, node lost``: once it reaches that step the last worker node is lost whole (every
     process in its namespace SIGKILLed: raylet, worker, snapshot keeper) and a replacement node
     starts at its address once Ray has marked it dead. Its row carries the recovery
-    (``node_loss``) and its final metric against the uninterrupted run's."""
+    (``node_loss``) and its final metric against the uninterrupted run's. With
+    ``lose_ranks``, it runs once for each rank listed, as ``METHOD, node lost (rank R)``,
+    losing the node that holds that rank (:class:`_NodeLoss`) rather than the last one."""
     base = yaml.safe_load(spec_path.read_text())
     workers = nodes * workers_per_node
     base.setdefault("scaling", {}).update({"min_workers": workers, "max_workers": workers})
@@ -260,20 +263,26 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
         raise ValueError(f"kill_node_at_step {kill_node_at_step} is not a step of the run's {training.steps}")
     if kill_node_at_step is not None and nodes < 2:
         raise ValueError("kill_node_at_step needs 2 nodes or more: one must survive with the snapshots")
-    # (name, method, step at which a node is lost or None)
-    entries = [(m, m, None) for m in methods] + \
-        ([(f"{m}{NODE_LOST}", m, kill_node_at_step) for m in methods] if kill_node_at_step is not None else [])
-    runs: dict[str, list[dict]] = {name: [] for name, _, _ in entries}
+    if lose_ranks and kill_node_at_step is None:
+        raise ValueError("lose_ranks needs kill_node_at_step")
+    check_lose_ranks(lose_ranks or [], nodes, workers_per_node)
+    # (name, method, step at which a node is lost or None, the rank whose node is lost or None: the last node)
+    lost = [(f"{NODE_LOST} (rank {r})", r) for r in lose_ranks] if lose_ranks else [(NODE_LOST, None)]
+    entries = [(m, m, None, None) for m in methods] + \
+        ([(f"{m}{suffix}", m, kill_node_at_step, r) for m in methods for suffix, r in lost]
+         if kill_node_at_step is not None else [])
+    runs: dict[str, list[dict]] = {name: [] for name, *_ in entries}
     with NetnsCluster(nodes=nodes, bandwidth=bandwidth, latency=latency, cpus_per_node=workers_per_node) as cluster:
         log(f"cluster up: {nodes} worker nodes at {bandwidth}" + (f", {latency} latency" if latency else "")
             + (f", {workers_per_node} workers each" if workers_per_node > 1 else ""))
         for round_ in range(repeat):
-            for name, method, kill_at in interleaved(entries, round_):
+            for name, method, kill_at, rank in interleaved(entries, round_):
                 label = name if repeat == 1 else f"{name} (run {round_ + 1} of {repeat})"
                 row = _run_method(cluster, method, label, base, powersgd_start_iter, drop_to,
-                                  drop_at_step, workers_per_node, bandwidth, log, kill_node_at_step=kill_at)
+                                  drop_at_step, workers_per_node, bandwidth, log, kill_node_at_step=kill_at,
+                                  lose_rank=rank)
                 runs[name].append({**row, "name": name})
-    rows = [aggregate_runs(runs[name]) for name, _, _ in entries]
+    rows = [aggregate_runs(runs[name]) for name, *_ in entries]
     _compare_with_uninterrupted(rows)
     sharded = any(_method_name(m) in SHARDED for m in methods)
     _compare_with_dense(rows)
@@ -287,10 +296,20 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
             "target": target, "target_accuracy": None if lm else target,
             "stop_at_target": training.stop_at_target, "steps": training.steps,
             "budget_steps": budget_steps, "drop_to": drop_to, "drop_at_step": drop_at_step,
-            "kill_node_at_step": kill_node_at_step,
+            "kill_node_at_step": kill_node_at_step, "lose_ranks": lose_ranks,
             "spec": str(spec_path), "powersgd_start_iter": powersgd_start_iter,
             "python": sys.version.split()[0], "methods": rows,
             "ddp_held_bytes": replica_held_bytes(base) if sharded else None}
+
+
+def check_lose_ranks(ranks: list[int], nodes: int, workers_per_node: int) -> None:
+    """Raise ValueError unless the bench can find the node of each rank in ``ranks``."""
+    for rank in ranks:
+        if not 0 <= rank < nodes * workers_per_node:
+            raise ValueError(f"rank {rank} is not one of the run's {nodes * workers_per_node} workers")
+        if rank > 0 and (nodes, workers_per_node) != (2, 1):
+            # Only rank 0 reports its process id; with two one-worker nodes the others' is the other node.
+            raise ValueError(f"rank {rank}'s node is known on 2 nodes of 1 worker only (rank 0's on any)")
 
 
 def replica_held_bytes(base: dict) -> dict[str, int] | None:
@@ -317,9 +336,11 @@ def replica_held_bytes(base: dict) -> dict[str, int] | None:
 
 def _run_method(cluster: NetnsCluster, method: str, label: str, base: dict, powersgd_start_iter: int,
                 drop_to: str | None, drop_at_step: int | None, workers_per_node: int, bandwidth: str,
-                log: Callable[[str], None], kill_node_at_step: int | None = None) -> dict[str, Any]:
+                log: Callable[[str], None], kill_node_at_step: int | None = None,
+                lose_rank: int | None = None) -> dict[str, Any]:
     """One `rayzip run` of ``method`` on the cluster: its row, or ``{name, error}``. With
-    ``kill_node_at_step``, the last worker node is lost there and replaced (:class:`_NodeLoss`)."""
+    ``kill_node_at_step``, a worker node is lost there and replaced (:class:`_NodeLoss`): the
+    one that holds ``lose_rank``, else the last."""
     slug = re.sub(r"[^a-z0-9]+", "-", method.lower()).strip("-")
     spec = method_spec(method, base, slug, powersgd_start_iter)
     spec_file = cluster.tmp / f"{slug}.yaml"
@@ -333,7 +354,7 @@ def _run_method(cluster: NetnsCluster, method: str, label: str, base: dict, powe
     started = time.time()
     log(f"running {label} ...")
     dropper = _Dropper(cluster, progress, drop_to, drop_at_step, log) if drop_to is not None else None
-    loss = _NodeLoss(cluster, progress, kill_node_at_step, log) if kill_node_at_step is not None else None
+    loss = _NodeLoss(cluster, progress, kill_node_at_step, log, lose_rank) if kill_node_at_step is not None else None
     poll = dropper.poll if dropper is not None else loss.poll if loss is not None else None
     proc = cluster.run_in_head([cluster.python, "-m", "rayzip", "run", str(spec_file), "--summary-json", str(out),
                                 "--storage-path", str(cluster.tmp / "results"), "--progress-file", str(progress)],
@@ -467,25 +488,34 @@ class _Dropper:
             self.log(f"  links dropped to {self.drop_to} at step {step}")
 
 
+def _reported(progress: Path) -> dict:
+    """The running job's latest report (rank 0's metrics), or {} before the first."""
+    try:
+        return json.loads(progress.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def _next_step(progress: Path) -> int | None:
     """The step the running job is on (the last it reported, plus one), or None before its
     first report."""
-    try:
-        return json.loads(progress.read_text())["step"] + 1
-    except (OSError, ValueError, KeyError):
-        return None
+    step = _reported(progress).get("step")
+    return step + 1 if step is not None else None
 
 
 NODE_LOST = ", node lost"  # the name of a method's run with a node lost (kill_node_at_step)
 
 
 class _NodeLoss:
-    """A poll callback for the running job: once it reaches the step, loses the last worker
-    node whole and starts its replacement (:meth:`NetnsCluster.kill_node`,
-    :meth:`NetnsCluster.replace_node`)."""
+    """A poll callback for the running job: once it reaches the step, loses a worker node
+    whole and starts its replacement (:meth:`NetnsCluster.kill_node`,
+    :meth:`NetnsCluster.replace_node`). The node is the last one, or with ``rank`` the one
+    that holds it: rank 0's is found from the process id it reports with each step, and on
+    two nodes any other rank's is the other node."""
 
-    def __init__(self, cluster, progress: Path, at_step: int, log: Callable[[str], None]):
-        self.cluster, self.progress, self.at_step, self.log = cluster, progress, at_step, log
+    def __init__(self, cluster, progress: Path, at_step: int, log: Callable[[str], None],
+                 rank: int | None = None):
+        self.cluster, self.progress, self.at_step, self.log, self.rank = cluster, progress, at_step, log, rank
         self.node = cluster.nodes
         self.killed_at: int | None = None
         self.processes = 0
@@ -495,6 +525,13 @@ class _NodeLoss:
         step = _next_step(self.progress) if self.killed_at is None else None
         if step is None or step < self.at_step:
             return
+        if self.rank is not None:
+            holder = self.cluster.node_of(_reported(self.progress).get("pid", -1))
+            if holder is None:  # recorded as such (rank None), not guessed
+                self.log(f"  rank 0's process is on no worker node: losing node {self.node}, not rank {self.rank}'s")
+                self.rank = None
+            else:
+                self.node = holder if self.rank == 0 else 3 - holder
         self.killed_at = step
         started = time.monotonic()
         self.processes = self.cluster.kill_node(self.node)
@@ -504,8 +541,8 @@ class _NodeLoss:
         self.log(f"  node {self.node} replaced after {self.replaced_after_s:.1f} s")
 
     def record(self) -> dict[str, Any]:
-        return {"node": self.node, "killed_at_step": self.killed_at, "processes_killed": self.processes,
-                "replaced_after_s": self.replaced_after_s}
+        return {"node": self.node, "rank": self.rank, "killed_at_step": self.killed_at,
+                "processes_killed": self.processes, "replaced_after_s": self.replaced_after_s}
 
 
 def _compare_with_uninterrupted(rows: list[dict]) -> None:
@@ -513,8 +550,8 @@ def _compare_with_uninterrupted(rows: list[dict]) -> None:
     report."""
     plain = {r["name"]: r for r in rows if "error" not in r}
     for row in rows:
-        if row["name"].endswith(NODE_LOST) and "error" not in row:
-            base = plain.get(row["name"][:-len(NODE_LOST)])
+        if NODE_LOST in row["name"] and "error" not in row:
+            base = plain.get(row["name"].partition(NODE_LOST)[0])
             row["final_vs_uninterrupted"] = ((row["final_metric"] - base["final_metric"]) / base["final_metric"]
                                              if base and base["final_metric"] else None)
 

@@ -235,6 +235,12 @@ class NetnsCluster:
                 pass
         return len(pids)
 
+    def node_of(self, pid: int) -> int | None:
+        """The worker node (1 .. nodes) whose namespace process ``pid`` runs in, or None (the
+        head's, or gone)."""
+        found = subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True).stdout.split()
+        return self.worker_ns.index(found[0]) + 1 if found and found[0] in self.worker_ns else None
+
     def replace_node(self, index: int, timeout: float = 180) -> None:
         """After :meth:`kill_node`: wait until the GCS has marked the lost node dead, then
         start a new Ray node in its namespace (same address, a new node id and an empty

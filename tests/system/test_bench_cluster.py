@@ -56,8 +56,8 @@ snapshots: {every: 1}
 @needs_root
 def test_a_node_lost_whole_is_replaced_and_the_run_resumes_from_the_survivors_snapshot(tmp_path):
     """Two runs on a 2-node namespace cluster, and nothing left behind: the uninterrupted
-    one, and one with --kill-node-at-step, where the second worker node's every process is
-    SIGKILLed (raylet, worker, keeper) and a new Ray node starts at its address; that run
+    one, and one with --kill-node-at-step --lose-ranks 0, where the node that holds rank 0 has
+    its every process SIGKILLed (raylet, worker, keeper) and a new Ray node starts at its address; that run
     resumes from the surviving node's keeper with no step lost (there is no checkpoint in
     storage to fall back on). One test for both: each cluster costs a minute of CI."""
     spec = tmp_path / "losable.yaml"
@@ -66,21 +66,22 @@ def test_a_node_lost_whole_is_replaced_and_the_run_resumes_from_the_survivors_sn
     tag, env = tagged_env()
     bench = subprocess.Popen([sys.executable, "-m", "rayzip", "bench", "cluster", "--bandwidth", "1gbit",
                               "--nodes", "2", "--spec", str(spec), "--methods", "group_topk", "--repeat", "1",
-                              "--kill-node-at-step", "100", "--json", str(out), "--plot", str(tmp_path / "bench.png")],
+                              "--kill-node-at-step", "100", "--lose-ranks", "0", "--json", str(out), "--plot", str(tmp_path / "bench.png")],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     stdout, stderr = bench.communicate(timeout=1200)
     assert bench.returncode == 0, stdout[-4000:] + stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["bandwidth"] == "1gbit" and report["nodes"] == 2
     rows = {r["name"]: r for r in report["methods"]}
-    assert set(rows) == {"group_topk", "group_topk, node lost"}
+    assert set(rows) == {"group_topk", "group_topk, node lost (rank 0)"}
     for row in rows.values():
         assert row["wire_bytes_counted"] > 0 and row["wire_bytes_interface"] > 0  # the kernel saw gloo's traffic
         assert set(row) >= {"time_to_target_s", "final_accuracy", "step_s", "comm_s", "speedup_vs_dense"}
         assert row["wire_reduction"] > 5, row["wire_reduction"]  # group top-k at 5%, against a dense ring
     assert (tmp_path / "bench.png").stat().st_size > 0
-    lost = rows["group_topk, node lost"]
+    lost = rows["group_topk, node lost (rank 0)"]
     loss = lost["node_loss"]
+    assert loss["rank"] == 0 and loss["node"] in (1, 2), loss  # found from rank 0's process, not the fallback
     assert loss["killed_at_step"] >= 100 and loss["processes_killed"] >= 2 and loss["replaced_after_s"] > 0, loss
     (resume,) = loss["resumes"]
     assert resume["cause"] == "node_lost" and resume["source"] == "memory", resume
@@ -88,6 +89,6 @@ def test_a_node_lost_whole_is_replaced_and_the_run_resumes_from_the_survivors_sn
     assert (resume["world_before"], resume["world_after"]) == (2, 2), resume  # on the replacement node
     assert lost["steps"] == 400 and rows["group_topk"]["steps"] == 400
     assert lost["final_accuracy"] > 0.8 and lost["final_vs_uninterrupted"] is not None
-    assert "| group_topk, node lost |" in stdout  # the node-loss table
+    assert "| group_topk, node lost (rank 0) |" in stdout  # the node-loss table
     assert leftover_namespaces(f"rz{bench.pid}-") == []
     assert tagged_pids(tag) == set(), "the benchmark left processes behind"

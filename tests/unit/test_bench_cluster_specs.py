@@ -244,6 +244,39 @@ def test_a_node_loss_needs_a_step_inside_the_run_and_a_node_to_survive(tmp_path)
         run_cluster_bench(["dense"], "100mbit", 1, None, spec, kill_node_at_step=50)
 
 
+def test_a_node_loss_by_rank_is_named_for_it_and_refused_where_its_node_is_unknown(tmp_path):
+    from rayzip.bench.cluster import NODE_LOST, _compare_with_uninterrupted, check_lose_ranks, run_cluster_bench
+
+    from paths import ROOT
+
+    rows = [{"name": "local@4", "final_metric": 3.0}, {"name": f"local@4{NODE_LOST} (rank 0)", "final_metric": 3.03},
+            {"name": f"local@4{NODE_LOST} (rank 1)", "final_metric": 2.97}]
+    _compare_with_uninterrupted(rows)
+    assert [r.get("final_vs_uninterrupted") for r in rows] == [None, pytest.approx(0.01), pytest.approx(-0.01)]
+    check_lose_ranks([0, 1], 2, 1)
+    check_lose_ranks([0], 4, 2)  # rank 0 reports its process: found on any cluster
+    for ranks, nodes, per_node, match in (([2], 2, 1, "not one of the run's 2 workers"),
+                                          ([1], 2, 2, "2 nodes of 1 worker only"), ([-1], 2, 1, "not one")):
+        with pytest.raises(ValueError, match=match):
+            check_lose_ranks(ranks, nodes, per_node)
+    spec = ROOT / "jobs" / "bench-gpt.yaml"
+    with pytest.raises(ValueError, match="needs kill_node_at_step"):
+        run_cluster_bench(["dense"], "100mbit", 2, None, spec, lose_ranks=[0])
+
+
+@pytest.mark.parametrize("args, says", [(["--lose-ranks", "0"], "needs --kill-node-at-step"),
+                                        (["--kill-node-at-step", "9", "--lose-ranks", "0,x"], "invalid literal"),
+                                        (["--kill-node-at-step", "9", "--lose-ranks", "0,2"], "rank 2 is not")])
+def test_the_cli_refuses_a_rank_it_cannot_lose(args, says):
+    from typer.testing import CliRunner
+
+    from rayzip.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "cluster", "--nodes", "2", *args])
+    assert result.exit_code == 2, result.output
+    assert says in result.output
+
+
 def test_repeated_node_losses_give_medians_of_the_recovery_and_each_runs_steps_lost():
     from rayzip.bench.cluster import NODE_LOST, aggregate_runs, markdown_table
 
