@@ -286,12 +286,17 @@ class NetnsCluster:
                        for key, stream in (("stdout", proc.stdout), ("stderr", proc.stderr)) if stream is not None]
             for reader in readers:
                 reader.start()
-            while proc.poll() is None:
-                if deadline is not None and time.time() > deadline:
-                    proc.kill()
-                    raise subprocess.TimeoutExpired(full, timeout)
-                on_poll(result)
-                time.sleep(0.5)
+            try:
+                while proc.poll() is None:
+                    if deadline is not None and time.time() > deadline:
+                        raise subprocess.TimeoutExpired(full, timeout)
+                    on_poll(result)
+                    time.sleep(0.5)
+            except BaseException:
+                # Ctrl-C, SIGTERM or a failed poll: stop the job, or leaving the block would
+                # wait for it to end before the cluster is torn down.
+                proc.kill()
+                raise
             for reader in readers:
                 reader.join()
         result.returncode = proc.returncode

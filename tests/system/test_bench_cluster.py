@@ -41,6 +41,36 @@ def test_latency_is_emulated_where_the_kernel_has_netem_and_refused_where_not():
     assert leftover_namespaces("rzprobe") == []  # the probes removed their namespaces
 
 
+@needs_root
+def test_an_interrupted_bench_stops_its_job_instead_of_waiting_for_it():
+    """Ctrl-C (or SIGTERM, or a failing poll) while a job runs in the head's namespace kills
+    the job, so that the cluster's teardown follows at once. A real process in a namespace
+    of the test's own; only the cluster around it is left out."""
+    import time
+    from types import SimpleNamespace
+
+    from rayzip.bench.netns import NetnsCluster
+
+    name = f"rzi{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        head = SimpleNamespace(head_ns=name, address="", env=lambda **kw: dict(os.environ))
+        started: list[int] = []
+
+        def interrupt(result):
+            started.append(1)
+            if len(started) > 2:
+                raise KeyboardInterrupt
+
+        began = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            NetnsCluster.run_in_head(head, ["sleep", "60"], on_poll=interrupt, capture_output=True, text=True)
+        assert time.monotonic() - began < 30  # waiting for the job would take its 60 s
+        assert subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split() == []
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=True)
+
+
 LOSABLE = """\
 name: tiny-node-loss
 model: {name: mlp, hidden: [64]}
