@@ -15,7 +15,10 @@ def test_measured_bytes_match_the_model_auto_sends_the_least_and_the_simulator_a
         # The model places every worker's entries independently: an upper bound on the fill-in.
         assert 0.9 < row["ring_measured_over_model"] <= 1.0
         # The balanced allreduce's model: each region holding its share of k, kept and sent.
-        assert 0.9 < row["balanced_measured_over_model"] < 1.1, row
+        # The threshold is carried over from the step before, so an owner keeps more or fewer
+        # than its share, at most a quarter more (rayzip.comm.balanced.region_cap). How many
+        # more depends on the gradients' last bits, which differ between CPUs' kernels.
+        assert 0.9 < row["balanced_measured_over_model"] <= 1.25, row
         # auto leaves out the balanced allreduce (it cuts the sum): the least of the others.
         assert row["auto_chose"] == "allgather" and row["auto_over_cheaper"] <= 1.05, row
     four = report["rows"][1]
