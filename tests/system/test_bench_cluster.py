@@ -86,17 +86,19 @@ snapshots: {every: 1}
 @needs_root
 def test_a_node_lost_whole_is_replaced_and_the_run_resumes_from_the_survivors_snapshot(tmp_path):
     """Two runs on a 2-node namespace cluster, and nothing left behind: the uninterrupted
-    one, and one with --kill-node-at-step --lose-ranks 0, where the node that holds rank 0 has
-    its every process SIGKILLed (raylet, worker, keeper) and a new Ray node starts at its address; that run
-    resumes from the surviving node's keeper with no step lost (there is no checkpoint in
-    storage to fall back on). One test for both: each cluster costs a minute of CI."""
+    one, and one with --kill-node-at-step --lose-ranks 0, where the node that holds rank 0
+    has its every process SIGKILLed (raylet, worker, keeper) and a new Ray node starts at its
+    address; that run resumes from the surviving node's keeper with no step lost (there is no
+    checkpoint in storage to fall back on). One test for both: each cluster costs a minute of
+    CI."""
     spec = tmp_path / "losable.yaml"
     spec.write_text(LOSABLE)
     out = tmp_path / "bench.json"
     tag, env = tagged_env()
     bench = subprocess.Popen([sys.executable, "-m", "rayzip", "bench", "cluster", "--bandwidth", "1gbit",
                               "--nodes", "2", "--spec", str(spec), "--methods", "group_topk", "--repeat", "1",
-                              "--kill-node-at-step", "100", "--lose-ranks", "0", "--json", str(out), "--plot", str(tmp_path / "bench.png")],
+                              "--kill-node-at-step", "100", "--lose-ranks", "0", "--json", str(out),
+                              "--plot", str(tmp_path / "bench.png")],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     stdout, stderr = bench.communicate(timeout=1200)
     assert bench.returncode == 0, stdout[-4000:] + stderr[-4000:]
