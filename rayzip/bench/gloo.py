@@ -20,6 +20,7 @@ import pickle
 import tempfile
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -31,6 +32,8 @@ PRELOAD = ["torch", "torch.distributed", "numpy", "rayzip.codecs", "rayzip.comm"
 
 def _entry(rank: int, world: int, init_file: str, out_dir: str, fn, args, timeout_s: float | None = None) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # The ranks share the machine's cores: each with a thread per core, they would contend.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs)
     try:
