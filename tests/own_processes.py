@@ -1,7 +1,7 @@
 """Processes a test started, found by a tag in their environment: a test marks the processes
 it starts (and so everything they start) with ``RAYZIP_TEST_RUN=<tag>``, and finds or ends
 exactly those, never another Ray or anything else on the machine. The ports they listen on
-are free ones of their own (:func:`free_port`).
+are free ones of their own (:func:`free_port`, :func:`free_ports`).
 
 Usage::
 
@@ -20,7 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
-__all__ = ["end_tagged", "free_port", "tagged_env", "tagged_pids"]
+__all__ = ["end_tagged", "free_port", "free_ports", "tagged_env", "tagged_pids"]
 
 VARIABLE = "RAYZIP_TEST_RUN"
 
@@ -72,3 +72,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1 that nothing listens on now. Each socket stays
+    bound until all are chosen: ports taken one at a time can repeat, because a port is free
+    again as soon as its socket closes (Ray refuses to start when two components share one)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            sockets.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

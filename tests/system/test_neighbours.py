@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from own_processes import end_tagged, free_port, tagged_env
+from own_processes import end_tagged, free_ports, tagged_env
 
 BIN = Path(sys.executable).parent
 TINY = """\
@@ -31,10 +31,10 @@ def test_an_embedded_run_beside_a_neighbour_ray_trains_to_the_end(tmp_path):
     env.pop("RAY_ADDRESS", None)
     current = Path("/tmp/ray/ray_current_cluster")  # where a default `ray start` names itself
     before = current.read_text() if current.exists() else None
-    ports = {option: free_port() for option in ("port", "dashboard-port", "ray-client-server-port",
-                                                 "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                 "node-manager-port", "object-manager-port", "metrics-export-port",
-                                                 "runtime-env-agent-port")}
+    options = ("port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
+               "dashboard-agent-grpc-port", "node-manager-port", "object-manager-port", "metrics-export-port",
+               "runtime-env-agent-port")
+    ports = dict(zip(options, free_ports(len(options))))
     start = subprocess.run([str(BIN / "ray"), "start", "--head", "--num-cpus=1", "--disable-usage-stats",
                             *(f"--{option}={port}" for option, port in ports.items())],
                            env=env, capture_output=True, text=True, timeout=180)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from own_processes import end_tagged, free_port, tagged_env
+from own_processes import end_tagged, free_ports, tagged_env
 
 
 BIN = Path(sys.executable).parent
@@ -41,12 +41,11 @@ def cluster():
     env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
                 "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})  # the cluster's Python has rayzip
     env.pop("RAY_ADDRESS", None)
-    dashboard = free_port()
     temp = tempfile.mkdtemp(prefix="rz-submit-", dir="/tmp")  # short: Ray's socket paths must fit
-    ports = {option: free_port() for option in ("port", "ray-client-server-port", "dashboard-agent-listen-port",
-                                                 "dashboard-agent-grpc-port", "node-manager-port",
-                                                 "object-manager-port", "metrics-export-port",
-                                                 "runtime-env-agent-port")}
+    options = ("port", "ray-client-server-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+               "node-manager-port", "object-manager-port", "metrics-export-port", "runtime-env-agent-port")
+    dashboard, *chosen = free_ports(len(options) + 1)
+    ports = dict(zip(options, chosen))
     start = subprocess.run([str(BIN / "ray"), "start", "--head", f"--dashboard-port={dashboard}", "--num-cpus=2",
                             "--disable-usage-stats", f"--temp-dir={temp}",
                             *(f"--{option}={port}" for option, port in ports.items())],
