@@ -47,18 +47,53 @@ def tagged_pids(tag: str) -> set[int]:
     return found
 
 
+def _with_descendants(pids: set[int]) -> set[int]:
+    """``pids`` and every live process below them."""
+    children: dict[int, set[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[-1].split()[1])
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                continue
+            children.setdefault(ppid, set()).add(int(entry.name))
+    found, todo = set(), list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo.extend(children.get(pid, ()))
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+                alive.add(pid)
+        except OSError:
+            pass
+    return alive
+
+
 def end_tagged(tag: str, grace_s: float = 10.0) -> set[int]:
-    """SIGTERM every process carrying ``tag``, SIGKILL what is left after ``grace_s``; the
-    ids that had to be killed."""
-    for pid in tagged_pids(tag):
+    """SIGTERM every process carrying ``tag`` and every process below one, SIGKILL what is
+    left after ``grace_s``; the ids that had to be killed.
+
+    The processes below count because Ray starts its dashboard and runtime-env agents without
+    the environment it was given: left behind by their raylet, they spin on a core, trying to
+    tell a GCS that is gone, for as long as the machine runs (every later test pays for it)."""
+    doomed = _with_descendants(tagged_pids(tag))
+    for pid in doomed:
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace_s
-    while tagged_pids(tag) and time.monotonic() < deadline:
+    while (_alive(doomed) or tagged_pids(tag)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    stubborn = tagged_pids(tag)
+    stubborn = _alive(doomed) | tagged_pids(tag)
     for pid in stubborn:
         try:
             os.kill(pid, signal.SIGKILL)
