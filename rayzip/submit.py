@@ -87,6 +87,9 @@ def submit_job(spec_path: Path, spec: JobSpec, address: str | None = None, wait:
             echo(f"{job_id} was submitted before ({existing}); attaching to it (--resubmit runs it again)")
     if not wait:
         return job_id, None
+    if existing in TERMINAL:  # its logs are complete: no stream to follow (a tail would idle)
+        echo(client.get_job_logs(job_id).rstrip("\n"))
+        return job_id, existing
     asyncio.run(_stream(client, job_id, echo))
     status = _status(client, job_id)
     while status not in TERMINAL:  # logs can end a moment before the status settles

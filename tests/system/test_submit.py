@@ -72,9 +72,11 @@ def test_submit_succeeds_and_exits_0(cluster, tmp_path):
     assert "SUCCEEDED" in result.stdout and "final test accuracy" in result.stdout
     # A quiet console: Ray Train's per-report lines stay in Ray's log folder, which is named.
     assert "Reporting training result" not in result.stdout and "Ray's and the workers' logs: " in result.stdout
-    # The submission id is deterministic: the same spec attaches to the finished job.
+    # The submission id is deterministic: the same spec attaches to the finished job, and
+    # prints its logs whole.
     again = _rayzip(["submit", str(spec), "--address", address], env)
     assert again.returncode == 0 and "was submitted before (SUCCEEDED)" in again.stdout
+    assert "final test accuracy" in again.stdout and "SUCCEEDED" in again.stdout
 
 
 def test_failed_job_gives_a_nonzero_exit(cluster, tmp_path):
