@@ -26,7 +26,7 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # once; its placement group then waits this long (60 s by default) before the group restarts
 # with the workers that are left. A placement group the cluster can hold is ready in well
 # under a second, even on 2 loaded cores.
-os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
+os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "4")
 _STARTED = time.perf_counter()
 _SPENT = dict.fromkeys(LANES, 0.0)  # seconds of setup, call and teardown, by lane
 
