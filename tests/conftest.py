@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,7 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # under a second, even on 2 loaded cores.
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "4")
 _STARTED = time.perf_counter()
+_STARTED_AT = time.time()
 _SPENT = dict.fromkeys(LANES, 0.0)  # seconds of setup, call and teardown, by lane
 
 
@@ -55,8 +57,31 @@ def _clock(seconds: float) -> str:
     return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
+def _orphaned_ray_processes() -> list[str]:
+    """Ray processes started during this run and left behind (their parent is init): a test
+    that leaked them slowed every test after it, by the CPU they burn."""
+    boot = time.time() - float(Path("/proc/uptime").read_text().split()[0])
+    tick = os.sysconf("SC_CLK_TCK")
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
+            name = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        started = boot + int(stat[19]) / tick
+        if stat[1] == "1" and started >= _STARTED_AT and ("ray::" in name or name.endswith(("raylet", "gcs_server"))):
+            found.append(f"{entry.name} {name} ({(int(stat[11]) + int(stat[12])) / tick:.0f} CPU-s)")
+    return found
+
+
 @pytest.hookimpl(trylast=True)  # the last line of the run, after the slowest tests
 def pytest_terminal_summary(terminalreporter):
+    orphans = _orphaned_ray_processes()
+    if orphans:
+        terminalreporter.write_line(f"rayzip tests: Ray processes left behind: {'; '.join(orphans)}")
     spent = ", ".join(f"{lane} {_clock(seconds)}" for lane, seconds in _SPENT.items() if seconds)
     terminalreporter.write_line(f"rayzip tests: {_clock(time.perf_counter() - _STARTED)} (min:s) in all; by lane: {spent}")
 
