@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from own_processes import proc_stat
 from paths import TESTS
 
 LANES = ("unit", "integration", "system")
@@ -66,10 +67,12 @@ def _orphaned_ray_processes() -> list[str]:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
+        stat = proc_stat(entry.name)
         try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
             name = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
         except OSError:
+            stat = None
+        if stat is None:  # gone meanwhile
             continue
         started = boot + int(stat[19]) / tick
         if stat[1] == "1" and started >= _STARTED_AT and ("ray::" in name or name.endswith(("raylet", "gcs_server"))):

@@ -20,7 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
-__all__ = ["end_tagged", "free_port", "free_ports", "tagged_env", "tagged_pids"]
+__all__ = ["end_tagged", "free_port", "free_ports", "proc_stat", "tagged_env", "tagged_pids"]
 
 VARIABLE = "RAYZIP_TEST_RUN"
 
@@ -28,6 +28,20 @@ VARIABLE = "RAYZIP_TEST_RUN"
 def tagged_env(base: dict | None = None) -> tuple[str, dict]:
     tag = uuid.uuid4().hex
     return tag, {**(os.environ if base is None else base), VARIABLE: tag}
+
+
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command's name (state, parent, ...: field
+    3 of proc(5) is index 0 here), or None once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
+
+
+def _live(pid: int | str) -> bool:
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] != "Z"
 
 
 def tagged_pids(tag: str) -> set[int]:
@@ -40,10 +54,10 @@ def tagged_pids(tag: str) -> set[int]:
         try:
             if marker not in (entry / "environ").read_bytes().split(b"\0"):
                 continue
-            if (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
-                found.add(int(entry.name))
         except OSError:  # gone meanwhile, or not ours to read
-            pass
+            continue
+        if _live(entry.name):
+            found.add(int(entry.name))
     return found
 
 
@@ -51,12 +65,9 @@ def _with_descendants(pids: set[int]) -> set[int]:
     """``pids`` and every live process below them."""
     children: dict[int, set[int]] = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[-1].split()[1])
-            except (OSError, ValueError, IndexError):  # gone meanwhile
-                continue
-            children.setdefault(ppid, set()).add(int(entry.name))
+        stat = proc_stat(entry.name) if entry.name.isdigit() else None
+        if stat is not None:
+            children.setdefault(int(stat[1]), set()).add(int(entry.name))
     found, todo = set(), list(pids)
     while todo:
         pid = todo.pop()
@@ -67,14 +78,7 @@ def _with_descendants(pids: set[int]) -> set[int]:
 
 
 def _alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for pid in pids:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
-                alive.add(pid)
-        except OSError:
-            pass
-    return alive
+    return {pid for pid in pids if _live(pid)}
 
 
 def end_tagged(tag: str, grace_s: float = 10.0) -> set[int]:
@@ -104,9 +108,7 @@ def end_tagged(tag: str, grace_s: float = 10.0) -> set[int]:
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def free_ports(count: int) -> list[int]:
