@@ -50,7 +50,7 @@ def train_func(config: dict) -> None:
     model = rayzip.train.prepare_model(model, compression=rayzip.train.CompressionConfig(codec="group_topk",
                                                                                          density=0.05))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    saved = rayzip.train.restore(model, optimizer)  # memory first, then storage; {} on a fresh start
+    saved = rayzip.train.restore(model, optimizer)  # the newer of memory and storage; {} at the start
     start = saved.get("step", -1) + 1
     for step in range(start, config["steps"]):
         batch = torch.randint(0, len(x), (32,), generator=torch.Generator().manual_seed(step * world + rank))

@@ -32,7 +32,7 @@ def digits_loop(config: dict, ctx) -> None:
         loss = F.cross_entropy(model(x[idx]), y[idx])
         loss.backward()
         optimizer.step()
-        if config.get("snapshots"):
+        if config.get("snapshots") and step in config.get("snapshot_steps", (step,)):
             ctx.snapshot(step, model, optimizer, extra={"step": step})
         record = ctx.telemetry.end_step(step, float(loss))
         if every and (step + 1) % every == 0 and step + 1 < config["steps"]:

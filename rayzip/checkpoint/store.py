@@ -511,20 +511,23 @@ def _base_words(where: Path, checksum: str, names: set[str]) -> dict:
 
 # --- load ---------------------------------------------------------------------------------
 
-def read_manifest(directory: str | os.PathLike) -> dict:
+def read_manifest(directory: str | os.PathLike, opener: Callable[[str], bytes] | None = None) -> dict:
     """The manifest of checkpoint ``directory`` (``manifest.json.zst``, or the plain
     ``manifest.json`` of versions 2 to 4); :class:`CheckpointError` naming the file if it is
-    missing or not a manifest."""
-    directory = Path(directory)
-    path = directory / MANIFEST
+    missing or not a manifest. ``opener`` reads a file's bytes by its path (default: the
+    local disk's), for a checkpoint on another filesystem: cloud storage, read for its
+    manifest alone."""
+    read = opener or (lambda path: Path(path).read_bytes())
+    directory = str(directory).rstrip("/")
+    path = f"{directory}/{MANIFEST}"
     try:
-        text = zstandard.ZstdDecompressor().decompress(path.read_bytes(), max_output_size=MANIFEST_MOST_BYTES)
+        text = zstandard.ZstdDecompressor().decompress(read(path), max_output_size=MANIFEST_MOST_BYTES)
     except FileNotFoundError:
-        path = directory / PLAIN_MANIFEST
+        path = f"{directory}/{PLAIN_MANIFEST}"
         try:
-            text = path.read_bytes()
+            text = read(path)
         except FileNotFoundError:
-            raise CheckpointError(f"{directory / MANIFEST}: no manifest; not a rayzip checkpoint") from None
+            raise CheckpointError(f"{directory}/{MANIFEST}: no manifest; not a rayzip checkpoint") from None
     except zstandard.ZstdError as exc:
         raise CheckpointError(f"{path}: manifest cannot be decompressed ({exc})") from None
     try:
@@ -535,6 +538,16 @@ def read_manifest(directory: str | os.PathLike) -> dict:
             or manifest.get("version") not in READABLE_VERSIONS):
         raise CheckpointError(f"{path}: not a {FORMAT} v{VERSION} manifest")
     return manifest
+
+
+def manifest_entry(manifest: dict, key: str, default: Any = None) -> Any:
+    """A number, string or None saved at ``key`` of the checkpoint's top-level dict, from its
+    manifest alone (no tensor is read); ``default`` where there is none, or it is not such a leaf."""
+    tree = manifest.get("tree")
+    for name, value in (tree.get("$dict", []) if isinstance(tree, dict) else []):
+        if name == key:
+            return value if value is None or isinstance(value, (int, float, str)) else default
+    return default
 
 
 def _base_dir(directory: Path, manifest: dict) -> Path | None:

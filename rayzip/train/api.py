@@ -51,8 +51,8 @@ from ..engine import GradientExchange
 from ..torch.fsdp import ShardedExchange, ShardingConfig, compress_sharded, shard_model
 from ..torch.hook import compress, ddp_kwargs
 from ..torch.optim import default_compression, warn_for_optimizer
-from .checkpoints import (GroupCheckpoints, load_optimizer, load_trainer, restore_hook, restore_shards, save_shards,
-                          take_parts, take_shards, unwrap, write_parts, write_taken)
+from .checkpoints import (GroupCheckpoints, load_optimizer, load_trainer, newest_of, restore_hook, restore_shards,
+                          save_shards, take_parts, take_shards, unwrap, write_parts, write_taken)
 from ..keeper import DEFAULT_MAX_BYTES
 from .exchange import node_id
 from .probe import prepare_timed
@@ -287,8 +287,10 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     re-sharding error feedback when the world size changed. Every rank calls it.
 
     Without ``checkpoint``, the newest step that every rank's snapshot keeper holds complete
-    (:func:`snapshot`, under :func:`keep_snapshots`) comes first, checksums verified, and
-    ``ray.train.get_checkpoint()`` where the keepers hold nothing newer.
+    (:func:`snapshot`, under :func:`keep_snapshots`), checksums verified, or
+    ``ray.train.get_checkpoint()`` where the keepers hold nothing as new: a loop that
+    snapshots less often than it reports checkpoints resumes from whichever is newer, by the
+    compression state's step count that both hold.
 
     Args:
         model: the prepared model.
@@ -309,10 +311,13 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if snapshots is None:
         return _restore_storage(model, optimizer)
     with snapshots.newest_checkpoint() as memory:  # every rank, together
-        if memory is None:
-            return _restore_storage(model, optimizer)
-        print(f"rayzip: rank {snapshots.rank}: resuming from the newest in-memory snapshot that every rank holds")
-        return _restored_from("memory", restore_checkpoint(model, optimizer, memory))
+        checkpoint, source = newest_of(memory, ray.train.get_checkpoint())
+        if source == "memory":
+            print(f"rayzip: rank {snapshots.rank}: resuming from the newest in-memory snapshot that every rank holds")
+        elif memory is not None:
+            print(f"rayzip: rank {snapshots.rank}: resuming from the checkpoint in storage, newer than the newest "
+                  "in-memory snapshot that every rank holds")
+        return _restored_from(source, restore_checkpoint(model, optimizer, checkpoint))
 
 
 def _restore_storage(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:

@@ -26,13 +26,15 @@ from ..checkpoint import DeltaChain
 from ..checkpoint.background import BackgroundWriter, Deferred, SnapshotBuffers, snapshot
 from ..checkpoint import load as load_checkpoint
 from ..checkpoint import save as save_checkpoint
+from ..checkpoint.store import manifest_entry, read_manifest
 from ..codecs.memory import reshard_state
 from ..torch.optim import load_optimizer
 from ..xp import local_part
 
 __all__ = ["GroupCheckpoints", "OWN_SHARDS", "Parts", "SplitState", "holder_parts", "load_local_shards",
-           "load_optimizer", "load_shards", "load_trainer", "local_shards", "restore_hook", "restore_shards",
-           "save_shards", "take_parts", "take_shards", "unwrap", "write_parts", "write_shards", "write_taken"]
+           "load_optimizer", "load_shards", "load_trainer", "local_shards", "newest_of", "restore_hook",
+           "restore_shards", "save_shards", "take_parts", "take_shards", "trainer_step", "unwrap", "write_parts",
+           "write_shards", "write_taken"]
 
 SHARDS = "shards"  # a sharded model's folder in a checkpoint: DCP's .metadata and __<rank>/
 # A snapshot's restore folder (rayzip.train.snapshots): this rank's own shards, as its slot held
@@ -130,6 +132,35 @@ def load_trainer(path: Path, model: torch.nn.Module | None, chain: DeltaChain | 
         unwrap(model).load_state_dict(trainer["model"])
     torch.set_rng_state(trainer["torch_rng"])
     return trainer
+
+
+def trainer_step(checkpoint) -> int:
+    """The step after which a Ray Train checkpoint's trainer part was taken (its ``step``; -1
+    where it names none), from the part's manifest alone, read through the checkpoint's own
+    filesystem: a checkpoint in cloud storage is not downloaded for it."""
+    def read(path: str) -> bytes:
+        # compression=None: pyarrow would otherwise inflate the .zst by its name itself
+        with checkpoint.filesystem.open_input_stream(path, compression=None) as stream:
+            return stream.read()
+
+    step = manifest_entry(read_manifest(f"{checkpoint.path}/trainer", opener=read), "step", -1)
+    return step if isinstance(step, int) else -1
+
+
+def newest_of(memory, stored) -> tuple[Any, str]:
+    """(the checkpoint to resume from, where it comes from: ``memory``, ``storage`` or ``start``).
+
+    The in-memory snapshot (``memory``, a Ray Train checkpoint or None) unless the one in
+    storage is newer: a loop that snapshots less often than it checkpoints, a snapshot every
+    k steps, or a keeper that refused one. Both parts' steps come from the same counter (the
+    compression state's, or the built-in loop's step), so a tie, or parts that name no step,
+    keep memory, the faster read. Every rank gets the same two checkpoints (the snapshot step
+    is agreed by all-reduce, Ray Train's checkpoint is the run's), so every rank decides the same."""
+    if memory is None:
+        return stored, "storage" if stored is not None else "start"
+    if stored is not None and trainer_step(stored) > trainer_step(memory):
+        return stored, "storage"
+    return memory, "memory"
 
 
 def holder_parts(old_holders: dict[int, tuple[int, int]], new_holder: tuple[int, int] | None) -> dict[int, int]:

@@ -38,7 +38,7 @@ from ..comm.control import RankDisagreement
 from ..spec import BUILTIN_LOOPS, JobSpec, import_callable
 from ..torch.lr import learning_rate
 from ..torch.optim import build_optimizer
-from .checkpoints import GroupCheckpoints, Parts, take_parts, take_shards, unwrap, write_taken
+from .checkpoints import GroupCheckpoints, Parts, newest_of, take_parts, take_shards, unwrap, write_taken
 from .exchange import Exchange, build_exchange, compute_time
 from .faults import Faults
 from .records import StepRecord, Totals, held_bytes
@@ -130,7 +130,7 @@ def run_task(spec: JobSpec, config: dict, task: Task, exchange: Exchange) -> Non
         chain = DeltaChain(config["chain_dir"], spec.checkpoint.full_every, spec.checkpoint.num_to_keep)
     snapshots = open_snapshots(spec, config, exchange)
     with _newest_snapshot(snapshots) as memory:  # every rank, together
-        checkpoint, source = (memory, "memory") if memory is not None else _stored()
+        checkpoint, source = newest_of(memory, ray.train.get_checkpoint())
         start, saved = exchange.restore(checkpoint, chain)
     if source != "start":
         print(f"rayzip: rank {rank}: resuming at step {start} from {source}")
@@ -163,12 +163,6 @@ def _attempt(progress) -> int:
     this attempt shows only at its first step)."""
     seen = ray.get(progress.get_restarts.remote())
     return seen["restarts"] + (1 if seen["steps_run"] else 0)
-
-
-def _stored() -> tuple[Any, str]:
-    """Ray Train's checkpoint in storage and where a resume from it comes from."""
-    checkpoint = ray.train.get_checkpoint()
-    return checkpoint, "storage" if checkpoint is not None else "start"
 
 
 def open_snapshots(spec: JobSpec, config: dict, exchange: Exchange) -> Snapshots | None:
@@ -432,13 +426,13 @@ class LoopContext:
         return self._telemetry
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-        """:func:`rayzip.train.restore`, from the newest in-memory snapshot that every rank took
-        (:meth:`snapshot`) where there is one, else from the checkpoint in storage. Every rank
-        calls it."""
+        """:func:`rayzip.train.restore`: from the newest in-memory snapshot that every rank took
+        (:meth:`snapshot`), unless the checkpoint in storage is newer or there is none. Every
+        rank calls it."""
         from .api import restore_checkpoint
 
         with _newest_snapshot(self._open_snapshots(model)) as memory:  # every rank, together
-            checkpoint, self.resumed_source = (memory, "memory") if memory is not None else _stored()
+            checkpoint, self.resumed_source = newest_of(memory, ray.train.get_checkpoint())
             return restore_checkpoint(model, optimizer, checkpoint)
 
     def snapshot(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,

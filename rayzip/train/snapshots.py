@@ -11,9 +11,11 @@ write of its header, after its bytes; their checksum follows.
 On a restart every rank lists every keeper's slots and takes the newest step that the keepers
 hold complete (the trainer's part and each saved rank's), every rank agreeing by an
 all-reduce; that step's parts become an ordinary checkpoint folder that the loop's restore
-reads, so a world that changed size re-shards error feedback as it does from storage. A
-snapshot is taken at every checkpoint's step too, so the newest complete snapshot is never
-older than the newest checkpoint; with none complete, the restart reads storage.
+reads, so a world that changed size re-shards error feedback as it does from storage. The
+built-in loop takes a snapshot at every checkpoint's step too. A user's loop may snapshot less
+often than it checkpoints, and a keeper may refuse a snapshot, so the restart reads storage
+where its checkpoint is newer than the newest complete snapshot, or where there is none
+(:func:`rayzip.train.checkpoints.newest_of`).
 
 The slot format (little-endian): a 128-byte header (:data:`rayzip.keeper.HEADER`), each
 array's bytes, 64-byte aligned (their places stay put from step to step, so the copy is one

@@ -39,6 +39,12 @@ def _final_weights(summary: dict) -> dict:
     return checkpoint.load(os.path.join(summary["checkpoint"], "trainer"))["model"]
 
 
+def _assert_bitwise_equal(mine: dict, theirs: dict) -> None:
+    assert list(mine) == list(theirs)
+    for name in mine:
+        assert torch.equal(mine[name].view(torch.int32), theirs[name].view(torch.int32)), name
+
+
 def test_five_killed_workers_lose_no_step_and_end_bitwise_equal(local_ray, tmp_path):
     plain = run_job(_digits("snap-plain", snapshots=False), storage_path=str(tmp_path / "plain"))
     assert plain["restarts"] == 0 and plain["steps"] == STEPS
@@ -60,10 +66,7 @@ def test_five_killed_workers_lose_no_step_and_end_bitwise_equal(local_ray, tmp_p
     assert summary["steps_redone"] == 0
     # Weights, momentum, error feedback, velocities, RNG and the data position came back
     # exactly: the killed run ends where the uninterrupted run (no snapshots at all) ends.
-    mine, theirs = _final_weights(summary), _final_weights(plain)
-    assert list(mine) == list(theirs)
-    for name in mine:
-        assert torch.equal(mine[name].view(torch.int32), theirs[name].view(torch.int32)), name
+    _assert_bitwise_equal(_final_weights(summary), _final_weights(plain))
     assert summary["final_test_accuracy"] == plain["final_test_accuracy"]
     assert summary["metrics"]["snapshot_every"] == 1 and summary["metrics"]["mean_snapshot_s"] > 0
     # What the node held at the end: rank 0's two slots and rank 1's, under the bound.
@@ -119,10 +122,7 @@ def test_local_steps_killed_inside_a_round_lose_no_step_and_end_bitwise_equal(lo
     assert [r["resumed_at"] for r in summary["resumes"]] == [k + 1 for k in kills], summary["resumes"]
     for resume in summary["resumes"]:
         assert resume["source"] == "memory" and resume["steps_lost"] == 0, summary["resumes"]
-    mine, theirs = _final_weights(summary), _final_weights(stored)
-    assert list(mine) == list(theirs)
-    for name in mine:
-        assert torch.equal(mine[name].view(torch.int32), theirs[name].view(torch.int32)), name
+    _assert_bitwise_equal(_final_weights(summary), _final_weights(stored))
 
 
 def test_a_lost_node_resumes_from_the_surviving_keepers_snapshot(tmp_path):
@@ -155,22 +155,26 @@ def test_a_lost_node_resumes_from_the_surviving_keepers_snapshot(tmp_path):
     assert summary["final_test_accuracy"] >= 0.9, summary["history"]
 
 
-def _user_loop(name: str, snapshots: bool):
+def _user_loop(name: str, snapshots: bool, snapshot_steps: list[int] | None = None):
     from rayzip.spec import JobSpec
 
     return JobSpec.model_validate({
         "name": name,
         "training": {"loop": "user_loops:digits_loop", "lr": 0.05,
-                     "config": {"hidden": 64, "steps": 400, "checkpoint_every": 100, "snapshots": snapshots}},
+                     "config": {"hidden": 64, "steps": 400, "checkpoint_every": 100, "snapshots": snapshots,
+                                **({"snapshot_steps": snapshot_steps} if snapshot_steps else {})}},
         "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 3},
         "compression": {"codec": "group_topk", "density": 0.05, "momentum_correction": True},
         "snapshots": {"enabled": snapshots, "every": 1},
     })
 
 
-def test_a_user_loop_snapshots_through_the_context_and_loses_no_step(local_ray, tmp_path):
+def test_a_user_loop_snapshots_through_the_context_and_resumes_from_the_newer_copy(local_ray, tmp_path):
     """A spec-named user loop (``training.loop: module:function``) trains through the
-    context, and with ``ctx.snapshot`` after each step ``ctx.restore`` reads memory first."""
+    context and is killed twice. While it calls ``ctx.snapshot`` after each step,
+    ``ctx.restore`` reads memory and loses no step; once it has stopped, and the checkpoint in
+    storage is newer than its last snapshot, it reads storage. The run ends where the
+    uninterrupted run ends, bit for bit."""
     plain = run_job(_user_loop("snap-user-plain", snapshots=False), storage_path=str(tmp_path / "plain"))
     # The user's report is the summary's last metrics; the context's model exchanged
     # compressed gradients (group top-k at 5%: over 10x fewer bytes than a dense ring).
@@ -179,16 +183,18 @@ def test_a_user_loop_snapshots_through_the_context_and_loses_no_step(local_ray, 
     last = plain["metrics"]
     assert last["compressed"] and last["dense_bytes"] / last["bytes_sent"] > 10, last
     assert checkpoint.verify(os.path.join(plain["checkpoint"], "rank1"))["tensors"] > 0  # rank 1's compression state
-    kill, killed = killer((150,))
-
-    summary = run_job(_user_loop("snap-user-killed", snapshots=True), storage_path=str(tmp_path / "killed"),
-                      on_progress=kill)
-    assert len(killed) == 1 and summary["restarts"] == 1, (killed, summary["resumes"])
-    for resume in summary["resumes"]:
-        assert resume["source"] == "memory" and resume["steps_lost"] == 0, summary["resumes"]
-    mine, theirs = _final_weights(summary), _final_weights(plain)
-    for name in mine:
-        assert torch.equal(mine[name].view(torch.int32), theirs[name].view(torch.int32)), name
+    # Snapshots after steps 0 to 189 only, checkpoints after 99, 199 and 299. The first kill,
+    # at step 120 or a little later (wherever rank 0 is when the driver polls), resumes from
+    # memory at the next step; the second, past step 330, from the checkpoint in storage,
+    # newer than the snapshot of step 189.
+    kill, killed = killer((120, 330))
+    summary = run_job(_user_loop("snap-user-killed", snapshots=True, snapshot_steps=list(range(190))),
+                      storage_path=str(tmp_path / "killed"), on_progress=kill)
+    assert len(killed) == 2 and summary["restarts"] == 2, (killed, summary["resumes"])
+    first, second = summary["resumes"]
+    assert first["source"] == "memory" and first["steps_lost"] == 0 and first["resumed_at"] < 190, first
+    assert second["source"] == "storage" and second["resumed_at"] in (200, 300), second
+    _assert_bitwise_equal(_final_weights(summary), _final_weights(plain))
 
 
 def _snapshot_example():
@@ -220,10 +226,8 @@ def test_a_plain_torchtrainer_loop_resumes_from_memory_and_ends_bitwise_equal(lo
     assert (resume["last_step"], resume["resumed_at"], resume["source"]) == (130, 131, "memory"), resume
     assert resume["cause"] == "worker_failure" and resume["seconds"] > 0, resume
     assert (resume["world_before"], resume["world_after"]) == (2, 2), resume
-    mine, theirs = (checkpoint.load(os.path.join(r.checkpoint.path, "trainer"))["model"] for r in (killed, plain))
-    assert list(mine) == list(theirs)
-    for name in mine:
-        assert torch.equal(mine[name].view(torch.int32), theirs[name].view(torch.int32)), name
+    _assert_bitwise_equal(*(checkpoint.load(os.path.join(r.checkpoint.path, "trainer"))["model"]
+                            for r in (killed, plain)))
     assert killed.metrics["test_accuracy"] == plain.metrics["test_accuracy"] >= 0.9
     # The node's keeper held both ranks' slots, and nothing is left once the block ends.
     (usage,) = kept.memory.values()
