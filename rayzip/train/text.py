@@ -23,6 +23,7 @@ Usage::
 
 from __future__ import annotations
 
+import os
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -50,8 +51,15 @@ class TextSplits:
 def stdlib_files(root: str | Path | None = None) -> list[tuple[str, Path]]:
     """(relative path, path) of every stdlib source file that the dataset reads, sorted."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
-    files = [(p.relative_to(root).as_posix(), p) for p in root.rglob("*.py")
-             if not _LEFT_OUT.intersection(p.relative_to(root).parts[:-1])]
+    files = []
+    # A walk that never enters what is left out: site-packages can hold far more files
+    # than the stdlib (every rank of a GPT run lists them).
+    for directory, subdirectories, names in os.walk(root):
+        subdirectories[:] = [d for d in subdirectories if d not in _LEFT_OUT]
+        for name in names:
+            if name.endswith(".py"):
+                path = Path(directory, name)
+                files.append((path.relative_to(root).as_posix(), path))
     return sorted(files)
 
 
