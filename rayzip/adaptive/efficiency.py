@@ -91,15 +91,21 @@ class EfficiencyModel:
             return self.prior()
         gaps = np.diff(steps)  # steps the controller did not combine count at the previous compression
         log_prior = -0.5 * ((GAMMAS - self.prior_gamma) / self.prior_sd) ** 2
-        log_like = np.empty_like(GAMMAS)
         n = len(points)
-        for i, gamma in enumerate(GAMMAS):
-            tau = np.concatenate([[0.0], np.cumsum(compressions[:-1] ** -gamma * gaps)])
-            tau = 2 * tau / tau[-1] - 1  # on [-1, 1], for a well-conditioned fit
-            design = np.stack([tau ** k for k in range(DEGREE + 1)], axis=1)
-            coef = np.linalg.lstsq(design, y, rcond=None)[0]
-            rss = float(np.sum((design @ coef - y) ** 2))
-            log_like[i] = -0.5 * n * math.log(max(rss, 1e-300))
+        # Every gamma of the grid at once (a decision fits the whole window each time): tau
+        # for each, on [-1, 1] for a well-conditioned fit, the curve's least squares through
+        # the normal equations of the polynomial designs, and the residuals themselves.
+        steps_worth = compressions[None, :-1] ** -GAMMAS[:, None] * gaps[None, :]
+        tau = np.concatenate([np.zeros((len(GAMMAS), 1)), np.cumsum(steps_worth, axis=1)], axis=1)
+        tau = 2 * tau / tau[:, -1:] - 1
+        design = np.empty(tau.shape + (DEGREE + 1,))
+        design[:, :, 0] = 1.0
+        for k in range(1, DEGREE + 1):
+            design[:, :, k] = design[:, :, k - 1] * tau
+        transposed = design.transpose(0, 2, 1)
+        coef = np.linalg.solve(transposed @ design, transposed @ y[None, :, None])
+        rss = np.sum(((design @ coef)[:, :, 0] - y) ** 2, axis=1)
+        log_like = -0.5 * n * np.log(np.maximum(rss, 1e-300))
         log_post = log_like + log_prior
         weights = np.exp(log_post - log_post.max())
         weights /= weights.sum()

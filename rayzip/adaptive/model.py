@@ -160,9 +160,12 @@ class StepModel:
         self.link: LinkFit | None = None
         self.fitted_at = 0.0
         self.alpha_known = False  # some window's payloads varied enough to fit the latency
+        self.added = 0  # samples added so far: what compute_s' memo is valid for
+        self._compute: tuple[tuple[int, float], float] | None = None
 
     def add(self, sample: StepSample) -> None:
         self.samples.append(sample)
+        self.added += 1
         (self.dense if sample.density is None else self.compressed).append(sample)
 
     def add_link(self, messages: float, nbytes: float, seconds: float, at: float) -> None:
@@ -207,8 +210,11 @@ class StepModel:
         if not self.samples:
             return 0.0
         now = self.samples[-1].at if now is None else now
-        recent = self._window(self.samples, now) or [self.samples[-1]]
-        return float(statistics.median(s.compute_s for s in recent))
+        # A decision predicts every candidate from the same samples: the median once.
+        if self._compute is None or self._compute[0] != (self.added, now):
+            recent = self._window(self.samples, now) or [self.samples[-1]]
+            self._compute = (self.added, now), float(statistics.median(s.compute_s for s in recent))
+        return self._compute[1]
 
     def predict(self, density: float | None) -> Prediction:
         """The step at kept fraction ``density`` (None: dense) on the link as fitted now."""
