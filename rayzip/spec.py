@@ -405,6 +405,19 @@ class LocalStepsSpec(_Strict):
                                              "in flight), and the link's time hides behind compute. Evaluations, "
                                              "checkpoints and the last step still synchronize in full.")
 
+    def to_config(self):
+        """The library's :class:`rayzip.torch.local_steps.LocalStepsConfig`, for a loop of your
+        own (``training.loop: module:function``); a tuned or overlapped H runs in rayzip's
+        built-in loops only."""
+        from .torch.local_steps import LocalStepsConfig
+
+        for field, on in (("local_steps.adaptive", self.adaptive), ("local_steps.overlap", self.overlap)):
+            if on:
+                raise ValueError(f"{field} runs in rayzip's built-in loops only, not in a loop of your own; "
+                                 f"set {field} to false")
+        return LocalStepsConfig(every=self.every, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
+                                nesterov=self.nesterov)
+
 
 class ShardingSpec(_Strict):
     """FSDP2 sharding: ``fsdp`` shards the model over every worker; ``hsdp`` shards it over
@@ -622,6 +635,15 @@ class JobSpec(_Strict):
         if self.adaptive.enabled:
             raise ValueError("adaptive.enabled tunes the density of per-step compression; local steps keep the spec's "
                              "density and tune H themselves: set local_steps.adaptive instead")
+        if ":" in self.training.loop:
+            # A loop of your own: prepare_model counts its optimizer steps, and its reports
+            # may fall inside a round (each rank's own parameters go with them).
+            local.to_config()  # names what does not run there
+            for what, on in (("compression.collective ps", c.collective == "ps"), ("sharding", self.sharding.enabled)):
+                if on:
+                    raise ValueError(f"local_steps with {what} runs in rayzip's built-in loops only, not in a loop "
+                                     "of your own")
+            return self
         every = local.every
         if local.adaptive:
             if not local.min_every <= every <= local.max_every:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rayzip.train import compression_state
 from rayzip.train.data import digits, shard
 
 
@@ -38,9 +39,14 @@ def digits_loop(config: dict, ctx) -> None:
         if every and (step + 1) % every == 0 and step + 1 < config["steps"]:
             ctx.report({"step": step, "loss": float(loss)}, model=model, optimizer=optimizer, extra={"step": step})
         if step + 1 == config["steps"]:
+            if ctx.spec.local_steps.enabled:  # every rank: evaluate the model they all train
+                compression_state(model).synchronize()
             with torch.no_grad():
                 accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
+            totals = compression_state(model).totals if compression_state(model) is not None else {}
             ctx.report({"step": step, "loss": float(loss), "test_accuracy": accuracy,
                         "bytes_sent": record.traffic.bytes_sent, "dense_bytes": record.traffic.dense_bytes,
-                        "compressed": record.traffic.compressed, "world_size": ctx.world},
+                        "compressed": record.traffic.compressed, "world_size": ctx.world,
+                        # the run's, which the summary's wire_reduction reads
+                        "total_bytes_sent": totals.get("bytes_sent", 0), "total_dense_bytes": totals.get("dense_bytes", 0)},
                        model=model, optimizer=optimizer, extra={"step": step})

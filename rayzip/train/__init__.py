@@ -14,7 +14,7 @@ from importlib import import_module
 # package's other modules (checkpoints, the GPT, the text data) are used where Ray is not.
 _WHERE = {"CompressionConfig": "api", "compression_state": "api", "flush": "api", "keep_snapshots": "api",
           "prepare_model": "api", "report": "api", "restore": "api", "save_checkpoint": "api", "snapshot": "api",
-          "ShardingConfig": "api", "StepRecord": "records", "Totals": "records", "Traffic": "records",
+          "ShardingConfig": "api", "LocalStepsConfig": "api", "StepRecord": "records", "Totals": "records", "Traffic": "records",
           "Telemetry": "telemetry", "LoopContext": "loop", "Faults": "faults"}
 
 
@@ -26,6 +26,6 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["CompressionConfig", "Faults", "LoopContext", "ShardingConfig", "StepRecord", "Telemetry", "Totals", "Traffic",
+__all__ = ["CompressionConfig", "Faults", "LocalStepsConfig", "LoopContext", "ShardingConfig", "StepRecord", "Telemetry", "Totals", "Traffic",
            "compression_state", "flush", "keep_snapshots", "prepare_model", "report", "restore", "save_checkpoint",
            "snapshot"]

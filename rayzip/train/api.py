@@ -45,20 +45,22 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from ..spec import CompressionSpec, ShardingSpec
+from ..spec import CompressionSpec, LocalStepsSpec, ShardingSpec
 from ..engine.config import CompressionConfig
 from ..engine import GradientExchange
 from ..torch.fsdp import ShardedExchange, ShardingConfig, compress_sharded, shard_model
 from ..torch.hook import compress, ddp_kwargs
+from ..torch.local_steps import LocalSteps, LocalStepsConfig, sparseloco_compression
 from ..torch.optim import default_compression, warn_for_optimizer
 from .checkpoints import (GroupCheckpoints, load_optimizer, load_trainer, newest_of, restore_hook, restore_shards,
                           save_shards, take_parts, take_shards, unwrap, write_parts, write_taken)
 from ..keeper import DEFAULT_MAX_BYTES
 from .exchange import node_id
+from .local import OwnLoopLocalSteps, own_gradient_hook
 from .probe import prepare_timed
 
-__all__ = ["CompressionConfig", "KeptSnapshots", "ShardingConfig", "compression_state", "flush", "keep_snapshots",
-           "prepare_model", "report", "restore", "save_checkpoint", "snapshot"]
+__all__ = ["CompressionConfig", "KeptSnapshots", "LocalStepsConfig", "ShardingConfig", "compression_state", "flush",
+           "keep_snapshots", "prepare_model", "report", "restore", "save_checkpoint", "snapshot"]
 
 _ATTRIBUTE = "_rayzip_compression_state"
 
@@ -77,6 +79,7 @@ FOR_OPTIMIZER = _ForOptimizer()
 def prepare_model(model: torch.nn.Module,
                   compression: CompressionConfig | CompressionSpec | None | _ForOptimizer = FOR_OPTIMIZER, *,
                   sharding: ShardingConfig | ShardingSpec | None = None,
+                  local_steps: LocalStepsConfig | LocalStepsSpec | None = None,
                   momentum: float | None = None, adam_betas: tuple[float, float] | None = None,
                   on_nonfinite: str = "raise", grad_scaler: torch.amp.GradScaler | None = None,
                   optimizer: torch.optim.Optimizer | str | None = None, **prepare_kwargs: Any) -> torch.nn.Module:
@@ -97,6 +100,17 @@ def prepare_model(model: torch.nn.Module,
             averages each gradient shard between the groups (without a codec, FSDP2's own
             HSDP does, densely); :func:`report` and :func:`restore` then write and read each
             rank's shards through ``torch.distributed.checkpoint``.
+        local_steps: train with local steps instead of averaging every gradient
+            (:class:`rayzip.train.LocalStepsConfig`, or a job spec's ``local_steps``
+            section): each rank's ``optimizer.step()`` is its own, on its own gradient (what
+            your code sees after ``backward()`` stays that gradient), and after every H-th
+            the ranks' pseudo-gradients are averaged through ``compression`` (left out:
+            :func:`rayzip.torch.local_steps.sparseloco_compression`, which holds quality
+            under AdamW) and an outer step sets every rank's parameters alike.
+            Build one optimizer for the model; your loop calls nothing more
+            (:mod:`rayzip.train.local`). :func:`report` and :func:`restore` then need the
+            optimizer, which holds each rank's own state. Not with ``sharding``,
+            ``grad_scaler`` or a codec's momentum or Adam correction.
         momentum: the SGD momentum, with ``compression.momentum_correction``: build the
             optimizer with momentum 0 where :func:`compression_state` is not None, with this
             momentum where it is.
@@ -117,7 +131,16 @@ def prepare_model(model: torch.nn.Module,
 
         model = rayzip.train.prepare_model(model, optimizer="adamw")  # 4-bit DCT, which holds AdamW's quality
         model = rayzip.train.prepare_model(model, compression=CompressionConfig(codec="group_topk", density=0.01))
+        model = rayzip.train.prepare_model(model, local_steps=LocalStepsConfig(every=4))  # SparseLoCo's outer updates
     """
+    if isinstance(local_steps, LocalStepsSpec):
+        local_steps = local_steps.to_config() if local_steps.enabled else None
+    if local_steps is not None:
+        if compression is FOR_OPTIMIZER:
+            compression = sparseloco_compression()
+        elif isinstance(compression, CompressionSpec):
+            compression = compression.to_config()
+        return _prepare_local(model, local_steps, compression, sharding, on_nonfinite, grad_scaler, prepare_kwargs)
     if compression is FOR_OPTIMIZER:
         compression = default_compression(optimizer) if optimizer is not None else None
         optimizer = None  # chosen for it: nothing to warn of
@@ -145,6 +168,36 @@ def prepare_model(model: torch.nn.Module,
     return prepared
 
 
+def _prepare_local(model: torch.nn.Module, config: LocalStepsConfig, compression: CompressionConfig | None,
+                   sharding, on_nonfinite: str, grad_scaler: torch.amp.GradScaler | None,
+                   prepare_kwargs: dict) -> torch.nn.Module:
+    if sharding is not None and not (isinstance(sharding, ShardingSpec) and not sharding.enabled):
+        raise ValueError("local steps on a sharded model run under `rayzip run` (sharding.mode hsdp with "
+                         "local_steps), not through prepare_model yet")
+    if grad_scaler is not None:
+        # A scaler skips a rank's step on its own, and the ranks' step counts would part.
+        raise ValueError("local steps take no grad_scaler: each rank's optimizer steps on its own, and a skipped "
+                         "step would put the ranks' synchronizations apart; use bf16 autocast, which needs none")
+    if compression is not None and (compression.momentum_correction or compression.adam_correction):
+        raise ValueError("local steps keep momentum in the inner and outer optimizers: set momentum_correction "
+                         "and adam_correction to false")
+    kwargs = dict(prepare_kwargs.pop("parallel_strategy_kwargs", None) or {})
+    # No collective in a forward: after the start, each rank's buffers are its own.
+    kwargs.setdefault("forward_sync_buffers", False)
+    prepared, _ = prepare_timed(model, parallel_strategy_kwargs=kwargs, **prepare_kwargs)
+    context = ray.train.get_context()
+    world = context.get_world_size()
+    if isinstance(prepared, DistributedDataParallel):
+        prepared.register_comm_hook(None, own_gradient_hook)
+    # After DDP's broadcast of rank 0's parameters: every rank's round starts from the same.
+    local = LocalSteps(unwrap(prepared).named_parameters(), every=config.every, outer_lr=config.outer_lr,
+                       outer_momentum=config.outer_momentum, nesterov=config.nesterov, compression=compression,
+                       on_nonfinite=on_nonfinite, node_key=node_id())
+    state = OwnLoopLocalSteps(prepared, local, context.get_world_rank(), world)
+    object.__setattr__(prepared, _ATTRIBUTE, state)
+    return prepared
+
+
 def _prepare_sharded(model: torch.nn.Module, compression: CompressionConfig | None, sharding: ShardingConfig,
                      momentum: float | None, adam_betas: tuple[float, float] | None, on_nonfinite: str,
                      grad_scaler: torch.amp.GradScaler | None) -> torch.nn.Module:
@@ -162,11 +215,18 @@ def _prepare_sharded(model: torch.nn.Module, compression: CompressionConfig | No
     return model
 
 
+def snapshot_slots(model: torch.nn.Module) -> int:
+    """The snapshots each rank keeps: under local steps a round's and one (a rank runs on
+    alone until the next synchronization after another dies), else two."""
+    state = compression_state(model)
+    return state.snapshot_slots if isinstance(state, OwnLoopLocalSteps) else 2
+
+
 def _is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def compression_state(model: torch.nn.Module) -> GradientExchange | ShardedExchange | None:
+def compression_state(model: torch.nn.Module) -> GradientExchange | ShardedExchange | OwnLoopLocalSteps | None:
     """The engine behind a prepared model's hook.
 
     Args:
@@ -174,7 +234,9 @@ def compression_state(model: torch.nn.Module) -> GradientExchange | ShardedExcha
 
     Returns:
         Its :class:`~rayzip.engine.GradientExchange` (``last_step``, ``set_density``,
-        ``propose``...), a sharded model's :class:`~rayzip.torch.fsdp.ShardedExchange`, or
+        ``propose``...), a sharded model's :class:`~rayzip.torch.fsdp.ShardedExchange`, under
+        local steps a :class:`~rayzip.train.local.OwnLoopLocalSteps` (``local``, ``step``,
+        ``synchronize()`` before evaluating inside a round), or
         None at world size 1, for a sharded model with nothing to exchange between shard
         groups, or for a model that :func:`prepare_model` did not prepare.
     """
@@ -183,6 +245,8 @@ def compression_state(model: torch.nn.Module) -> GradientExchange | ShardedExcha
 
 def _trainer_part(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None):
     state = compression_state(model)
+    if isinstance(state, OwnLoopLocalSteps):
+        state.bind(optimizer)
 
     def trainer() -> dict:
         sharded = _is_sharded(model)  # every rank's shards go to save_shards' folder instead
@@ -349,7 +413,9 @@ def restore_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
         trainer = load_trainer(path, model)
         if optimizer is not None and trainer.get("optimizer") is not None:
             load_optimizer(optimizer, trainer["optimizer"])
-        if state is not None:
+        if isinstance(state, OwnLoopLocalSteps):  # each rank's own optimizer and round, after rank 0's
+            state.bind(optimizer).restore(path, trainer)
+        elif state is not None:
             restore_hook(path, context.get_world_rank(), context.get_world_size(), trainer, state)
     return dict(trainer.get("extra") or {})
 
@@ -533,7 +599,7 @@ def _snapshots(model: torch.nn.Module, asked: bool = False):
                                "snapshot() keeps nothing, and restarts resume from the checkpoint in storage")
         else:
             _SNAPSHOTS[key] = Snapshots(keepers, rank, world, ray.get_runtime_context().get_node_id(),
-                                        settings["every"], sharded=_is_sharded(model))
+                                        settings["every"], slots=snapshot_slots(model), sharded=_is_sharded(model))
     found = _SNAPSHOTS[key]
     if isinstance(found, str):  # why there are none, said once, by the first snapshot()
         if asked and found:

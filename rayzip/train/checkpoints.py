@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from ..checkpoint.store import manifest_entry, read_manifest
 from ..codecs.memory import reshard_state
 from ..torch.optim import load_optimizer
 from ..xp import local_part
+
+if TYPE_CHECKING:
+    from ..torch.local_steps import LocalSteps
 
 __all__ = ["GroupCheckpoints", "OWN_SHARDS", "Parts", "SplitState", "holder_parts", "load_local_shards",
            "load_optimizer", "load_shards", "load_trainer", "local_shards", "newest_of", "restore_hook",
@@ -210,6 +213,73 @@ def restore_hook(path: Path, rank: int, world: int, trainer: dict, state) -> Non
         print(f"rayzip: rank {rank}: world size {old_world} -> {world}: error feedback re-sharded from "
               f"rank(s) {sorted(parts) or 'none'}")
     state.step = trainer["step"] + 1
+
+
+class LocalStepsState(SplitState):
+    """A :class:`LocalSteps` as the loop's checkpoints see a hook's state: ``state_dict`` is
+    this rank's part, ``holders`` every rank. A snapshot takes the round's start (the
+    synchronized parameters, error feedback, the outer optimizer) once a round."""
+
+    def __init__(self, local: LocalSteps, optimizer: torch.optim.Optimizer, rank: int, world: int,
+                 model: torch.nn.Module):
+        self.local, self.optimizer, self.rank, self.world, self.model = local, optimizer, rank, world, model
+
+    @property
+    def holders(self) -> dict[int, tuple[int, int]]:
+        return {r: (r, self.world) for r in range(self.world)}
+
+    def state_dict(self) -> dict:
+        """At a synchronization; between them (a snapshot's), with this rank's own parameters
+        and the round's state (:meth:`LocalSteps.round_state_dict`)."""
+        if self.local.mid_round:
+            return {"round": self.local.round_state_dict(), "inner_optimizer": self.optimizer.state_dict(),
+                    "own_model": unwrap(self.model).state_dict()}
+        return {"local_steps": self.local.state_dict(), "inner_optimizer": self.optimizer.state_dict()}
+
+    def split_state_dict(self) -> tuple[dict, int, Callable[[], dict]]:
+        """A snapshot's: the round's start, and this rank's own parameters and inner optimizer
+        with the round's inner steps (at a synchronization too: a round of none)."""
+        own = {"round_step": self.local.round_step_dict(), "inner_optimizer": self.optimizer.state_dict(),
+               "own_model": unwrap(self.model).state_dict()}
+        return own, self.local.generation, lambda: {"round": self.local.round_start_dict()}
+
+    def _load(self, saved: dict, compression: dict | None = None) -> None:
+        load_optimizer(self.optimizer, saved["inner_optimizer"])
+        if "round" in saved:  # between synchronizations: this rank's own parameters, then the round
+            unwrap(self.model).load_state_dict(saved["own_model"])
+            # A snapshot's round is in two parts (split_state_dict), a checkpoint's in one.
+            self.local.load_round_state_dict({**saved["round"], **saved.get("round_step", {})},
+                                             compression=compression)
+        else:
+            self.local.load_state_dict(saved["local_steps"], compression=compression)
+
+    def restore(self, path: Path, trainer: dict) -> None:
+        """This rank's part when the world is unchanged; after a resize, rank r takes the
+        inner optimizer of old rank r mod the old world, and error feedback is re-sharded so
+        that the pending mean is kept (:func:`rayzip.codecs.memory.reshard_state`)."""
+        old_world = int(trainer["world_size"])
+        own = path / f"rank{self.rank}"
+        if old_world == self.world and own.exists():
+            self._load(load_checkpoint(own)["hook"])
+            return
+        kept = [r for r in range(old_world) if (path / f"rank{r}").exists()]
+        if not kept:
+            raise FileNotFoundError(f"{path}: the checkpoint lacks the local-steps state of every rank")
+        # Old rank r mod the old world; where its part was lost with its node (a snapshot's
+        # restore), the next one kept.
+        donor = next(r for r in (*range(self.rank % old_world, old_world), *range(old_world)) if r in kept)
+        sharded = [r for r in kept if r % self.world == self.rank]
+        parts = {r: load_checkpoint(path / f"rank{r}")["hook"] for r in sorted({donor, *sharded})}
+        saved = parts[donor]
+        key = "round" if "round" in saved else "local_steps"
+        compression = saved[key].get("compression")
+        if compression is not None:
+            memory = {r: parts[r][key]["compression"]["memory"] for r in sharded}
+            compression = {**compression, "memory": reshard_state(memory, old_world, self.world, self.rank),
+                           "drained": False, "collective": {}}
+        self._load(saved, compression)  # between synchronizations: the donor's own parameters
+        print(f"rayzip: rank {self.rank}: world size {old_world} -> {self.world}: local steps resume from rank "
+              f"{donor}'s inner optimizer; error feedback re-sharded")
 
 
 def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,

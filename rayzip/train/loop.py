@@ -396,6 +396,7 @@ class LoopContext:
         from .api import prepare_model
 
         self.model = prepare_model(model, compression=self.spec.compression, sharding=self.spec.sharding,
+                                   local_steps=self.spec.local_steps,
                                    on_nonfinite=self.spec.training.on_nonfinite,
                                    momentum=self.spec.training.momentum if self.spec.compression.momentum_correction
                                    else None, adam_betas=tuple(self.spec.training.betas),
@@ -451,12 +452,13 @@ class LoopContext:
             snapshots.after_step(step, *_trainer_part(model, optimizer, extra), shards=shards)
 
     def _open_snapshots(self, model: torch.nn.Module) -> Snapshots | None:
-        from .api import _is_sharded
+        from .api import _is_sharded, snapshot_slots
 
         if self._snapshots is None and self.spec.snapshots.enabled and self._config.get("keepers") is not None:
             self._snapshots = Snapshots(_keepers(self.spec, self._config), self.rank,
                                         self.world, ray.get_runtime_context().get_node_id(),
-                                        self.spec.snapshots.every, sharded=_is_sharded(model))
+                                        self.spec.snapshots.every, slots=snapshot_slots(model),
+                                        sharded=_is_sharded(model))
         return self._snapshots
 
     def report(self, metrics: dict, model: torch.nn.Module | None = None,

@@ -67,6 +67,7 @@ ALIGN = 64
 COST_SHARE = 0.05  # snapshots every step while they cost at most this share of it
 MEASURED = 5  # auto: snapshots measured once every slot is made (the first write of each is left out)
 STABLE_SLOTS = 2  # a rank's slots of a SplitState's stable part
+MAX_SNAPSHOT_SLOTS = 33  # the most a rank keeps (local steps: a round's steps and one)
 
 
 _KEEPER_ACTOR = None

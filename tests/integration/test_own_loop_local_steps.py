@@ -1,0 +1,164 @@
+"""Local steps driven by a user's own ``optimizer.step()`` (``prepare_model(local_steps=...)``,
+rayzip.train.local), on real gloo ranks: DDP with a hook that sends nothing, torch's
+optimizer hooks counting the inner steps, against LocalSteps driven by hand. Under Ray
+Train, with restarts: tests/system/test_snapshots.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gloo_world import run_world
+from rayzip.torch import CompressionConfig
+from rayzip.torch.local_steps import LocalSteps
+from rayzip.torch.muon import MuonWithAdamW
+from rayzip.train.local import OwnLoopLocalSteps, own_gradient_hook
+
+EVERY, STEPS = 3, 7  # a round of 3, two rounds and a step of the third
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _micro_batches(rank: int, step: int):
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return [(torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)) for _ in range(2)]
+
+
+def _local(model, policy="raise"):
+    return LocalSteps(model.named_parameters(), every=EVERY, outer_lr=1.0, outer_momentum=0.0,
+                      compression=CompressionConfig(codec="group_topk", density=0.25, collective="allgather"),
+                      on_nonfinite=policy)
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+
+
+def _own_loop_rank(rank, world):
+    """The user's loop: DDP, two micro-batches under no_sync(), clipping, optimizer.step()
+    and nothing else; beside it, the same model stepped by hand with LocalSteps."""
+    ddp = torch.nn.parallel.DistributedDataParallel(_model(), forward_sync_buffers=False)
+    ddp.register_comm_hook(None, own_gradient_hook)
+    adapter = OwnLoopLocalSteps(ddp, _local(ddp.module), rank, world)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    by_hand = _model()
+    local = _local(by_hand)
+    reference = torch.optim.AdamW(by_hand.parameters(), lr=1e-2)
+    mine, theirs, grads = [], [], []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        reference.zero_grad()
+        first, second = _micro_batches(rank, step)
+        with ddp.no_sync():
+            torch.nn.functional.cross_entropy(ddp(first[0]), first[1]).backward()
+        torch.nn.functional.cross_entropy(ddp(second[0]), second[1]).backward()
+        for x, y in (first, second):
+            torch.nn.functional.cross_entropy(by_hand(x), y).backward()
+        grads.append(torch.equal(_grads(ddp.module), _grads(by_hand)))  # this rank's own, not the mean
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(by_hand.parameters(), 1.0)
+        optimizer.step()
+        assert local.gradient_ok(step)
+        reference.step()
+        local.after_inner_step()
+        mine.append(_flat(ddp.module))
+        theirs.append(_flat(by_hand))
+    assert adapter.optimizer is optimizer and adapter.step == STEPS and adapter.local.rounds == STEPS // EVERY
+    traffic = adapter.last_step  # an inner step: nothing sent, against DDP's ring
+    return (mine, theirs, grads, traffic.bytes_sent, traffic.dense_bytes,
+            (adapter.local.last_sync.bytes_sent, local.last_sync.bytes_sent))
+
+
+def _grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters()]).clone()
+
+
+def test_a_users_optimizer_steps_drive_local_steps_as_by_hand():
+    ranks = run_world(_own_loop_rank, 2, timeout_s=120)
+    for rank, (mine, theirs, grads, sent, dense, synced) in enumerate(ranks):
+        assert all(grads), rank  # after backward the code sees this rank's own gradient
+        for step, (a, b) in enumerate(zip(mine, theirs)):
+            assert torch.equal(a, b), (rank, step)
+        assert sent == 0 and dense == 2 * 4 * sum(p.numel() for p in _model().parameters()) // 2
+        assert synced[0] == synced[1] and 0 < synced[0] < dense / 2  # a synchronization's, compressed
+    # Inside a round the ranks part; at each synchronization (after steps 3 and 6) they meet.
+    (mine0, *_), (mine1, *_) = ranks
+    for step in range(STEPS):
+        assert torch.equal(mine0[step], mine1[step]) == ((step + 1) % EVERY == 0), step
+
+
+def _nonfinite_rank(rank, world):
+    ddp = torch.nn.parallel.DistributedDataParallel(_model(), forward_sync_buffers=False)
+    ddp.register_comm_hook(None, own_gradient_hook)
+    adapter = OwnLoopLocalSteps(ddp, _local(ddp.module, policy="skip"), rank, world)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    start = _flat(ddp.module)
+    after = []
+    for step in range(2 * EVERY):
+        optimizer.zero_grad()
+        x, y = _micro_batches(rank, step)[0]
+        if rank == 1 and step == 1:
+            x = x * float("nan")
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        before = _flat(ddp.module)
+        optimizer.step()
+        if rank == 1 and step == 1:  # this rank's inner step was skipped, its moments untouched
+            assert adapter.skipped and torch.equal(_flat(ddp.module), before)
+            assert all(optimizer.state[p]["step"] == 1 for p in ddp.parameters())
+        after.append(_flat(ddp.module))
+    return start, after, adapter.step, adapter.local.rounds
+
+
+def test_a_nonfinite_gradient_skips_the_ranks_step_and_drops_the_round_on_every_rank():
+    ranks = run_world(_nonfinite_rank, 2, timeout_s=120)
+    (start0, after0, steps0, rounds0), (start1, after1, steps1, rounds1) = ranks
+    assert steps0 == steps1 == 2 * EVERY and rounds0 == rounds1 == 2
+    # The first round is dropped on both ranks: back at the start, together.
+    assert torch.equal(after0[EVERY - 1], start0) and torch.equal(after1[EVERY - 1], start1)
+    assert torch.equal(start0, start1)
+    # The second goes through, on both alike.
+    assert torch.equal(after0[-1], after1[-1]) and not torch.equal(after0[-1], start0)
+
+
+def _muon_rank(rank, world):
+    ddp = torch.nn.parallel.DistributedDataParallel(_model(), forward_sync_buffers=False)
+    ddp.register_comm_hook(None, own_gradient_hook)
+    adapter = OwnLoopLocalSteps(ddp, _local(ddp.module), rank, world)
+    optimizer = MuonWithAdamW(ddp.module, lr=1e-2)  # steps its Muon and AdamW parts inside its own step
+    for step in range(EVERY):
+        optimizer.zero_grad()
+        x, y = _micro_batches(rank, step)[0]
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    counted = (adapter.step, adapter.local.rounds, adapter.optimizer is optimizer)
+    second = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    try:
+        second.step()
+    except ValueError as error:
+        return counted, str(error)
+    return counted, None
+
+
+def test_an_optimizer_with_parts_counts_once_and_a_second_optimizer_is_refused():
+    for counted, refused in run_world(_muon_rank, 2, timeout_s=120):
+        assert counted == (EVERY, 1, True)
+        assert refused is not None and "one optimizer" in refused
+
+
+def test_local_steps_in_a_users_loop_refuse_what_does_not_run_there():
+    from rayzip.spec import LocalStepsSpec, parse_spec
+
+    with pytest.raises(ValueError, match="local_steps.adaptive"):
+        LocalStepsSpec(enabled=True, adaptive=True).to_config()
+    with pytest.raises(ValueError, match="local_steps.overlap"):
+        parse_spec({"name": "own", "training": {"loop": "mine:loop"}, "local_steps": {"enabled": True, "overlap": True}})
+    with pytest.raises(ValueError, match="local_steps with sharding"):
+        parse_spec({"name": "own", "training": {"loop": "mine:loop"}, "local_steps": {"enabled": True},
+                    "sharding": {"enabled": True}})
+    # A loop of its own reports where it likes: no multiples of H asked of it.
+    spec = parse_spec({"name": "own", "training": {"loop": "mine:loop", "eval_every": 10},
+                       "checkpoint": {"every_steps": 50}, "local_steps": {"enabled": True, "every": 3}})
+    assert spec.local_steps.to_config().every == 3
