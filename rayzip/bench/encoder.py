@@ -13,6 +13,9 @@ embeddings, bf16 autocast, ``clip_grad_norm_(1.0)`` and gradient accumulation un
 * ``group_topk``: group top-k at 1% every step (the README's example before it changed);
 * ``group_topk_adam``: the same with ``adam_correction`` (the optimizer is then SGD without
   momentum, as that setting requires).
+* ``local_steps``: ``prepare_model(model, local_steps=LocalStepsConfig())``: local steps
+  with their defaults (H = 4, SparseLoCo's outer updates), driven by the loop's own
+  ``optimizer.step()``; the loop synchronizes before each evaluation.
 
 The task is offline and fixed by file name: the docstrings of eight standard-library
 packages (asyncio, email, http, importlib, logging, multiprocessing, unittest, xml), each
@@ -41,7 +44,7 @@ from .timing import interleaved
 __all__ = ["PACKAGES", "SETTINGS", "docstring_task", "markdown_table", "run_encoder_bench"]
 
 PACKAGES = ("asyncio", "email", "http", "importlib", "logging", "multiprocessing", "unittest", "xml")
-SETTINGS = ("dense", "default", "group_topk", "group_topk_adam")
+SETTINGS = ("dense", "default", "group_topk", "group_topk_adam", "local_steps")
 VALIDATION_FRACTION = 0.2
 
 
@@ -123,6 +126,8 @@ def train_func(config: dict) -> None:
         model = rayzip.train.prepare_model(model, compression=None)
     elif setting == "default":
         model = rayzip.train.prepare_model(model, optimizer="adamw")
+    elif setting == "local_steps":
+        model = rayzip.train.prepare_model(model, local_steps=rayzip.train.LocalStepsConfig())
     else:
         adam = setting == "group_topk_adam"
         model = rayzip.train.prepare_model(model, compression=CompressionConfig(
@@ -174,11 +179,14 @@ def train_func(config: dict) -> None:
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
         optimizer.step()
         if (step + 1) % config["eval_every"] == 0 or step + 1 == config["steps"]:
+            if setting == "local_steps":  # every rank: evaluate the model they all train
+                state.synchronize()
             history.append({"step": step + 1, "accuracy": accuracy()})
     totals = state.totals if state is not None else {}
+    codec = state.local.state.codec if setting == "local_steps" else (state.codec if state is not None else None)
     metrics = {"setting": setting, "accuracy": history[-1]["accuracy"], "history": history,
                "median_clip_norm": statistics.median(norms), "bytes_sent": totals.get("bytes_sent", 0),
-               "dense_bytes": totals.get("dense_bytes", 0), "codec": state.codec.name if state is not None else "none"}
+               "dense_bytes": totals.get("dense_bytes", 0), "codec": codec.name if codec is not None else "none"}
     # Ray Train keeps the metrics of reports that carry a checkpoint: rank 0's carries them.
     with tempfile.TemporaryDirectory() as out:
         Path(out, "metrics.json").write_text(json.dumps(metrics))
