@@ -76,10 +76,14 @@ class Progress:
         # group: it resumed from a checkpoint (or, in parameter-server mode, where the shards are).
         if self.latest is not None and (step <= self.latest["step"] or metrics.get("pid") != self.latest.get("pid")):
             self.restarts["restarts"] += 1
-            lost = max(0, self.latest["step"] - step + 1)
+            # Posts are fire and forget, so a rank killed right after a step can take that
+            # step's post with it. A resume at `step` proves step - 1 was done before the
+            # failure, whatever reached this actor.
+            last = max(self.latest["step"], step - 1)
+            lost = max(0, last - step + 1)
             seconds = time.monotonic() - self.updated
             self.restarts["steps_redone"] += lost
-            self.restarts["resumes"].append({"last_step": self.latest["step"], "resumed_at": step, "steps_lost": lost,
+            self.restarts["resumes"].append({"last_step": last, "resumed_at": step, "steps_lost": lost,
                                              "seconds": seconds, "source": metrics.get("resumed_source"),
                                              **self._cause(metrics)})
             self._export(lost, seconds)

@@ -52,3 +52,13 @@ def test_each_restart_names_its_cause_from_the_nodes_and_the_world_size():
         ("worker_failure", 2, 2), ("node_lost", 2, 1), ("scale_up", 1, 2), ("worker_failure", 2, 1)]
     assert [r["nodes_lost"] for r in resumes] == [[], ["n2" * 20], [], []]
     assert resumes[1]["steps_lost"] == 1 and resumes[1]["resumed_at"] == 19
+
+
+def test_a_post_lost_with_its_killed_rank_still_counts_the_step_the_resume_proves_done():
+    # Rank 0 posted steps 0..129, was killed before its post of step 130 left the process,
+    # and the group resumed at 131 from a snapshot of step 130.
+    progress = Progress(dead_nodes=set)
+    _run(progress, 1, range(0, 130), float)
+    _run(progress, 2, range(131, 140), float)
+    (resume,) = progress.get_restarts()["resumes"]
+    assert (resume["last_step"], resume["resumed_at"], resume["steps_lost"]) == (130, 131, 0), resume
