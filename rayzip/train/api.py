@@ -133,6 +133,8 @@ def prepare_model(model: torch.nn.Module,
         model = rayzip.train.prepare_model(model, compression=CompressionConfig(codec="group_topk", density=0.01))
         model = rayzip.train.prepare_model(model, local_steps=LocalStepsConfig(every=4))  # SparseLoCo's outer updates
     """
+    if isinstance(sharding, ShardingSpec):
+        sharding = sharding.to_config() if sharding.enabled else None
     if isinstance(local_steps, LocalStepsSpec):
         local_steps = local_steps.to_config() if local_steps.enabled else None
     if local_steps is not None:
@@ -144,8 +146,6 @@ def prepare_model(model: torch.nn.Module,
     if compression is FOR_OPTIMIZER:
         compression = default_compression(optimizer) if optimizer is not None else None
         optimizer = None  # chosen for it: nothing to warn of
-    if isinstance(sharding, ShardingSpec):
-        sharding = sharding.to_config() if sharding.enabled else None
     if isinstance(compression, CompressionSpec):
         if compression.collective == "ps":
             raise ValueError("collective ps runs parameter-server shards, which `rayzip run` starts; "
@@ -171,7 +171,7 @@ def prepare_model(model: torch.nn.Module,
 def _prepare_local(model: torch.nn.Module, config: LocalStepsConfig, compression: CompressionConfig | None,
                    sharding, on_nonfinite: str, grad_scaler: torch.amp.GradScaler | None,
                    prepare_kwargs: dict) -> torch.nn.Module:
-    if sharding is not None and not (isinstance(sharding, ShardingSpec) and not sharding.enabled):
+    if sharding is not None:
         raise ValueError("local steps on a sharded model run under `rayzip run` (sharding.mode hsdp with "
                          "local_steps), not through prepare_model yet")
     if grad_scaler is not None:

@@ -72,6 +72,7 @@ class OwnLoopLocalSteps(SplitState):
             raise ValueError("local steps count the steps of one optimizer over the model's parameters; a second "
                              f"one ({type(optimizer).__name__}) stepped them too: build one optimizer for the model")
         self.optimizer = optimizer
+        self._checkpointed = LocalStepsState(self.local, optimizer, self.rank, self.world, self.model)
         _OWNER[optimizer] = self
         return self
 
@@ -121,7 +122,7 @@ class OwnLoopLocalSteps(SplitState):
         if self.optimizer is None:
             raise ValueError("local steps keep each rank's own optimizer state in its checkpoint: give report, "
                              "snapshot or restore the optimizer")
-        return LocalStepsState(self.local, self.optimizer, self.rank, self.world, self.model)
+        return self._checkpointed
 
     @property
     def holders(self) -> dict[int, tuple[int, int]]:
