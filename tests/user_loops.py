@@ -3,6 +3,9 @@ workers through PYTHONPATH in the tests' runtime_env)."""
 
 from __future__ import annotations
 
+import time
+
+import ray.train
 import torch
 import torch.nn.functional as F
 
@@ -36,8 +39,16 @@ def digits_loop(config: dict, ctx) -> None:
         if config.get("snapshots") and step in config.get("snapshot_steps", (step,)):
             ctx.snapshot(step, model, optimizer, extra={"step": step})
         record = ctx.telemetry.end_step(step, float(loss))
+        lo, hi, seconds = config.get("slow_steps", (0, 0, 0.0))
+        if lo <= step < hi:  # a model's compute: long enough for the driver's twice-a-second poll to land here
+            time.sleep(seconds)
         if every and (step + 1) % every == 0 and step + 1 < config["steps"]:
             ctx.report({"step": step, "loss": float(loss)}, model=model, optimizer=optimizer, extra={"step": step})
+            if step >= config.get("await_checkpoints_from", config["steps"]):
+                # Ray Train's controller takes a report when it next polls the workers (every
+                # few seconds): a kill before then loses it. A test that kills where it needs
+                # the newest checkpoint in storage waits from there for each to be committed.
+                ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
         if step + 1 == config["steps"]:
             if ctx.spec.local_steps.enabled:  # every rank: evaluate the model they all train
                 compression_state(model).synchronize()
