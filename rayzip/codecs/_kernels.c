@@ -206,6 +206,45 @@ static PyObject *py_group_topk(PyObject *self, PyObject *args) {
     return PyBool_FromLong(finite);
 }
 
+/* --- a dense step's bucket: scaled, and checked as it is read -------------------------- */
+
+/* scale_finite(buf f32[n] in place, factor) -> the first index whose value is NaN or +-Inf
+ * after scaling, or -1. A dense step scales each rank's bucket by 1 / world before its
+ * all-reduce anyway; the check rides on that pass instead of a second one over the sum.
+ * Each chunk ORs whether an element's exponent is all ones (NaN or +-Inf) into one flag, a
+ * loop the compiler vectorizes; only a chunk whose flag is set is searched again. */
+WIDE static Py_ssize_t scale_finite_run(float *x, Py_ssize_t n, float factor) {
+    enum { CHUNK = 4096 };
+    Py_ssize_t first = -1;
+    for (Py_ssize_t lo = 0; lo < n; lo += CHUNK) {
+        Py_ssize_t hi = lo + CHUNK < n ? lo + CHUNK : n;
+        uint32_t bad = 0;
+        for (Py_ssize_t i = lo; i < hi; i++) {
+            float v = x[i] * factor;
+            uint32_t b;
+            memcpy(&b, &v, sizeof b);
+            bad |= (b & 0x7f800000u) == 0x7f800000u;  /* an all-ones exponent: NaN or +-Inf */
+            x[i] = v;
+        }
+        if (bad && first < 0)
+            for (Py_ssize_t j = lo; j < hi; j++)
+                if (!isfinite(x[j])) { first = j; break; }
+    }
+    return first;
+}
+
+static PyObject *py_scale_finite(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    float factor;
+    if (!PyArg_ParseTuple(args, "w*f", &buf, &factor)) return NULL;
+    Py_ssize_t first;
+    Py_BEGIN_ALLOW_THREADS
+    first = scale_finite_run(buf.buf, buf.len / (Py_ssize_t)sizeof(float), factor);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    return PyLong_FromSsize_t(first);
+}
+
 /* --- QSGD ----------------------------------------------------------------------------- */
 
 static inline uint64_t mix64(uint64_t seed, uint64_t counter) {  /* rayzip.codecs.seeding.mix64 */
@@ -491,6 +530,8 @@ static PyObject *py_dct_dequant(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
+    {"scale_finite", py_scale_finite, METH_VARARGS,
+     "scale_finite(buf, factor) -> first non-finite index or -1: buf *= factor in place, checked as it is read."},
     {"group_topk", py_group_topk, METH_VARARGS,
      "group_topk(src, group, k, offsets, values) -> all finite: each group's k largest |x|, offsets ascending."},
     {"qsgd", py_qsgd, METH_VARARGS,

@@ -31,8 +31,8 @@ try:  # the fused C encoders (setup.py); without them the torch/numpy path does 
 except ImportError:  # pragma: no cover - depends on the build
     fused = None
 
-__all__ = ["all_finite", "bf16_bits_finite", "rows_kernel_for", "from_bf16_bits", "fused", "fused_for", "to_bf16_bits",
-           "to_fp16", "top_magnitude_rows", "widen"]
+__all__ = ["all_finite", "bf16_bits_finite", "rows_kernel_for", "from_bf16_bits", "fused", "fused_for", "scale_checked",
+           "to_bf16_bits", "to_fp16", "top_magnitude_rows", "widen"]
 
 
 def fused_for(arr) -> bool:
@@ -90,6 +90,21 @@ def all_finite(values) -> bool:
         return True
     low, high = torch.aminmax(tensor)  # NaN propagates through both; an Inf is one of them
     return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+def scale_checked(tensor: torch.Tensor, factor: float) -> int | torch.Tensor:
+    """``tensor *= factor`` in place, and the first index whose scaled value is NaN or +-Inf
+    (-1: none): an int for a host tensor (found in the same pass where the fused C kernel
+    takes it: float32, contiguous), and on a device a 0-d int64 tensor computed without
+    waiting for the device: ``int()`` it when the answer is needed."""
+    if fused is not None and tensor.device.type == "cpu" and tensor.dtype == torch.float32 and tensor.is_contiguous():
+        return fused.scale_finite(tensor.detach().numpy(), factor)
+    tensor.mul_(factor)
+    if tensor.device.type == "cpu" and all_finite(tensor):  # nothing to wait for: the common case in one pass
+        return -1
+    bad = ~torch.isfinite(tensor.reshape(-1))
+    first = torch.where(bad.any(), bad.to(torch.uint8).argmax(), -1)  # argmax: the first maximal entry
+    return int(first) if tensor.device.type == "cpu" else first
 
 
 def bf16_bits_finite(bits) -> bool:

@@ -21,15 +21,19 @@ gradient's size):
   its own Adam direction; their mean is not linear in the gradient, so at the switch the
   second moments' mean stands in for the second moment of the mean, and decays to it.)
 
-A non-finite gradient on any rank makes the sum non-finite on every rank, at the same
-element, so every rank skips the step or raises together, without a word of its own.
+Each rank checks its own gradient for NaN and Inf as it scales each bucket, in the same pass
+(:func:`rayzip.codecs.kernels.scale_checked`), rather than the sum in a second pass after it:
+the hook puts the first bad element in the step's control word, so that every rank skips the
+step or raises together, naming the rank. (A sum of finite gradients that overflows float32
+is not caught, as DDP does not catch it.)
 
 Usage (inside the DDP hook, :class:`rayzip.torch.hook.DDPHookState`)::
 
     steps = DenseSteps(exchange, offsets, segment_of)
     steps.start(device)                                         # at the step's first bucket
     future = steps.bucket(bucket.buffer(), bucket.parameters())  # each bucket: DDP's future
-    span_s, bad_index = steps.finish()                          # once backward is done
+    bad_index = steps.local_bad()                               # at the last bucket, for the control word
+    span_s = steps.finish(skip=False)                           # once backward is done
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import time
 
 import torch
 
+from ..codecs.kernels import scale_checked
 from ..codecs.memory import AdamCorrection, MomentumCorrection
 from ..xp import as_array, to_torch
 
@@ -67,7 +72,8 @@ class DenseSteps:
         self._held: dict[str, list[torch.Tensor | None]] = {}
         self._new: dict[str, list[torch.Tensor]] = {}
         self._bias: dict[int, tuple[float, float]] = {}  # Adam: per segment, 1 / (1 - b ** t)
-        self._averaged: list[tuple[torch.Tensor, list[tuple[int, int, int, int]], torch.Tensor]] = []
+        self._bad: int | None = None  # the lowest flat index of a non-finite host bucket's entry
+        self._pending: list[tuple[torch.Tensor, list[tuple[int, int, int, int]]]] = []  # device buckets' checks
         self._futures: list[torch.futures.Future] = []
         self._snapshot: dict | None = None
         self._was_drained = False
@@ -76,7 +82,7 @@ class DenseSteps:
     def start(self, device: torch.device) -> None:
         """At the step's first bucket: average what the memory holds, if not done yet."""
         self._started = self._done = time.perf_counter()
-        self._averaged, self._futures = [], []
+        self._bad, self._pending, self._futures = None, [], []
         self._snapshot, self._was_drained = self.memory.snapshot(), self.exchange.drained
         self._flush = None
         if not self.exchange.drained:
@@ -119,7 +125,17 @@ class DenseSteps:
             offset, n = self.offsets[id(p)]
             spans.append((offset, n, pos, self.segment_of.get(id(p), 0)))
             pos += n
-        buffer.mul_(1.0 / self.transport.world)  # as DDP's own allreduce: each rank's share, then the sum
+        # As DDP's own allreduce: each rank's share, then the sum; checked as it is scaled.
+        first = scale_checked(buffer, 1.0 / self.transport.world)
+        if isinstance(first, torch.Tensor):
+            self._pending.append((first, spans))
+        elif first >= 0:  # rare: name the lowest flat index before the all-reduce overwrites the bucket
+            for offset, n, pos, _ in sorted(spans):
+                found = torch.nonzero(~torch.isfinite(buffer[pos: pos + n]))
+                if found.numel():
+                    index = offset + int(found[0])
+                    self._bad = index if self._bad is None else min(self._bad, index)
+                    break
         future = self.transport.start_all_reduce(buffer).then(lambda f: self._complete(f.value(), spans))
         self._futures.append(future)
         return future
@@ -136,9 +152,6 @@ class DenseSteps:
                 self._adam(view, k, at)
             if self._flush is not None:
                 view.add_(self._flush[offset: offset + n])
-        # A finite sum means every entry is finite (a NaN or Inf would carry into it), in one
-        # pass and without a device sync; finish() looks closer only when it is not.
-        self._averaged.append((average, spans, torch.isfinite(average.sum())))
         self._done = time.perf_counter()
         return average
 
@@ -165,20 +178,25 @@ class DenseSteps:
         torch.mul(v, c2, out=grad).sqrt_().add_(self.memory.eps)
         torch.div(m, grad, out=grad).mul_(c1)
 
-    def finish(self) -> tuple[float, int | None]:
-        """After the buckets' futures: (the exchange's span in seconds, the first flat index
-        whose average is not finite, or None). A non-finite step keeps the memory as it was."""
-        torch.futures.wait_all(self._futures)
-        bad = None
-        for average, spans, finite in self._averaged:
-            if bool(finite):
+    def local_bad(self) -> int | None:
+        """Once every bucket has started: the lowest flat index at which this rank's own
+        gradient is not finite, or None. (On a device, waited for here, once per step; a
+        bucket's entry there is its first in DDP's bucket layout, not the lowest.)"""
+        bad = self._bad
+        for first, spans in self._pending:
+            first = int(first)
+            if first < 0:
                 continue
             for offset, n, pos, _ in spans:
-                found = torch.nonzero(~torch.isfinite(average[pos: pos + n]))
-                if found.numel():
-                    index = offset + int(found[0])
-                    bad = index if bad is None else min(bad, index)
-        if bad is not None:
+                if pos <= first < pos + n:
+                    bad = offset + first - pos if bad is None else min(bad, offset + first - pos)
+        return bad
+
+    def finish(self, skip: bool = False) -> float:
+        """After the buckets' futures: the exchange's span in seconds. With ``skip`` (every
+        rank skips the step: some rank's gradient was not finite) the memory stays as it was."""
+        torch.futures.wait_all(self._futures)
+        if skip:
             self.memory.restore(self._snapshot)
             self.exchange.drained = self._was_drained
         else:
@@ -186,6 +204,6 @@ class DenseSteps:
                 setattr(self.memory, slot, {n: as_array(v)[0] for n, v in zip(self.names, self._new[slot])})
             if isinstance(self.memory, AdamCorrection):
                 self.memory.steps = {n: self.memory.steps.get(n, 0) + 1 for n in self.names}
-        self._averaged, self._futures, self._held, self._new = [], [], {}, {}
+        self._bad, self._pending, self._futures, self._held, self._new = None, [], [], {}, {}
         self._flush, self._snapshot = None, None
-        return self._done - self._started, bad
+        return self._done - self._started

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from .. import cuda
 from ..comm import ring_allreduce_bytes
+from ..comm.control import bad_key
 from ..comm.emulation import Emulation
 from ..engine import CompressionConfig, GradientExchange, NonFiniteError
 from ..xp import keep_freed_memory
@@ -79,6 +80,7 @@ class DDPHookState:
         self._stream = None
         self._job = None
         self._failure: Exception | None = None
+        self._dense_bad: tuple[int, int, bool] | None = None  # the agreed (rank, index, overflow)
         self._copy_s = 0.0
         self._last_bucket_at = 0.0
         self._sent_before = (0, 0)
@@ -163,8 +165,12 @@ class DDPHookState:
         self._copy_s += time.perf_counter() - start
         if bucket.is_last():
             self._last_bucket_at = time.perf_counter()
+            exchange = self.exchange
             try:
-                self.exchange.agree(failure=self._failure)
+                index = self.dense_steps.local_bad()
+                bad = 0 if index is None else bad_key(exchange.control_rank, exchange.control_world, index)
+                agreed, _ = exchange.agree(bad=bad, failure=self._failure)
+                self._dense_bad = agreed.bad
             except Exception as exc:
                 self._failure = exc
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)
@@ -173,17 +179,18 @@ class DDPHookState:
     def _finish_bucketwise(self) -> None:
         exchange = self.exchange
         stats, transport = exchange.current, exchange.transport
-        span_s, bad = self.dense_steps.finish()
+        bad, self._dense_bad = self._dense_bad, None
+        span_s = self.dense_steps.finish(skip=bad is not None)
         stats.busy_s += span_s
         stats.network_s += span_s
         stats.bytes_sent += transport.bytes_sent - self._sent_before[0]
         stats.hops += transport.hops - self._sent_before[1]
         if bad is not None and self._failure is None:
-            # The sum is the same on every rank, so is its first bad element: all skip alike.
+            # Agreed in the control word: every rank skips (or raises) alike, naming the same rank.
+            rank, index, _ = bad
             try:
-                exchange.fail_step(f"step {exchange.step}: the averaged gradient is not finite at "
-                                   f"{exchange.layout.where(bad)} (compression off: some rank's gradient was not "
-                                   "finite, or the sum overflowed)")
+                exchange.fail_step(f"step {exchange.step}: rank {rank}'s gradient is not finite at "
+                                   f"{exchange.layout.where(index)} (compression off)")
             except NonFiniteError as exc:
                 self._failure = exc
 

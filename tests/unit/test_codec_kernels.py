@@ -155,3 +155,27 @@ def test_all_finite_is_exact_where_a_sum_overflows_or_cancels(dtype):
     x = np.ones(1000, dtype=dtype)
     x[3], x[900] = np.inf, -np.inf  # the sum is NaN, not a cancelled finite value
     assert not kernels.all_finite(x)
+
+
+@pytest.mark.parametrize("size", [1, 4095, 4096, 4097, 3 * 4096 + 5])
+@pytest.mark.parametrize("where", [None, "first", "chunk_edge", "last", "inf_before_nan"])
+def test_scale_checked_scales_and_finds_the_first_bad_entry_as_the_fallback_does(monkeypatch, size, where):
+    """A dense step's bucket: scaled by 1/world in place and checked in the same pass; the
+    fused kernel's answer and result are the torch fallback's (which CUDA uses)."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(size, generator=torch.Generator().manual_seed(size))
+    expected = -1
+    if where is not None:
+        at = {"first": 0, "chunk_edge": min(4096, size - 1), "last": size - 1,
+              "inf_before_nan": size // 2}[where]
+        x[at] = float("inf") if where == "inf_before_nan" else float("nan")
+        if where == "inf_before_nan" and at + 1 < size:
+            x[at + 1] = float("nan")
+        expected = at
+    fused, fallback = x.clone(), x.clone()
+    assert kernels.scale_checked(fused, 0.25) == expected
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "fused", None)
+        assert int(kernels.scale_checked(fallback, 0.25)) == expected
+    assert torch.equal(fused.nan_to_num(), fallback.nan_to_num())
+    assert torch.equal(fused.nan_to_num(), (x * 0.25).nan_to_num())
