@@ -245,6 +245,73 @@ static PyObject *py_scale_finite(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(first);
 }
 
+/* --- a dense step's optimizer state in the hook ----------------------------------------- */
+
+/* momentum_dense(grad f32[n] in/out, held f32[n] or None, out f32[n], momentum): SGD's
+ * momentum buffer on the averaged gradient, u = momentum * held + grad (held None: u = grad),
+ * into both out (the new velocity) and grad (what the optimizer applies), in one pass where
+ * torch ops take three. Multiply, then add, each rounded, as SGD's buf.mul_(m).add_(g): the
+ * -std=c99 build keeps the compiler from contracting them into a fused multiply-add. */
+WIDE static void momentum_run(float *g, const float *held, float *out, Py_ssize_t n, float m) {
+    if (held == NULL) {
+        memcpy(out, g, (size_t)n * sizeof(float));
+        return;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float t = held[i] * m;
+        float v = t + g[i];
+        out[i] = v;
+        g[i] = v;
+    }
+}
+
+static PyObject *py_momentum_dense(PyObject *self, PyObject *args) {
+    Py_buffer g, held, out;
+    float m;
+    if (!PyArg_ParseTuple(args, "w*z*w*f", &g, &held, &out, &m)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    momentum_run(g.buf, held.buf, out.buf, g.len / (Py_ssize_t)sizeof(float), m);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&g);
+    PyBuffer_Release(&held);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
+/* adam_dense(grad f32[n] in/out, m_held or None, v_held or None, m_out, v_out, a1, b1, a2, b2,
+ * c1, c2, eps): AdamCorrection's update on the averaged gradient g, in one pass where torch
+ * ops take nine: m = a1 g + b1 m_held, v = a2 g^2 + b2 v_held (a = 1 - beta), and grad
+ * becomes the Adam direction m / (sqrt(c2 v) + eps) * c1 (c: the bias corrections). */
+WIDE static void adam_run(float *g, const float *mh, const float *vh, float *mo, float *vo, Py_ssize_t n,
+                          float a1, float b1, float a2, float b2, float c1, float c2, float eps) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float x = g[i];
+        float m = x * a1;
+        if (mh != NULL) m = m + mh[i] * b1;
+        float v = (x * x) * a2;
+        if (vh != NULL) v = v + vh[i] * b2;
+        mo[i] = m;
+        vo[i] = v;
+        g[i] = m / (sqrtf(v * c2) + eps) * c1;
+    }
+}
+
+static PyObject *py_adam_dense(PyObject *self, PyObject *args) {
+    Py_buffer g, mh, vh, mo, vo;
+    float a1, b1, a2, b2, c1, c2, eps;
+    if (!PyArg_ParseTuple(args, "w*z*z*w*w*fffffff", &g, &mh, &vh, &mo, &vo, &a1, &b1, &a2, &b2, &c1, &c2, &eps))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    adam_run(g.buf, mh.buf, vh.buf, mo.buf, vo.buf, g.len / (Py_ssize_t)sizeof(float), a1, b1, a2, b2, c1, c2, eps);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&g);
+    PyBuffer_Release(&mh);
+    PyBuffer_Release(&vh);
+    PyBuffer_Release(&mo);
+    PyBuffer_Release(&vo);
+    Py_RETURN_NONE;
+}
+
 /* --- QSGD ----------------------------------------------------------------------------- */
 
 static inline uint64_t mix64(uint64_t seed, uint64_t counter) {  /* rayzip.codecs.seeding.mix64 */
@@ -530,6 +597,10 @@ static PyObject *py_dct_dequant(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
+    {"momentum_dense", py_momentum_dense, METH_VARARGS,
+     "momentum_dense(grad, held, out, momentum): out = grad = momentum * held + grad (held None: grad)."},
+    {"adam_dense", py_adam_dense, METH_VARARGS,
+     "adam_dense(grad, m_held, v_held, m_out, v_out, a1, b1, a2, b2, c1, c2, eps): Adam's moments and direction."},
     {"scale_finite", py_scale_finite, METH_VARARGS,
      "scale_finite(buf, factor) -> first non-finite index or -1: buf *= factor in place, checked as it is read."},
     {"group_topk", py_group_topk, METH_VARARGS,

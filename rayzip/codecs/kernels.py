@@ -31,8 +31,8 @@ try:  # the fused C encoders (setup.py); without them the torch/numpy path does 
 except ImportError:  # pragma: no cover - depends on the build
     fused = None
 
-__all__ = ["all_finite", "bf16_bits_finite", "rows_kernel_for", "from_bf16_bits", "fused", "fused_for", "scale_checked",
-           "to_bf16_bits", "to_fp16", "top_magnitude_rows", "widen"]
+__all__ = ["adam_update", "all_finite", "bf16_bits_finite", "rows_kernel_for", "from_bf16_bits", "fused", "fused_for",
+           "momentum_update", "scale_checked", "to_bf16_bits", "to_fp16", "top_magnitude_rows", "widen"]
 
 
 def fused_for(arr) -> bool:
@@ -105,6 +105,53 @@ def scale_checked(tensor: torch.Tensor, factor: float) -> int | torch.Tensor:
     bad = ~torch.isfinite(tensor.reshape(-1))
     first = torch.where(bad.any(), bad.to(torch.uint8).argmax(), -1)  # argmax: the first maximal entry
     return int(first) if tensor.device.type == "cpu" else first
+
+
+def _host_f32(*tensors: torch.Tensor | None) -> bool:
+    """True when the fused C kernels can take every tensor given (None passes)."""
+    return fused is not None and all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and
+                                                   t.is_contiguous()) for t in tensors)
+
+
+def _host(tensor: torch.Tensor | None):
+    return None if tensor is None else tensor.detach().numpy()
+
+
+def momentum_update(grad: torch.Tensor, held: torch.Tensor | None, out: torch.Tensor, momentum: float) -> None:
+    """SGD's momentum buffer on an averaged gradient: ``out = momentum * held + grad`` (``held``
+    None: ``grad``), and ``grad`` becomes it too. One pass on the host where torch ops take
+    three; each product and sum rounded as SGD's ``buf.mul_(m).add_(g)`` rounds them."""
+    if _host_f32(grad, held, out):
+        fused.momentum_dense(_host(grad), _host(held), _host(out), momentum)
+        return
+    if held is None:
+        out.copy_(grad)
+        return
+    torch.mul(held, momentum, out=out)
+    out.add_(grad)
+    grad.copy_(out)
+
+
+def adam_update(grad: torch.Tensor, m_held: torch.Tensor | None, v_held: torch.Tensor | None, m_out: torch.Tensor,
+                v_out: torch.Tensor, betas: tuple[float, float], corrections: tuple[float, float], eps: float) -> None:
+    """Adam's moments of an averaged gradient into ``m_out`` and ``v_out`` (``m = (1 - b1) g +
+    b1 m_held``, ``v = (1 - b2) g^2 + b2 v_held``; a held None counts as zero), and ``grad``
+    becomes Adam's direction ``m / (sqrt(v c2) + eps) * c1``, ``corrections`` (c1, c2) being
+    the bias corrections. One pass on the host where torch ops take nine."""
+    (b1, b2), (c1, c2) = betas, corrections
+    if _host_f32(grad, m_held, v_held, m_out, v_out):
+        fused.adam_dense(_host(grad), _host(m_held), _host(v_held), _host(m_out), _host(v_out),
+                         1 - b1, b1, 1 - b2, b2, c1, c2, eps)
+        return
+    torch.mul(grad, 1 - b1, out=m_out)
+    if m_held is not None:
+        m_out.add_(m_held, alpha=b1)
+    torch.mul(grad, grad, out=v_out)
+    v_out.mul_(1 - b2)
+    if v_held is not None:
+        v_out.add_(v_held, alpha=b2)
+    torch.mul(v_out, c2, out=grad).sqrt_().add_(eps)
+    torch.div(m_out, grad, out=grad).mul_(c1)
 
 
 def bf16_bits_finite(bits) -> bool:

@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from ..codecs.kernels import scale_checked
+from ..codecs.kernels import adam_update, momentum_update, scale_checked
 from ..codecs.memory import AdamCorrection, MomentumCorrection
 from ..xp import as_array, to_torch
 
@@ -156,27 +156,14 @@ class DenseSteps:
         return average
 
     def _momentum(self, grad: torch.Tensor, held: torch.Tensor | None, new: torch.Tensor, at: slice) -> None:
-        if held is None:
-            new.copy_(grad)
-        else:  # as SGD's momentum buffer: m * u, then + g
-            torch.mul(held[at], self.memory.momentum, out=new)
-            new.add_(grad)
-        grad.copy_(new)
+        momentum_update(grad, None if held is None else held[at], new, self.memory.momentum)
 
     def _adam(self, grad: torch.Tensor, k: int, at: slice) -> None:
         """As :class:`rayzip.codecs.memory.AdamCorrection`, on the averaged gradient."""
-        (b1, b2), (c1, c2) = self.memory.betas, self._bias[k]
         m_held, v_held = self._held["first"][k], self._held["second"][k]
-        m, v = self._new["first"][k][at], self._new["second"][k][at]
-        torch.mul(grad, 1 - b1, out=m)
-        if m_held is not None:
-            m.add_(m_held[at], alpha=b1)
-        torch.mul(grad, grad, out=v)
-        v.mul_(1 - b2)
-        if v_held is not None:
-            v.add_(v_held[at], alpha=b2)
-        torch.mul(v, c2, out=grad).sqrt_().add_(self.memory.eps)
-        torch.div(m, grad, out=grad).mul_(c1)
+        adam_update(grad, None if m_held is None else m_held[at], None if v_held is None else v_held[at],
+                    self._new["first"][k][at], self._new["second"][k][at], self.memory.betas, self._bias[k],
+                    self.memory.eps)
 
     def local_bad(self) -> int | None:
         """Once every bucket has started: the lowest flat index at which this rank's own

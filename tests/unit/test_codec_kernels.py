@@ -179,3 +179,47 @@ def test_scale_checked_scales_and_finds_the_first_bad_entry_as_the_fallback_does
         assert int(kernels.scale_checked(fallback, 0.25)) == expected
     assert torch.equal(fused.nan_to_num(), fallback.nan_to_num())
     assert torch.equal(fused.nan_to_num(), (x * 0.25).nan_to_num())
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_momentum_update_fused_is_the_torch_path_bit_for_bit(monkeypatch, held):
+    """A dense step's momentum correction: u = m * held + g into the velocity and the gradient,
+    rounded as SGD's buf.mul_(m).add_(g) rounds it."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(1)
+    g, h = torch.randn(10_007, generator=gen), (torch.randn(10_007, generator=gen) if held else None)
+    runs = []
+    for kernel in (True, False):
+        grad, out = g.clone(), torch.empty_like(g)
+        with monkeypatch.context() as patch:
+            if not kernel:
+                patch.setattr(kernels, "fused", None)
+            kernels.momentum_update(grad, h, out, 0.9)
+        runs.append((grad, out))
+    (fused_grad, fused_out), (torch_grad, torch_out) = runs
+    expected = g.clone() if h is None else (h * 0.9).add_(g)
+    assert torch.equal(fused_out, expected) and torch.equal(torch_out, expected)
+    assert torch.equal(fused_grad, expected if h is not None else g) and torch.equal(torch_grad, fused_grad)
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_adam_update_fused_matches_the_torch_path(monkeypatch, held):
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(2)
+    g = torch.randn(10_007, generator=gen)
+    m_held = torch.randn(10_007, generator=gen) if held else None
+    v_held = torch.rand(10_007, generator=gen) if held else None
+    runs = []
+    for kernel in (True, False):
+        grad, m, v = g.clone(), torch.empty_like(g), torch.empty_like(g)
+        with monkeypatch.context() as patch:
+            if not kernel:
+                patch.setattr(kernels, "fused", None)
+            kernels.adam_update(grad, m_held, v_held, m, v, (0.9, 0.95), (1 / (1 - 0.9 ** 3), 1 / (1 - 0.95 ** 3)), 1e-8)
+        runs.append((grad, m, v))
+    for fused, fallback in zip(*runs):
+        torch.testing.assert_close(fused, fallback, rtol=2e-6, atol=1e-7)
+    m_ref = 0.1 * g + (0.9 * m_held if held else 0)
+    v_ref = 0.05 * g * g + (0.95 * v_held if held else 0)
+    direction = m_ref / ((v_ref / (1 - 0.95 ** 3)).sqrt() + 1e-8) / (1 - 0.9 ** 3)
+    torch.testing.assert_close(runs[0][0], direction, rtol=1e-5, atol=1e-6)
