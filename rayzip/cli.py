@@ -467,6 +467,33 @@ def bench_collectives(
     _write_report(report, json_path)
 
 
+@bench_app.command("overhead")
+def bench_overhead(
+    workers: int = typer.Option(2, min=2, help="gloo processes on this machine."),
+    steps: int = typer.Option(40, min=3, help="Timed steps of each variant per round."),
+    warmup: int = typer.Option(5, min=0, help="Untimed steps of each variant before each round's."),
+    rounds: int = typer.Option(3, min=1, help="Rounds, each in a rotated order; the table gives their medians."),
+    variants: Optional[str] = typer.Option(None, help="Variants, comma-separated (default: all): "
+                                                      "ddp_sgd, off, off_momentum, ddp_adamw, off_adam."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+):
+    """A step through rayzip's hook with compression off, against plain DDP's in the same run.
+
+    Example: rayzip bench overhead --rounds 3 --json docs/bench-overhead.json
+    """
+    from .bench.overhead import render_table, run_overhead_bench
+
+    chosen = [v.strip() for v in variants.split(",") if v.strip()] if variants else None
+    try:
+        with console.status("benchmarking"):
+            report = run_overhead_bench(workers=workers, steps=steps, warmup=warmup, rounds=rounds, variants=chosen)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    console.print(render_table(report))
+    _write_report(report, json_path)
+
+
 @bench_app.command("cluster")
 def bench_cluster(
     bandwidth: str = typer.Option("100mbit", help="Link rate of each worker node (tc rate: 100mbit, 1gbit)."),

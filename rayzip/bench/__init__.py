@@ -10,7 +10,7 @@ __all__ = ["markdown_table", "provenance", "write_json"]
 
 def markdown_table(report: dict, part: str | None = None) -> str | None:
     """A ``bench cluster``, ``scaling``, ``collectives`` (real or ``--simulate``), ``codecs``, ``checkpoint``,
-    ``sharded-checkpoint``, ``encoder`` or ``chaos`` report as
+    ``sharded-checkpoint``, ``encoder``, ``chaos`` or ``overhead`` report as
     the Markdown table the README shows (generated from the JSON, never typed); None for
     other reports, or for a ``part`` the report does not have (``stall``: a checkpoint
     report's stall table; ``threads``: its speed on its default threads over one thread;
@@ -42,6 +42,10 @@ def markdown_table(report: dict, part: str | None = None) -> str | None:
         from .simulate import markdown_table as simulated_table
 
         return simulated_table(report)
+    if report.get("bench") == "overhead":
+        from .overhead import markdown_table as overhead_table
+
+        return overhead_table(report)
     if report.get("bench") == "collectives" and "rows" in report:
         from .collectives import markdown_table as collectives_table
 

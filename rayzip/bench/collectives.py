@@ -25,6 +25,7 @@ from ..comm import COLLECTIVES as COMMUNICATORS, collective_costs
 from ..spec import CompressionSpec
 from ..torch import compress, ddp_kwargs
 from .gloo import run_world
+from .tables import markdown_rows, rich_rows
 
 __all__ = ["markdown_table", "render_table", "run_collectives_bench"]
 
@@ -117,21 +118,9 @@ def _columns(report: dict) -> list[tuple[str, Any]]:
 
 
 def render_table(report: dict):
-    from rich.table import Table
-
-    table = Table(title=f"bytes per worker per step: {report['compression']}")
-    cols = _columns(report)
-    for head, _ in cols:
-        table.add_column(head, justify="right")
-    for r in report["rows"]:
-        table.add_row(*(cell(r) for _, cell in cols))
-    return table
+    return rich_rows(f"bytes per worker per step: {report['compression']}", _columns(report), report["rows"])
 
 
 def markdown_table(report: dict) -> str:
     """The report as a Markdown table, for the docs (generated, not typed)."""
-    cols = _columns(report)
-    lines = ["| " + " | ".join(h for h, _ in cols) + " |", "|" + "---|" * len(cols)]
-    for r in report["rows"]:
-        lines.append("| " + " | ".join(cell(r) for _, cell in cols) + " |")
-    return "\n".join(lines)
+    return markdown_rows(_columns(report), report["rows"])
