@@ -10,6 +10,8 @@ to nothing. Here n gloo processes on this machine train the cluster benchmark's 
 their steps interleaved one by one, so that load drifting on a shared machine reaches every
 variant alike. Each variant is set beside the DDP it replaces:
 
+* ``ddp_hook``: DDP with torch's own Python ``allreduce_hook``: what any Python comm hook
+  costs over DDP's built-in all-reduce, the floor for rayzip's; against ``ddp_sgd``;
 * ``off``: group top-k, switched off, SGD momentum in the optimizer; against ``ddp_sgd``;
 * ``off_momentum``: the same under momentum correction (SGD momentum in the hook);
 * ``off_adam``: under Adam correction (AdamW's moments in the hook); against ``ddp_adamw``.
@@ -64,16 +66,19 @@ ADAMW = _Optimizer("adamw", lr=1e-3, weight_decay=0.01)
 
 @dataclass(frozen=True)
 class Variant:
-    """One model's way to train: plain DDP (``corrections`` None) or rayzip's hook with
-    compression off and these memory settings, against ``baseline``."""
+    """One model's way to train: plain DDP (``corrections`` None; with ``torch_hook``, under
+    torch's ``allreduce_hook``) or rayzip's hook with compression off and these memory
+    settings, against ``baseline``."""
 
     optimizer: _Optimizer
     corrections: dict | None = None
     baseline: str | None = None
+    torch_hook: bool = False
 
 
 VARIANTS: dict[str, Variant] = {
     "ddp_sgd": Variant(SGD),
+    "ddp_hook": Variant(SGD, baseline="ddp_sgd", torch_hook=True),
     "off": Variant(SGD, {}, "ddp_sgd"),
     "off_momentum": Variant(SGD, {"momentum_correction": True}, "ddp_sgd"),
     "ddp_adamw": Variant(ADAMW),
@@ -91,6 +96,10 @@ def _build(variant: Variant, hidden: int):
     """(the DDP model, its optimizer, rayzip's engine or None)."""
     if variant.corrections is None:
         ddp = torch.nn.parallel.DistributedDataParallel(_model(hidden))
+        if variant.torch_hook:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            ddp.register_comm_hook(None, allreduce_hook)
         return ddp, build_optimizer(variant.optimizer, ddp.parameters()), None
     config = CompressionConfig(codec="group_topk", density=0.01, **variant.corrections)
     ddp = torch.nn.parallel.DistributedDataParallel(_model(hidden), **ddp_kwargs(config))
@@ -149,7 +158,8 @@ def run_overhead_bench(workers: int = 2, steps: int = 40, warmup: int = 5, round
         variant = VARIANTS[name]
         base = variant.baseline
         ratios = [m / b for m, b in zip(medians[name], medians[base])] if base else None
-        rows.append({"variant": name, "baseline": base, "optimizer": variant.optimizer.optimizer,
+        hook = "rayzip" if variant.corrections is not None else "torch allreduce_hook" if variant.torch_hook else "–"
+        rows.append({"variant": name, "baseline": base, "optimizer": variant.optimizer.optimizer, "hook": hook,
                      "corrections": variant.corrections, "step_ms": 1e3 * statistics.median(medians[name]),
                      "rounds_ms": [1e3 * m for m in medians[name]],
                      "ratio": statistics.median(ratios) if ratios else None, "rounds_ratio": ratios,
@@ -164,6 +174,7 @@ def run_overhead_bench(workers: int = 2, steps: int = 40, warmup: int = 5, round
 def _columns() -> Columns:
     return [("variant", lambda r: r["variant"]),
             ("optimizer", lambda r: r["optimizer"] + (" (in the hook)" if r["corrections"] else "")),
+            ("hook", lambda r: r["hook"]),
             ("step ms", lambda r: f"{r['step_ms']:.1f} [{min(r['rounds_ms']):.1f}–{max(r['rounds_ms']):.1f}]"),
             ("vs its DDP", lambda r: "–" if r["ratio"] is None else
              f"{r['ratio']:.3f}× [{min(r['rounds_ratio']):.3f}–{max(r['rounds_ratio']):.3f}]"),
