@@ -186,7 +186,7 @@ def test_adam_correction_off_is_adam_on_ddps_average():
 
 def _overflowing_rank(rank, world):
     """A dense step whose every averaged entry is 3e36, finite, while their float32 sum is
-    not (4000 of them): the step's cheap check (a sum) cannot settle it alone."""
+    not (4000 of them): a check by summing would take it for a NaN."""
     ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 4000, bias=False))
     state = compress(ddp, CompressionConfig(codec="topk", density=0.05), on_nonfinite="raise")
     state.set_enabled(False)
