@@ -45,7 +45,7 @@ from .gloo import run_world
 from .tables import Columns, markdown_rows, rich_rows
 from .timing import interleaved
 
-__all__ = ["VARIANTS", "markdown_table", "render_table", "run_overhead_bench"]
+__all__ = ["VARIANTS", "markdown_table", "render_table", "run_overhead_bench", "with_baselines"]
 
 BATCH = 64
 
@@ -141,16 +141,26 @@ def _rank(rank: int, world: int, names: list[str], steps: int, warmup: int, roun
     return {"medians": medians, "dense_steps": dense_steps}
 
 
+def with_baselines(variants: list[str]) -> list[str]:
+    """``variants`` in their order, each once, then the baselines they need that they do not
+    name; a ValueError names any variant that does not exist."""
+    unknown = [n for n in variants if n not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    names = list(dict.fromkeys(variants))
+    for name in list(names):
+        base = VARIANTS[name].baseline
+        if base is not None and base not in names:
+            names.append(base)
+    return names
+
+
 def run_overhead_bench(workers: int = 2, steps: int = 40, warmup: int = 5, rounds: int = 3,
                        hidden: int = 2048, variants: list[str] | None = None) -> dict[str, Any]:
     """Each variant's median step (rank 0's) per round and over the rounds, and its ratio to
     its baseline's in the same round; ``dense_steps``: how many of rank 0's steps the hook
     took uncompressed (all of them, or the bench measured something else)."""
-    names = list(variants or VARIANTS)
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise ValueError(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
-    names += [VARIANTS[n].baseline for n in names if VARIANTS[n].baseline and VARIANTS[n].baseline not in names]
+    names = with_baselines(variants or list(VARIANTS))
     ranks = run_world(_rank, workers, names, steps, warmup, rounds, hidden, timeout_s=1800)
     medians, dense = ranks[0]["medians"], ranks[0]["dense_steps"]
     rows = []
