@@ -39,9 +39,9 @@ def digits_loop(config: dict, ctx) -> None:
         if config.get("snapshots") and step in config.get("snapshot_steps", (step,)):
             ctx.snapshot(step, model, optimizer, extra={"step": step})
         record = ctx.telemetry.end_step(step, float(loss))
-        lo, hi, seconds = config.get("slow_steps", (0, 0, 0.0))
-        if lo <= step < hi:  # a model's compute: long enough for the driver's twice-a-second poll to land here
-            time.sleep(seconds)
+        for lo, hi, seconds in config.get("slow_steps", ()):
+            if lo <= step < hi:  # a model's compute: long enough for the driver's twice-a-second poll to land here
+                time.sleep(seconds)
         if every and (step + 1) % every == 0 and step + 1 < config["steps"]:
             ctx.report({"step": step, "loss": float(loss)}, model=model, optimizer=optimizer, extra={"step": step})
             if step >= config.get("await_checkpoints_from", config["steps"]):

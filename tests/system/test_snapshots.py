@@ -162,7 +162,7 @@ def _user_loop(name: str, snapshots: bool, snapshot_steps: list[int] | None = No
         "name": name,
         "training": {"loop": "user_loops:digits_loop", "lr": 0.05,
                      "config": {"hidden": 64, "steps": 400, "checkpoint_every": 100, "snapshots": snapshots,
-                                "await_checkpoints_from": 200, "slow_steps": (110, 190, 0.02),
+                                "await_checkpoints_from": 200, "slow_steps": [(110, 190, 0.02), (330, 400, 0.02)],
                                 **({"snapshot_steps": snapshot_steps} if snapshot_steps else {})}},
         "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 3},
         "compression": {"codec": "group_topk", "density": 0.05, "momentum_correction": True},
@@ -186,10 +186,10 @@ def test_a_user_loop_snapshots_through_the_context_and_resumes_from_the_newer_co
     assert checkpoint.verify(os.path.join(plain["checkpoint"], "rank1"))["tensors"] > 0  # rank 1's compression state
     # Snapshots after steps 0 to 189 only, checkpoints after 99, 199 and 299. The first kill,
     # at step 120 or a little later (wherever rank 0 is when the driver polls; steps 110 to
-    # 189 are slowed so that a poll lands among them), resumes from memory at the next step;
-    # the second, past step 330, from the checkpoint in storage, newer than the snapshot of
-    # step 189 (from step 200 the loop waits for Ray Train to commit each checkpoint it
-    # reports, which a kill would otherwise race).
+    # 189 and from 330 on are slowed so that a poll lands among them), resumes from memory at
+    # the next step; the second, past step 330, from the checkpoint in storage, newer than the
+    # snapshot of step 189 (from step 200 the loop waits for Ray Train to commit each
+    # checkpoint it reports, which a kill would otherwise race).
     kill, killed = killer((120, 330))
     summary = run_job(_user_loop("snap-user-killed", snapshots=True, snapshot_steps=list(range(190))),
                       storage_path=str(tmp_path / "killed"), on_progress=kill)
@@ -220,7 +220,7 @@ def test_local_steps_in_a_user_loop_resume_inside_a_round_from_memory_and_storag
         "training": {"loop": "user_loops:digits_loop", "lr": 0.05,
                      "config": {"hidden": 64, "steps": 400, "checkpoint_every": 100, "snapshots": True,
                                 "snapshot_steps": list(range(190)), "await_checkpoints_from": 200,
-                                "slow_steps": (110, 190, 0.02)}},
+                                "slow_steps": [(110, 190, 0.02), (330, 400, 0.02)]}},
         "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 3},
         # SparseLoCo's outer updates, at 5% of this small MLP
         "compression": {"codec": "group_topk", "density": 0.05, "value_dtype": "2bit", "coded_indices": True,
