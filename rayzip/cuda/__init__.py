@@ -159,5 +159,27 @@ def torch_stream(device=None):
     import torch
 
     stream = torch.cuda.current_stream(device)
-    with cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index or 0):
+    with _cupy_stream(stream.cuda_stream, stream.device.index or 0):
         yield
+
+
+class _StreamHandle:
+    """A raw stream handle under the CUDA stream protocol, which cupy 14 reads."""
+
+    def __init__(self, pointer: int):
+        self.pointer = pointer
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.pointer
+
+
+@lru_cache(maxsize=64)  # torch hands out streams from a fixed pool: few distinct handles
+def _cupy_stream(pointer: int, device: int):
+    """cupy's view of the stream ``pointer`` on ``device``, which it does not own. cupy 14
+    deprecates ExternalStream (a warning on every call) for Stream.from_external; cupy 13,
+    which the CUDA 12 extra still allows, has only the former."""
+    import cupy
+
+    if hasattr(cupy.cuda.Stream, "from_external"):
+        return cupy.cuda.Stream.from_external(_StreamHandle(pointer))
+    return cupy.cuda.ExternalStream(pointer, device)
