@@ -74,12 +74,14 @@ extern "C" __global__ void dct_encode(const float* __restrict__ x, long long blo
     unsigned short* const codes16 = (unsigned short*)codes;
     __shared__ __align__(16) float tile[BLOCKS_PER_CTA * STRIDE];
     __shared__ int slots[64];
+    __shared__ float ct[64];    // C transposed, for the column pass (see there)
     __shared__ unsigned char staged[MODE == 2 && !FULL ? BLOCKS_PER_CTA * 64 : 1];
     const int t = threadIdx.x, b = t >> 3, r = t & 7;
     const long long first = (long long)blockIdx.x * BLOCKS_PER_CTA;
     const int here = (int)min((long long)BLOCKS_PER_CTA, blocks - first);
     const bool live = b < here;
     if (!FULL) for (int i = t; i < 64; i += blockDim.x) slots[i] = slot[i];
+    if (t < 64) ct[t] = cs[(t & 7) * 8 + (t >> 3)];
     float* mine = tile + b * STRIDE;
     if (live) {                     // row pass: tmp[r][l] = sum_j X[r][j] C[l][j], j ascending
         const float* src = x + (first + b) * 64 + r * 8;
@@ -114,7 +116,9 @@ extern "C" __global__ void dct_encode(const float* __restrict__ x, long long blo
     if (live) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const float c = cs[r * 8 + i];
+            // C[r][i] differs between a warp's lanes: from the constant bank the eight
+            // addresses would be served one after another, from shared memory at once.
+            const float c = ct[i * 8 + r];
             const float4 lo = *(const float4*)(mine + i * 8), hi = *(const float4*)(mine + i * 8 + 4);
             const float tmp[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
@@ -133,8 +137,10 @@ extern "C" __global__ void dct_encode(const float* __restrict__ x, long long blo
         unsigned int code[8];
 #pragma unroll
         for (int l = 0; l < 8; ++l) {   // rint((y / peak + 1) * (2^bits - 1) / 2), each step rounded
-            float q = rintf(__fmul_rn(__fadd_rn(__fmul_rn(y[l], inverse), 1.f), half));
-            code[l] = (unsigned int)fminf(fmaxf(q, 0.f), top);
+            // Clamped to [0, top] first, then one conversion rounding to nearest even: the
+            // host's rint-then-clamp code for every input (top is whole), without a FRND.
+            const float q = __fmul_rn(__fadd_rn(__fmul_rn(y[l], inverse), 1.f), half);
+            code[l] = __float2uint_rn(fminf(fmaxf(q, 0.f), top));
         }
         if (FULL && MODE != 0) {        // this row's eight codes: `bits` whole bytes of the stream
             unsigned long long word = 0;

@@ -1,13 +1,14 @@
 #!/bin/bash
 # The GPU checks (issue 50) on a lent CUDA machine, in one call of at most 9 minutes:
-#   bash tools/gpu/check.sh [tests] [bench] [profile] [stall] [job]   (default: all but job)
-# Output lands in $OUT (default /tmp/rayzip-gpu): logs, the codec table's JSON, the stall's.
+#   bash tools/gpu/check.sh [tests] [bench] [profile] [variants] [stall] [job]   (default: all but job)
+# Output lands in $OUT (default /tmp/rayzip-gpu): logs, the codec table's JSON, the stall's;
+# at most 8 files, as the device tool brings back.
 # Python packages the machine lacks travel as wheels in .whl/ (pydantic and its needs,
 # zstandard); Ray, only for `job`, as .whl/ray-min.tar.xz.
 set -u
 OUT=${OUT:-/tmp/rayzip-gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-parts=${*:-tests bench profile stall}
+parts=${*:-tests bench profile variants stall}
 want() { [[ " $parts " == *" $1 "* ]]; }
 started=$(date +%s)
 echo "=== machine"
@@ -16,8 +17,8 @@ python3 -c "import sys, torch, cupy, numpy; print('python', sys.version.split()[
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 if want job && [ -f .whl/ray-min.tar.xz ]; then tar -xJf .whl/ray-min.tar.xz -C /tmp/site || exit 1; fi
 export PYTHONPATH=/tmp/site:$PWD
-if python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1; then echo "host C kernels built"
-else echo "host C kernels NOT built (the numpy/torch paths run on the host):"; tail -3 "$OUT/build.log"; fi
+if python3 setup.py -q build_ext --inplace > /tmp/rayzip-build.log 2>&1; then echo "host C kernels built"
+else echo "host C kernels NOT built (the numpy/torch paths run on the host):"; tail -3 /tmp/rayzip-build.log; fi
 if want tests; then
   echo "=== GPU tests: every codec and kernel against the host's, two ranks on one GPU over gloo"
   timeout 260 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs -W error::pytest.PytestUnraisableExceptionWarning \
@@ -25,6 +26,7 @@ if want tests; then
     tests/unit/test_cuda_seam.py tests/unit/test_device_huffman.py > "$OUT/pytest-gpu.log" 2>&1
   echo "pytest exit $?"; grep -E "passed|failed|error" "$OUT/pytest-gpu.log" | tail -3
   grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -20
+  echo "warnings:"; sed -n '/warnings summary/,/-- Docs/p' "$OUT/pytest-gpu.log" | grep -E "Warning" | sort | uniq -c
 fi
 if want bench; then
   echo "=== rayzip bench codecs --device cuda --size 256M, medians of 3 interleaved rounds"
@@ -35,8 +37,13 @@ if want bench; then
 fi
 if want profile; then
   echo "=== kernel time against wall time per call (256 MiB)"
-  timeout 60 python3 tools/gpu/profile.py > "$OUT/profile.log" 2>&1
-  echo "profile exit $?"; grep -v -i warn "$OUT/profile.log" | tail -20
+  timeout 60 python3 tools/gpu/kernel_time.py > "$OUT/kernel-time.log" 2>&1
+  echo "profile exit $?"; grep -v -i warn "$OUT/kernel-time.log" | tail -20
+fi
+if want variants; then
+  echo "=== the DCT encode kernel's variants, bitwise and timed; the encode's host time"
+  timeout 90 python3 tools/gpu/dct_variants.py > "$OUT/variants.log" 2>&1
+  echo "variants exit $?"; head -12 "$OUT/variants.log"
 fi
 if want stall; then
   echo "=== the GPT's background checkpoint on the GPU: training stall per checkpoint"
