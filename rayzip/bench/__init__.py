@@ -77,19 +77,24 @@ def markdown_table(report: dict, part: str | None = None) -> str | None:
     return None
 
 
-def provenance() -> dict:
+def provenance(checkout: Path | None = None) -> dict:
     """The commit the benchmark ran (``RAYZIP_COMMIT`` where set, for a copy of the tree
-    outside its checkout; else ``git rev-parse HEAD`` where the package sits in a checkout;
-    else "unknown") and the UTC time it was written."""
+    outside its checkout; else ``git rev-parse HEAD`` where the package, or ``checkout``, sits
+    in a checkout, with "-dirty" appended when tracked files differ from it, as ``git
+    describe --dirty`` marks them; else "unknown") and the UTC time it was written."""
     import datetime
     import os
     import subprocess
 
     commit = os.environ.get("RAYZIP_COMMIT")
     if not commit:
+        where = checkout or Path(__file__).resolve().parent
         try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, check=True,
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, check=True,
                                     capture_output=True, text=True, timeout=10).stdout.strip()
+            changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                                     check=True, capture_output=True, text=True, timeout=30).stdout.strip()
+            commit += "-dirty" if changed else ""
         except (OSError, subprocess.SubprocessError):
             pass
     return {"commit": commit or "unknown", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
