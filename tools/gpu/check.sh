@@ -5,6 +5,9 @@
 # at most 8 files, as the device tool brings back.
 # Python packages the machine lacks travel as wheels in .whl/ (pydantic and its needs,
 # zstandard); Ray, only for `job`, as .whl/ray-min.tar.xz.
+# The device's copy of .git can lag the tree that was sent (it named an older HEAD, "-dirty"):
+# send a committed tree and run it as `RAYZIP_COMMIT=<that commit> bash tools/gpu/check.sh`, so
+# that the JSON files name what ran.
 set -u
 OUT=${OUT:-/tmp/rayzip-gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
