@@ -4,7 +4,8 @@
 # Output lands in $OUT (default /tmp/rayzip-gpu): logs, the codec table's JSON, the stall's;
 # at most 8 files, as the device tool brings back.
 # Python packages the machine lacks travel as wheels in .whl/ (pydantic and its needs,
-# zstandard); Ray, only for `job`, as .whl/ray-min.tar.xz.
+# zstandard: `bash tools/gpu/wheels.sh` fetches them); Ray, only for `job`, as
+# .whl/ray-min.tar.xz.
 # The device's copy of .git can lag the tree that was sent (it named an older HEAD, "-dirty"):
 # send a committed tree and run it as `RAYZIP_COMMIT=<that commit> bash tools/gpu/check.sh`, so
 # that the JSON files name what ran.
