@@ -470,11 +470,11 @@ def bench_collectives(
 @bench_app.command("overhead")
 def bench_overhead(
     workers: int = typer.Option(2, min=2, help="gloo processes on this machine."),
-    steps: int = typer.Option(40, min=3, help="Timed steps of each variant per round."),
+    steps: int = typer.Option(60, min=3, help="Timed steps of each variant per round."),
     warmup: int = typer.Option(5, min=0, help="Untimed steps of each variant before each round's."),
     rounds: int = typer.Option(3, min=1, help="Rounds, each in a rotated order; the table gives their medians."),
     variants: Optional[str] = typer.Option(None, help="Variants, comma-separated (default: all): "
-                                                      "ddp_sgd, ddp_hook, off, off_momentum, ddp_adamw, off_adam."),
+                                                      "ddp_sgd, ddp_again, ddp_hook, off, off_momentum, ddp_adamw, off_adam."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
     """A step through rayzip's hook with compression off, against plain DDP's in the same run.

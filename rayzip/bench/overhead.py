@@ -10,6 +10,8 @@ to nothing. Here n gloo processes on this machine train the cluster benchmark's 
 their steps interleaved one by one, so that load drifting on a shared machine reaches every
 variant alike. Each variant is set beside the DDP it replaces:
 
+* ``ddp_again``: a second plain DDP model, the same as ``ddp_sgd``, against it: how far two
+  identical models' steps differ on this machine, the floor under which no ratio means anything;
 * ``ddp_hook``: DDP with torch's own Python ``allreduce_hook``: what any Python comm hook
   costs over DDP's built-in all-reduce, the floor for rayzip's; against ``ddp_sgd``;
 * ``off``: group top-k, switched off, SGD momentum in the optimizer; against ``ddp_sgd``;
@@ -23,7 +25,7 @@ compute and rayzip's own work, not a network.
 
 Usage::
 
-    report = run_overhead_bench(workers=2, steps=40, rounds=3)
+    report = run_overhead_bench(workers=2, steps=60, rounds=3)
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Variant:
 
 VARIANTS: dict[str, Variant] = {
     "ddp_sgd": Variant(SGD),
+    "ddp_again": Variant(SGD, baseline="ddp_sgd"),
     "ddp_hook": Variant(SGD, baseline="ddp_sgd", torch_hook=True),
     "off": Variant(SGD, {}, "ddp_sgd"),
     "off_momentum": Variant(SGD, {"momentum_correction": True}, "ddp_sgd"),
@@ -155,7 +158,7 @@ def with_baselines(variants: list[str]) -> list[str]:
     return names
 
 
-def run_overhead_bench(workers: int = 2, steps: int = 40, warmup: int = 5, rounds: int = 3,
+def run_overhead_bench(workers: int = 2, steps: int = 60, warmup: int = 5, rounds: int = 3,
                        hidden: int = 2048, variants: list[str] | None = None) -> dict[str, Any]:
     """Each variant's median step (rank 0's) per round and over the rounds, and its ratio to
     its baseline's in the same round; ``dense_steps``: how many of rank 0's steps the hook

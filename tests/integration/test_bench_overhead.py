@@ -21,7 +21,7 @@ def test_the_overhead_bench_times_dense_hooked_steps_against_ddp_in_the_same_rou
     report = json.loads(out.read_text())
     assert report["commit"] and report["date"] and report["workers"] == 2
     rows = {r["variant"]: r for r in report["rows"]}
-    assert list(rows) == ["ddp_sgd", "ddp_hook", "off", "off_momentum", "ddp_adamw", "off_adam"]
+    assert list(rows) == ["ddp_sgd", "ddp_again", "ddp_hook", "off", "off_momentum", "ddp_adamw", "off_adam"]
     for name, baseline in (("off", "ddp_sgd"), ("off_momentum", "ddp_sgd"), ("off_adam", "ddp_adamw")):
         row = rows[name]
         assert row["baseline"] == baseline
@@ -31,6 +31,10 @@ def test_the_overhead_bench_times_dense_hooked_steps_against_ddp_in_the_same_rou
         assert len(ratios) == 2 and all(r > 0 for r in ratios)
     assert rows["ddp_sgd"]["ratio"] is None and rows["ddp_sgd"]["dense_steps"] is None
     assert rows["ddp_hook"]["baseline"] == "ddp_sgd" and rows["ddp_hook"]["hook"] == "torch allreduce_hook"
+    # The A/A row: a second plain DDP, divided by the first, with no hook of either kind.
+    again = rows["ddp_again"]
+    assert again["baseline"] == "ddp_sgd" and again["hook"] == "–" and again["dense_steps"] is None
+    assert again["rounds_ratio"] == pytest.approx([m / b for m, b in zip(again["rounds_ms"], rows["ddp_sgd"]["rounds_ms"])])
     table = markdown_table(report)
     assert table.count("\n") == len(rows) + 1 and "off_momentum" in table
 

@@ -16,3 +16,7 @@ def test_variants_sharing_a_baseline_bring_it_once():
 def test_an_unknown_variant_is_named():
     with pytest.raises(ValueError, match="warp"):
         with_baselines(["off", "warp"])
+
+
+def test_the_second_plain_ddp_brings_the_first_to_be_divided_by():
+    assert with_baselines(["ddp_again"]) == ["ddp_again", "ddp_sgd"]
