@@ -10,14 +10,21 @@ and learns ``gamma`` from the run's own per-step losses:
   ``DEGREE``: a loss curve bends too much for less). Where the
   compression changed, the curve bends at the change unless ``gamma`` is right. The fit is a
   profile likelihood over a grid of ``gamma``: least squares for the curve at each, Gaussian
-  noise of unknown variance, times a normal prior on ``gamma``.
+  noise of unknown variance, times a normal prior on ``gamma``;
+* the first dense step after compressed ones also sends what error feedback held back over
+  all of them (:mod:`rayzip.torch.dense`), so the loss drops there by more than one dense
+  step's training. Each such switch gets a step of its own in the curve, of any height, from
+  the next step's loss on: the drop says nothing of ``gamma``, and only what dense steps do
+  after it counts. (Read as the dense step's own training, a short dense probe on a slow link
+  once made a compressed step look worth a hundredth of what it was, and the controller
+  turned compression off.)
 
 With one compression in the window the data say nothing of ``gamma``, and the posterior is the
 prior. The policy (:class:`~rayzip.adaptive.policy.TimeToTargetPolicy`) varies the compression
 while the posterior is wide, so that it narrows.
 
 Not modelled: a learning-rate schedule that changes at the same step as the compression reads
-as a change of efficiency; so does the flush of error feedback's residual after a switch.
+as a change of efficiency.
 
 Usage::
 
@@ -98,10 +105,13 @@ class EfficiencyModel:
         steps_worth = compressions[None, :-1] ** -GAMMAS[:, None] * gaps[None, :]
         tau = np.concatenate([np.zeros((len(GAMMAS), 1)), np.cumsum(steps_worth, axis=1)], axis=1)
         tau = 2 * tau / tau[:, -1:] - 1
-        design = np.empty(tau.shape + (DEGREE + 1,))
+        flushes = _flush_steps(compressions)
+        design = np.empty(tau.shape + (DEGREE + 1 + len(flushes),))
         design[:, :, 0] = 1.0
         for k in range(1, DEGREE + 1):
             design[:, :, k] = design[:, :, k - 1] * tau
+        for k, column in enumerate(flushes, start=DEGREE + 1):
+            design[:, :, k] = column[None, :]
         transposed = design.transpose(0, 2, 1)
         coef = np.linalg.solve(transposed @ design, transposed @ y[None, :, None])
         rss = np.sum(((design @ coef)[:, :, 0] - y) ** 2, axis=1)
@@ -112,3 +122,12 @@ class EfficiencyModel:
         mean = float(np.sum(weights * GAMMAS))
         sd = float(math.sqrt(max(0.0, np.sum(weights * (GAMMAS - mean) ** 2))))
         return EfficiencyFit(mean, sd, n, True)
+
+
+def _flush_steps(compressions: np.ndarray) -> list[np.ndarray]:
+    """For each switch from compressed steps to dense ones inside the window, a column that
+    is 1 from the point after the first dense step on (a step's loss is taken before its
+    update) and 0 before: the residual's flush, as a step in the curve."""
+    switches = np.flatnonzero((compressions[1:] == 1.0) & (compressions[:-1] > 1.0)) + 1
+    n = len(compressions)
+    return [(np.arange(n) > i).astype(np.float64) for i in switches if i < n - 1]

@@ -29,7 +29,8 @@ with the decision. Policies do no I/O and may keep state between decisions.
 * :class:`TimeToTargetPolicy` (``time_to_target``) keeps the cost model's rules and divides
   each candidate's predicted step by the training one of its steps does
   (:mod:`~rayzip.adaptive.efficiency`, learned from the loss curve), so it minimises the time
-  to the target rather than the step; it varies the compression while that is uncertain.
+  to the target rather than the step; it varies the compression while that is uncertain, and
+  turns compression off only where the cost model would probe dense.
 * :class:`PressurePolicy` is the first rule, kept for comparison: compression in proportion
   to delay per byte over the best seen. It reads fixed latency as pressure (a smaller
   payload has a larger delay per byte) and does not see codec time.
@@ -122,6 +123,10 @@ class CostModelPolicy(Policy):
         """What the policy minimises for a candidate: here, its predicted step time."""
         return prediction.total_s
 
+    def choosable(self, predictions: dict[float, Prediction]) -> dict[float, Prediction]:
+        """The candidates a decision may pick from: here, all of them."""
+        return predictions
+
     def candidates(self, cap: float, seen: tuple[float, float] | None) -> list[float]:
         """Dense, and compressions from ``min_compression`` to ``cap`` (two per octave) no further than
         PROBE_PAYLOAD from the kept fractions measured: outside them the codec's time is
@@ -183,7 +188,7 @@ class CostModelPolicy(Policy):
         predictions = {r: model.predict(None if r == 1.0 else 1.0 / r) for r in self.candidates(cap, model.densities())
                        if r == 1.0 or r >= at_least}
         self.predicted = cap, predictions
-        target = _least_within_slack(predictions, spec.slack, self.cost)
+        target = _least_within_slack(self.choosable(predictions), spec.slack, self.cost)
         now_p = model.predict(None if current == 1.0 else 1.0 / min(current, spec.max_compression))
         link = model.link
         dense_network = predictions[1.0].network_s
@@ -258,8 +263,8 @@ class TimeToTargetPolicy(CostModelPolicy):
     mean of ``gamma`` plus and minus one standard deviation differ, and either would cost more
     than ``hysteresis`` if the other end were true), every other decision
     takes one of those two choices in turn: the loss curve under both is what narrows the
-    posterior. A probe of the cost model's comes first, and dense is explored only where the
-    cost model would probe it.
+    posterior. A probe of the cost model's comes first, and dense is chosen or explored only
+    where the cost model would probe it (:meth:`choosable`).
 
     Example::
 
@@ -276,6 +281,16 @@ class TimeToTargetPolicy(CostModelPolicy):
     def cost(self, compression: float, prediction: Prediction) -> float:
         return prediction.total_s / self.fit.efficiency(compression)
 
+    def choosable(self, predictions: dict[float, Prediction]) -> dict[float, Prediction]:
+        """Dense only where the cost model would probe it: within PROBE_WITHIN of the fastest
+        compressed step. On a slower link the efficiency alone never turns compression off: a
+        wrong estimate there costs more than any other (each dense step is many compressed
+        ones), and the least compression offered does nearly what a dense step does anyway."""
+        fastest = min((p.total_s for r, p in predictions.items() if r != 1.0), default=math.inf)
+        if predictions[1.0].total_s > PROBE_WITHIN * fastest:
+            return {r: p for r, p in predictions.items() if r != 1.0}
+        return predictions
+
     def decide(self, inputs: PolicyInputs) -> tuple[float, dict]:
         if inputs.efficiency is not None:
             self.fit = inputs.efficiency.fit()
@@ -283,11 +298,7 @@ class TimeToTargetPolicy(CostModelPolicy):
         self._explain(explain, choice)
         if explain.get("probe") or self.predicted is None or not inputs.model.ready:
             return choice, explain
-        _, predictions = self.predicted
-        if choice != 1.0 and predictions[1.0].total_s > PROBE_WITHIN * predictions.get(choice, predictions[1.0]).total_s:
-            # Dense steps are explored only where the cost model would probe them: on a slow
-            # link, a wrong guess of dense costs more than any other.
-            predictions = {r: p for r, p in predictions.items() if r != 1.0}
+        predictions = self.choosable(self.predicted[1])  # dense explored only where it may be chosen
         high, low = self._cost_at(self.fit.gamma + self.fit.sd), self._cost_at(max(0.0, self.fit.gamma - self.fit.sd))
         less, more = (_least_within_slack(predictions, self.spec.slack, cost) for cost in (high, low))
         # What a wrong guess would cost: at either end, the other end's choice against its own.

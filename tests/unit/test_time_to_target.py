@@ -60,6 +60,30 @@ def test_one_compression_says_nothing_and_the_prior_stands():
     assert (few.gamma, few.varied) == (0.2, False)
 
 
+def probed(gamma: float, flush: float, steps: int = 100, seed: int = 0) -> EfficiencyModel:
+    """A run as the 100 Mbit/s benchmark's went: 104x, 144x, then 200x with a dense probe of
+    3 steps at step 82, whose first step also delivers ``flush`` dense steps' worth of what
+    error feedback held back."""
+    rng, model, tau = random.Random(seed), EfficiencyModel(), 0.0
+    for step in range(steps):
+        compression = 104.0 if step < 12 else 144.0 if step < 22 else 1.0 if 82 <= step < 85 else 200.0
+        model.add(step, curve(tau) * math.exp(rng.gauss(0.0, 0.05)), compression)
+        tau += compression ** -gamma + (flush if step == 82 else 0.0)
+    return model
+
+
+def test_the_flush_at_a_switch_to_dense_says_nothing_of_the_efficiency(monkeypatch):
+    for seed in range(3):
+        without, flushed = probed(0.1, 0.0, seed=seed).fit(), probed(0.1, 20.0, seed=seed).fit()
+        assert flushed.varied and abs(flushed.gamma - without.gamma) < 0.05, (without, flushed)
+        assert flushed.gamma < 0.35, flushed
+    # Read as the dense steps' own training, the same drop makes a step at 200x worth a
+    # small fraction of what it is (the fit of step 92 of one such run said gamma 0.89).
+    monkeypatch.setattr("rayzip.adaptive.efficiency._flush_steps", lambda compressions: [])
+    unmodelled = [probed(0.1, 20.0, seed=seed).fit().gamma for seed in range(3)]
+    assert min(unmodelled) > 0.45, unmodelled
+
+
 def test_a_restart_drops_the_steps_it_goes_back_over():
     model = losses(0.3, alternate(100.0, 1.0), steps=100)
     model.add(60, 1.0, 100.0)  # resumed from a checkpoint at step 60
@@ -134,6 +158,21 @@ def test_on_a_slow_link_it_never_explores_dense(monkeypatch):
     # loss curve reads that as dense being worth more than it is.
     monkeypatch.setattr("rayzip.adaptive.policy.PROBE_WITHIN", float("inf"))
     _, unguarded = Run(slow, 0.1).time_to_target(TimeToTargetPolicy(spec("time_to_target", **wide)), 100.0,
+                                                 most_steps=600)
+    assert 1.0 in unguarded, unguarded
+
+
+def test_on_a_slow_link_even_a_confident_efficiency_does_not_turn_compression_off(monkeypatch):
+    # A posterior pinned at gamma 0.9 (a step at 200x worth 1/118 of a dense one) makes dense
+    # the least cost per dense step's worth; on a link where dense is 10x the compressed
+    # step, the policy takes the least compression instead, which does nearly as much.
+    slow = Cluster(bandwidth=12.5e6)
+    pinned = dict(efficiency_prior=0.9, efficiency_prior_sd=0.01)
+    _, chosen = Run(slow, 0.1).time_to_target(TimeToTargetPolicy(spec("time_to_target", **pinned)), 100.0,
+                                              most_steps=600)
+    assert 1.0 not in chosen and min(chosen) < 20.0, chosen
+    monkeypatch.setattr("rayzip.adaptive.policy.PROBE_WITHIN", float("inf"))
+    _, unguarded = Run(slow, 0.1).time_to_target(TimeToTargetPolicy(spec("time_to_target", **pinned)), 100.0,
                                                  most_steps=600)
     assert 1.0 in unguarded, unguarded
 
