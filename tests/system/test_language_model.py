@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rayzip.bench.chaos import killer
 from rayzip.runner import run_job
 from rayzip.train.faults import Faults
 from rayzip.spec import JobSpec
@@ -89,39 +90,36 @@ def test_a_user_loop_on_a_sharded_model_resumes_a_killed_worker_exactly(local_ra
     spec = JobSpec.model_validate({
         "name": "sharded-user-loop",
         "training": {"loop": "user_loops:digits_loop", "lr": 0.05,
-                     "config": {"hidden": 64, "steps": 300, "checkpoint_every": 100, "snapshots": snapshots}},
+                     # Steps 110 to 189 are slowed so that the driver's twice-a-second poll lands
+                     # among them on any machine; the loop waits for Ray Train to commit each
+                     # checkpoint it reports, which a kill would otherwise race.
+                     "config": {"hidden": 64, "steps": 300, "checkpoint_every": 100, "snapshots": snapshots,
+                                "await_checkpoints_from": 0, "slow_steps": [(110, 190, 0.02)]}},
         "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 1},
         "compression": {"codec": "group_topk", "density": 0.05, "momentum_correction": True},
         "sharding": {"enabled": True, "mode": "hsdp", "shard_size": 1},
         "checkpoint": {"background": False},
         "snapshots": {"every": 1},  # taken where the loop calls ctx.snapshot
     })
-    killed: dict = {}
-
-    def kill_once(metrics: dict) -> None:
-        # Once a checkpoint is in storage and Ray Train has had time to take it (its controller
-        # polls the workers' reports), kill rank 0's worker.
-        stored = list(tmp_path.glob("*/checkpoint_*/shards/.metadata"))
-        if stored and "seen" not in killed:
-            killed["seen"] = time.monotonic()
-        if "seen" in killed and "step" not in killed and time.monotonic() - killed["seen"] > 2.0:
-            killed["step"] = metrics["step"]
-            os.kill(metrics["pid"], signal.SIGKILL)
+    # Kill rank 0's worker at step 120 or a little later: after the checkpoint of step 99 is
+    # committed, before the one of step 199 is reported.
+    kill_once, kills = killer((120,))
 
     summary = run_job(spec, storage_path=str(tmp_path), on_progress=kill_once)
-    assert "step" in killed and summary["restarts"] == 1, (killed, summary["resumes"])
+    assert len(kills) == 1 and summary["restarts"] == 1, (kills, summary["resumes"])
+    ((killed_at, _pid),) = kills
     assert summary["steps"] == 300
     (resume,) = summary["resumes"]
     replayed = summary["replayed"]
     if snapshots:
         assert resume["source"] == "memory" and resume["steps_lost"] == 0, resume
-        assert resume["resumed_at"] > killed["step"] - 2, (resume, killed)
+        assert resume["resumed_at"] > killed_at - 2, (resume, kills)
     else:
-        assert 0 < resume["resumed_at"] <= killed["step"] + 1 and resume["resumed_at"] % 100 == 0, (resume, killed)
+        assert resume["source"] == "storage" and resume["resumed_at"] == 100, (resume, kills)
         # The shards of the model and of SGD's state, and each rank's residuals and momentum,
         # came back: the redone steps repeated rank 0's loss of the first attempt bit for bit.
         assert replayed["steps"] >= 1 and replayed["identical"] == replayed["steps"], replayed
-    print(f"killed at step {killed['step']}, resumed at {resume['resumed_at']}, {replayed['steps']} steps replayed")
+    print(f"killed at step {killed_at}, resumed at {resume['resumed_at']}, {replayed['steps']} steps replayed")
     last = summary["metrics"]
     assert last["compressed"] and last["dense_bytes"] / last["bytes_sent"] > 10, last
     assert summary["final_test_accuracy"] >= 0.8, summary
