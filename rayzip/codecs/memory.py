@@ -335,14 +335,23 @@ def reshard_state(saved: dict[int, dict], old_world: int, new_world: int, rank: 
     the mean over the old ones: nothing pending is lost on a scale-down, nor counted twice
     on a scale-up. Both states are linear in the gradient (a velocity is a sum of past
     gradients), so the rule holds for momentum correction too.
+
+    ``saved`` may hold old ranks that go to other new ranks; pass every state kept when some
+    were lost (a node's keeper gone with its node). An old rank missing from ``saved`` is
+    taken to have held the mean of the saved ranks' states: the pending mean is then the
+    survivors' mean, an estimate of the lost one, rather than shrunk by the lost ranks' share.
     """
-    mine = [saved[j] for j in sorted(saved) if j % new_world == rank and j < old_world]
+    pending = {j: state for j, state in saved.items() if j < old_world}
+    lost = [j for j in range(old_world) if j not in pending]
+    mine = [_pending(state) for j, state in sorted(pending.items()) if j % new_world == rank]
+    if pending and any(j % new_world == rank for j in lost):
+        survivors = [_pending(state) for state in pending.values()]
+        mean = {name: np.mean([state[name] for state in survivors if name in state], axis=0)
+                for name in {name for state in survivors for name in state}}
+        mine += [mean] * sum(1 for j in lost if j % new_world == rank)
     out: dict[str, np.ndarray] = {}
     for state in mine:
         for name, held in state.items():
-            if name.startswith(_ADAM):
-                continue
-            held = _restored(held, None)
             out[name] = held.copy() if name not in out else out[name] + held
     factor = np.float32(new_world / old_world)
     out = {name: held * factor for name, held in out.items()}
@@ -353,6 +362,11 @@ def reshard_state(saved: dict[int, dict], old_world: int, new_world: int, rank: 
         held = [_restored(state[name], None) for state in moments if name in state]
         out[name] = np.max(held, axis=0) if name.startswith(_ADAM + "t:") else np.mean(held, axis=0)
     return out
+
+
+def _pending(state: dict) -> dict[str, np.ndarray]:
+    """A saved Memory state's pending parts (residuals, velocities) as flat arrays."""
+    return {name: _restored(held, None) for name, held in state.items() if not name.startswith(_ADAM)}
 
 
 def segment_name(lo: int, hi: int, numel: int) -> str:

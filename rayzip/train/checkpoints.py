@@ -195,6 +195,10 @@ def restore_hook(path: Path, rank: int, world: int, trainer: dict, state) -> Non
     else:
         mine = new_holders.get(rank)  # (index, count), or None on a node's other workers
         parts = holder_parts(old_holders, mine)
+        if parts and any(not (path / f"rank{r}").exists() for r in old_holders):
+            # A holder's part was lost with its node: every kept holder's error feedback goes
+            # in, so that the lost ones' is estimated from them (reshard_state).
+            parts = {r: index for r, (index, _) in old_holders.items()}
         saved = {index: load_checkpoint(path / f"rank{r}")["hook"] for r, index in parts.items()
                  if (path / f"rank{r}").exists()}
         # The codec's state (a seeded codec's call count) is the same on every rank.
@@ -256,7 +260,9 @@ class LocalStepsState(SplitState):
     def restore(self, path: Path, trainer: dict) -> None:
         """This rank's part when the world is unchanged; after a resize, rank r takes the
         inner optimizer of old rank r mod the old world, and error feedback is re-sharded so
-        that the pending mean is kept (:func:`rayzip.codecs.memory.reshard_state`)."""
+        that the pending mean is kept (:func:`rayzip.codecs.memory.reshard_state`). A rank
+        whose part was lost with its node takes the next kept rank's inner optimizer and own
+        parameters, and the kept ranks' mean error feedback in place of its own."""
         old_world = int(trainer["world_size"])
         own = path / f"rank{self.rank}"
         if old_world == self.world and own.exists():

@@ -665,7 +665,7 @@ class Snapshots:
         Complete: the trainer's part and every saved rank's. When a node's keeper is gone (the
         node with it), the ranks that no surviving keeper ever held are taken as that node's:
         a step is then complete without them, and their error feedback is lost (the restore
-        re-shards what is left)."""
+        takes the survivors' mean in its place: :func:`rayzip.codecs.memory.reshard_state`)."""
         held, lost = {}, []
         for node, keeper in self.keepers.items():
             try:
@@ -684,7 +684,7 @@ class Snapshots:
         missing = sorted(set(f"rank{r}" for r in range(worlds[agreed])) - set(where[agreed]))
         if missing:
             print(f"rayzip: rank {self.rank}: step {agreed} is restored without {', '.join(missing)} "
-                  f"(lost with node(s) {', '.join(n[:12] for n in lost)}): their error feedback is dropped")
+                  f"(lost with node(s) {', '.join(n[:12] for n in lost)}): their error feedback is estimated from the survivors'")
         return agreed, where[agreed]
 
     def _agree(self, step: int) -> int:

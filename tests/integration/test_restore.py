@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -43,6 +44,32 @@ def test_reshard_keeps_the_mean_of_pending_error_feedback(old, new):
         before = np.mean([saved[r][key] for r in range(old)], axis=0)
         after = np.sum([s[key] for s in resharded if key in s], axis=0) / new
         np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("old, new, kept", [(2, 2, [1]), (2, 2, [0]), (4, 4, [0, 2, 3]), (4, 2, [1, 2]),
+                                            (2, 1, [1])])
+def test_reshard_estimates_a_lost_rank_from_the_survivors(old, new, kept):
+    """A rank whose state was lost with its node counts as the survivors' mean: the pending
+    mean after the restore is the kept ranks' mean, not shrunk by the lost ranks' share."""
+    rng = np.random.default_rng(old * 100 + new * 10 + len(kept))
+    saved = {r: {"model": rng.standard_normal(50).astype(np.float32)} for r in kept}
+    resharded = [reshard_state(saved, old, new, r) for r in range(new)]
+    survivors = np.mean([saved[r]["model"] for r in kept], axis=0)
+    after = np.sum([s["model"] for s in resharded], axis=0) / new
+    np.testing.assert_allclose(after, survivors, rtol=1e-5, atol=1e-6)
+    for r in range(new):  # a survivor that stays in place keeps its own state, unscaled
+        if old == new and r in kept:
+            np.testing.assert_array_equal(resharded[r]["model"], saved[r]["model"])
+        if old == new and r not in kept:
+            np.testing.assert_allclose(resharded[r]["model"], survivors, rtol=1e-6)
+
+
+def test_reshard_with_every_rank_kept_ignores_the_others_states():
+    """States of old ranks that go to other new ranks change nothing when none was lost."""
+    rng = np.random.default_rng(7)
+    saved = {r: {"model": rng.standard_normal(20).astype(np.float32)} for r in range(4)}
+    mine = {r: saved[r] for r in (1, 3)}
+    np.testing.assert_array_equal(reshard_state(saved, 4, 2, 1)["model"], reshard_state(mine, 4, 2, 1)["model"])
 
 
 def _state(rank, world, warmup=5):
@@ -94,6 +121,21 @@ def test_a_resize_resumes_every_rank_at_the_checkpoint_step_with_error_feedback_
         after = np.sum([r[3][key] for r in restored if key in r[3]], axis=0) / new
         assert np.abs(before).max() > 0.1  # there was something pending to keep
         np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
+
+
+def test_a_rank_whose_part_was_lost_resumes_with_the_survivors_error_feedback():
+    """A snapshot restored without one rank's part (lost with its node's keeper): the
+    survivor keeps its own residual and velocity, the lost rank takes the survivor's, so
+    the pending mean is the survivor's rather than half of it."""
+    with tempfile.TemporaryDirectory() as directory:
+        saved = run_world(_save_rank, 2, directory, 8, timeout_s=TIMEOUT_S)
+        shutil.rmtree(Path(directory) / "rank1")
+        restored = run_world(_restore_rank, 2, directory, "cpu", timeout_s=TIMEOUT_S)
+    for start, step, compressed, memory, _ in restored:
+        assert start == 8 and step == 8 and compressed
+        for key in ("model", "velocity:model"):
+            assert np.abs(saved[0][key]).max() > 0.1
+            np.testing.assert_array_equal(memory[key], saved[0][key])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (and cupy) to restore onto")

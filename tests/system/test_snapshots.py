@@ -129,8 +129,8 @@ def test_a_lost_node_resumes_from_the_surviving_keepers_snapshot(tmp_path):
     """An elastic run (1 to 2 workers) on a real two-node Ray, one worker per node. Removing
     the second node takes that node's worker and keeper with it: the restart, on the one
     worker left, resumes from the surviving keeper's snapshot of the last step (its weights,
-    optimizer and data position; the lost rank's error feedback is dropped), not from
-    storage, and trains to the end."""
+    optimizer and data position; the lost rank's error feedback is taken as the survivor's),
+    not from storage, and trains to the end."""
     with two_node_ray() as (cluster, second):
         spec = _digits("snap-node-lost", snapshots=True)
         spec = spec.model_copy(update={
