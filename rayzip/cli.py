@@ -525,6 +525,10 @@ def bench_cluster(
         None, "--lose-ranks", help="With --kill-node-at-step: comma-separated ranks; each gets a run that loses "
                                    "the node holding that rank, not the last node (ranks above 0: 2 nodes "
                                    "of 1 worker)."),
+    node_loss_from: str = typer.Option(
+        "memory", "--node-loss-from", help="With --kill-node-at-step: comma-separated, memory and/or storage; "
+                                           "storage adds each lost-node run again with snapshots off (the resume "
+                                           "from the last checkpoint), and every run then checkpoints to storage."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write accuracy-vs-time PNG here."),
 ):
@@ -539,10 +543,11 @@ def bench_cluster(
         console.print("[red]error:[/red] --kill-node-at-step needs 2 nodes or more, and no --drop-to")
         raise typer.Exit(2)
     ranks = _lose_ranks_or_exit(lose_ranks, kill_node_at_step, nodes, workers_per_node)
+    sources = _node_loss_from_or_exit(node_loss_from, kill_node_at_step)
     report = _run_cluster(lambda log: run_cluster_bench(
         chosen, bandwidth, nodes, latency, spec_path, powersgd_start_iter, log=log, budget_steps=budget_steps,
         drop_to=drop_to, drop_at_step=drop_at_step if drop_to else None, workers_per_node=workers_per_node,
-        repeat=repeat, kill_node_at_step=kill_node_at_step, lose_ranks=ranks))
+        repeat=repeat, kill_node_at_step=kill_node_at_step, lose_ranks=ranks, node_loss_from=sources))
     console.print(render_table(report))
     if drop_to:
         from .bench.cluster import render_drop_table
@@ -556,6 +561,22 @@ def bench_cluster(
     if plot_path:
         plot(report, plot_path)
         console.print(f"wrote {plot_path}")
+
+
+def _node_loss_from_or_exit(text: str, kill_node_at_step: int | None) -> tuple[str, ...]:
+    """``--node-loss-from`` as a tuple, or exit 2 naming what is wrong with it."""
+    from .bench.cluster import NODE_LOSS_SOURCES
+
+    sources = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    wrong = [s for s in sources if s not in NODE_LOSS_SOURCES]
+    if wrong or not sources:
+        console.print(f"[red]error:[/red] --node-loss-from {text}: each must be one of "
+                      f"{', '.join(NODE_LOSS_SOURCES)}", soft_wrap=True)
+        raise typer.Exit(2)
+    if sources != ("memory",) and kill_node_at_step is None:
+        console.print("[red]error:[/red] --node-loss-from needs --kill-node-at-step")
+        raise typer.Exit(2)
+    return sources
 
 
 def _lose_ranks_or_exit(text: str | None, kill_node_at_step: int | None, nodes: int,

@@ -226,7 +226,8 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
                       budget_steps: int | None = None, drop_to: str | None = None,
                       drop_at_step: int | None = None, workers_per_node: int = 1, repeat: int = 1,
                       kill_node_at_step: int | None = None,
-                      lose_ranks: list[int] | None = None) -> dict[str, Any]:
+                      lose_ranks: list[int] | None = None,
+                      node_loss_from: tuple[str, ...] = ("memory",)) -> dict[str, Any]:
     """Run every method on one namespace cluster. With ``budget_steps``, each method trains
     exactly that many steps (time to target is still taken where the target is first
     reached), so final accuracies compare at the same budget. With ``drop_to``, every run
@@ -246,7 +247,13 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
     starts at its address once Ray has marked it dead. Its row carries the recovery
     (``node_loss``) and its final metric against the uninterrupted run's. With
     ``lose_ranks``, it runs once for each rank listed, as ``METHOD, node lost (rank R)``,
-    losing the node that holds that rank (:class:`_NodeLoss`) rather than the last one."""
+    losing the node that holds that rank (:class:`_NodeLoss`) rather than the last one.
+
+    ``node_loss_from`` says where those runs resume from: ``memory`` (snapshots on, as the
+    spec has them) and ``storage`` (snapshots off, ``METHOD, node lost ... from storage``:
+    Ray Train's resume from the last checkpoint, the old path). With ``storage``, every run of
+    the report writes checkpoints to storage every ``checkpoint.every_steps`` (the default
+    where the spec has 0), so that the runs differ in their snapshots alone."""
     base = yaml.safe_load(spec_path.read_text())
     workers = nodes * workers_per_node
     base.setdefault("scaling", {}).update({"min_workers": workers, "max_workers": workers})
@@ -266,19 +273,29 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
     if lose_ranks and kill_node_at_step is None:
         raise ValueError("lose_ranks needs kill_node_at_step")
     check_lose_ranks(lose_ranks or [], nodes, workers_per_node)
+    unknown = set(node_loss_from) - set(NODE_LOSS_SOURCES)
+    if unknown or not node_loss_from:
+        raise ValueError(f"node_loss_from {list(node_loss_from)}: each must be one of {list(NODE_LOSS_SOURCES)}")
+    if "storage" in node_loss_from and kill_node_at_step is not None:
+        checkpoint = base.setdefault("checkpoint", {})
+        checkpoint["every_steps"] = checkpoint.get("every_steps") or CheckpointSpec().every_steps
     # (name, method, step at which a node is lost or None, the rank whose node is lost or None: the last node)
     lost = [(f"{NODE_LOST} (rank {r})", r) for r in lose_ranks] if lose_ranks else [(NODE_LOST, None)]
-    entries = [(m, m, None, None) for m in methods] + \
-        ([(f"{m}{suffix}", m, kill_node_at_step, r) for m in methods for suffix, r in lost]
+    # (name, method, kill step, rank, resume from storage)
+    entries = [(m, m, None, None, False) for m in methods] + \
+        ([(f"{m}{suffix}{FROM_STORAGE if source == 'storage' else ''}", m, kill_node_at_step, r,
+           source == "storage")
+          for m in methods for suffix, r in lost for source in node_loss_from]
          if kill_node_at_step is not None else [])
     runs: dict[str, list[dict]] = {name: [] for name, *_ in entries}
     with NetnsCluster(nodes=nodes, bandwidth=bandwidth, latency=latency, cpus_per_node=workers_per_node) as cluster:
         log(f"cluster up: {nodes} worker nodes at {bandwidth}" + (f", {latency} latency" if latency else "")
             + (f", {workers_per_node} workers each" if workers_per_node > 1 else ""))
         for round_ in range(repeat):
-            for name, method, kill_at, rank in interleaved(entries, round_):
+            for name, method, kill_at, rank, storage in interleaved(entries, round_):
                 label = name if repeat == 1 else f"{name} (run {round_ + 1} of {repeat})"
-                row = _run_method(cluster, method, label, base, powersgd_start_iter, drop_to,
+                spec = {**base, "snapshots": {**base.get("snapshots", {}), "enabled": False}} if storage else base
+                row = _run_method(cluster, method, label, spec, powersgd_start_iter, drop_to,
                                   drop_at_step, workers_per_node, bandwidth, log, kill_node_at_step=kill_at,
                                   lose_rank=rank)
                 runs[name].append({**row, "name": name})
@@ -297,6 +314,8 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
             "stop_at_target": training.stop_at_target, "steps": training.steps,
             "budget_steps": budget_steps, "drop_to": drop_to, "drop_at_step": drop_at_step,
             "kill_node_at_step": kill_node_at_step, "lose_ranks": lose_ranks,
+            "node_loss_from": list(node_loss_from) if kill_node_at_step is not None else None,
+            "checkpoint_every_steps": base.get("checkpoint", {}).get("every_steps"),
             "spec": str(spec_path), "powersgd_start_iter": powersgd_start_iter,
             "python": sys.version.split()[0], "methods": rows,
             "ddp_held_bytes": replica_held_bytes(base) if sharded else None}
@@ -504,6 +523,8 @@ def _next_step(progress: Path) -> int | None:
 
 
 NODE_LOST = ", node lost"  # the name of a method's run with a node lost (kill_node_at_step)
+FROM_STORAGE = " from storage"  # ... and resumed from storage, its snapshots off
+NODE_LOSS_SOURCES = ("memory", "storage")
 
 
 class _NodeLoss:

@@ -85,19 +85,21 @@ snapshots: {every: 1}
 
 @needs_root
 def test_a_node_lost_whole_is_replaced_and_the_run_resumes_from_the_survivors_snapshot(tmp_path):
-    """Two runs on a 2-node namespace cluster, and nothing left behind: the uninterrupted
-    one, and one with --kill-node-at-step --lose-ranks 0, where the node that holds rank 0
+    """Three runs on a 2-node namespace cluster, and nothing left behind: the uninterrupted
+    one, and two with --kill-node-at-step --lose-ranks 0, where the node that holds rank 0
     has its every process SIGKILLed (raylet, worker, keeper) and a new Ray node starts at its
-    address; that run resumes from the surviving node's keeper with no step lost (there is no
-    checkpoint in storage to fall back on). One test for both: each cluster costs a minute of
-    CI."""
+    address. With --node-loss-from memory,storage every run checkpoints to storage every 50
+    steps; the first lost run resumes from the surviving node's keeper with no step lost, the
+    second (snapshots off) from the last checkpoint in storage. One test for all: each cluster
+    costs a minute of CI."""
     spec = tmp_path / "losable.yaml"
     spec.write_text(LOSABLE)
     out = tmp_path / "bench.json"
     tag, env = tagged_env()
     bench = subprocess.Popen([sys.executable, "-m", "rayzip", "bench", "cluster", "--bandwidth", "1gbit",
                               "--nodes", "2", "--spec", str(spec), "--methods", "group_topk", "--repeat", "1",
-                              "--kill-node-at-step", "100", "--lose-ranks", "0", "--json", str(out),
+                              "--kill-node-at-step", "100", "--lose-ranks", "0", "--node-loss-from",
+                              "memory,storage", "--json", str(out),
                               "--plot", str(tmp_path / "bench.png")],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     stdout, stderr = bench.communicate(timeout=1200)
@@ -105,7 +107,8 @@ def test_a_node_lost_whole_is_replaced_and_the_run_resumes_from_the_survivors_sn
     report = json.loads(out.read_text())
     assert report["bandwidth"] == "1gbit" and report["nodes"] == 2
     rows = {r["name"]: r for r in report["methods"]}
-    assert set(rows) == {"group_topk", "group_topk, node lost (rank 0)"}
+    assert set(rows) == {"group_topk", "group_topk, node lost (rank 0)", "group_topk, node lost (rank 0) from storage"}
+    assert report["node_loss_from"] == ["memory", "storage"] and report["checkpoint_every_steps"] == 50
     for row in rows.values():
         assert row["wire_bytes_counted"] > 0 and row["wire_bytes_interface"] > 0  # the kernel saw gloo's traffic
         assert set(row) >= {"time_to_target_s", "final_accuracy", "step_s", "comm_s", "speedup_vs_dense"}
@@ -122,5 +125,12 @@ def test_a_node_lost_whole_is_replaced_and_the_run_resumes_from_the_survivors_sn
     assert lost["steps"] == 300 and rows["group_topk"]["steps"] == 300
     assert lost["final_accuracy"] > 0.8 and lost["final_vs_uninterrupted"] is not None
     assert "| group_topk, node lost (rank 0) |" in stdout  # the node-loss table
+    stored = rows["group_topk, node lost (rank 0) from storage"]
+    (resume,) = stored["node_loss"]["resumes"]
+    assert resume["cause"] == "node_lost" and resume["source"] == "storage", resume
+    # Checkpoints every 50 steps: the resume redoes the steps since the last one before the loss.
+    killed = stored["node_loss"]["killed_at_step"]
+    assert resume["resumed_at"] % 50 == 0 and resume["resumed_at"] <= killed, (resume, killed)
+    assert stored["steps"] == 300 and stored["final_accuracy"] > 0.8
     assert leftover_namespaces(f"rz{bench.pid}-") == []
     assert tagged_pids(tag) == set(), "the benchmark left processes behind"

@@ -262,11 +262,16 @@ def test_a_node_loss_by_rank_is_named_for_it_and_refused_where_its_node_is_unkno
     spec = ROOT / "jobs" / "bench-gpt.yaml"
     with pytest.raises(ValueError, match="needs kill_node_at_step"):
         run_cluster_bench(["dense"], "100mbit", 2, None, spec, lose_ranks=[0])
+    with pytest.raises(ValueError, match="each must be one of"):
+        run_cluster_bench(["dense"], "100mbit", 2, None, spec, kill_node_at_step=50, node_loss_from=("disk",))
 
 
 @pytest.mark.parametrize("args, says", [(["--lose-ranks", "0"], "needs --kill-node-at-step"),
                                         (["--kill-node-at-step", "9", "--lose-ranks", "0,x"], "invalid literal"),
-                                        (["--kill-node-at-step", "9", "--lose-ranks", "0,2"], "rank 2 is not")])
+                                        (["--kill-node-at-step", "9", "--lose-ranks", "0,2"], "rank 2 is not"),
+                                        (["--node-loss-from", "storage"], "needs --kill-node-at-step"),
+                                        (["--kill-node-at-step", "9", "--node-loss-from", "memory,disk"],
+                                         "each must be one of memory, storage")])
 def test_the_cli_refuses_a_rank_it_cannot_lose(args, says):
     from typer.testing import CliRunner
 
