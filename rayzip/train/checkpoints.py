@@ -274,7 +274,8 @@ class LocalStepsState(SplitState):
         # Old rank r mod the old world; where its part was lost with its node (a snapshot's
         # restore), the next one kept.
         donor = next(r for r in (*range(self.rank % old_world, old_world), *range(old_world)) if r in kept)
-        sharded = [r for r in kept if r % self.world == self.rank]
+        # Every kept rank's error feedback where some were lost: theirs is estimated from them.
+        sharded = kept if len(kept) < old_world else [r for r in kept if r % self.world == self.rank]
         parts = {r: load_checkpoint(path / f"rank{r}")["hook"] for r in sorted({donor, *sharded})}
         saved = parts[donor]
         key = "round" if "round" in saved else "local_steps"

@@ -684,7 +684,8 @@ class Snapshots:
         missing = sorted(set(f"rank{r}" for r in range(worlds[agreed])) - set(where[agreed]))
         if missing:
             print(f"rayzip: rank {self.rank}: step {agreed} is restored without {', '.join(missing)} "
-                  f"(lost with node(s) {', '.join(n[:12] for n in lost)}): their error feedback is estimated from the survivors'")
+                  f"(lost with node(s) {', '.join(n[:12] for n in lost)}): their error feedback is estimated "
+                  "from the survivors'")
         return agreed, where[agreed]
 
     def _agree(self, step: int) -> int:
