@@ -565,13 +565,13 @@ def bench_cluster(
 
 def _node_loss_from_or_exit(text: str, kill_node_at_step: int | None) -> tuple[str, ...]:
     """``--node-loss-from`` as a tuple, or exit 2 naming what is wrong with it."""
-    from .bench.cluster import NODE_LOSS_SOURCES
+    from .bench.cluster import check_node_loss_from
 
     sources = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
-    wrong = [s for s in sources if s not in NODE_LOSS_SOURCES]
-    if wrong or not sources:
-        console.print(f"[red]error:[/red] --node-loss-from {text}: each must be one of "
-                      f"{', '.join(NODE_LOSS_SOURCES)}", soft_wrap=True)
+    try:
+        check_node_loss_from(sources)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] --node-loss-from {text}: {exc}", soft_wrap=True)
         raise typer.Exit(2)
     if sources != ("memory",) and kill_node_at_step is None:
         console.print("[red]error:[/red] --node-loss-from needs --kill-node-at-step")

@@ -273,9 +273,7 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
     if lose_ranks and kill_node_at_step is None:
         raise ValueError("lose_ranks needs kill_node_at_step")
     check_lose_ranks(lose_ranks or [], nodes, workers_per_node)
-    unknown = set(node_loss_from) - set(NODE_LOSS_SOURCES)
-    if unknown or not node_loss_from:
-        raise ValueError(f"node_loss_from {list(node_loss_from)}: each must be one of {list(NODE_LOSS_SOURCES)}")
+    check_node_loss_from(node_loss_from)
     if "storage" in node_loss_from and kill_node_at_step is not None:
         checkpoint = base.setdefault("checkpoint", {})
         checkpoint["every_steps"] = checkpoint.get("every_steps") or CheckpointSpec().every_steps
@@ -329,6 +327,12 @@ def check_lose_ranks(ranks: list[int], nodes: int, workers_per_node: int) -> Non
         if rank > 0 and (nodes, workers_per_node) != (2, 1):
             # Only rank 0 reports its process id; with two one-worker nodes the others' is the other node.
             raise ValueError(f"rank {rank}'s node is known on 2 nodes of 1 worker only (rank 0's on any)")
+
+
+def check_node_loss_from(sources: tuple[str, ...]) -> None:
+    """Raise ValueError unless ``sources`` names one or more of :data:`NODE_LOSS_SOURCES`."""
+    if not sources or set(sources) - set(NODE_LOSS_SOURCES):
+        raise ValueError(f"{', '.join(sources) or 'nothing'}: each must be one of {', '.join(NODE_LOSS_SOURCES)}")
 
 
 def replica_held_bytes(base: dict) -> dict[str, int] | None:
