@@ -325,7 +325,8 @@ def _restored(saved, like):
     return flat if like is None else _on(flat, as_array(like)[1])
 
 
-def reshard_state(saved: dict[int, dict], old_world: int, new_world: int, rank: int) -> dict[str, np.ndarray]:
+def reshard_state(saved: dict[int, dict], old_world: int, new_world: int, rank: int,
+                  estimate_lost: bool = True) -> dict[str, np.ndarray]:
     """This rank's Memory state after the world size went from ``old_world`` to ``new_world``.
 
     Residuals and velocities hold gradient that each worker computed but has not sent yet;
@@ -340,11 +341,15 @@ def reshard_state(saved: dict[int, dict], old_world: int, new_world: int, rank: 
     were lost (a node's keeper gone with its node). An old rank missing from ``saved`` is
     taken to have held the mean of the saved ranks' states: the pending mean is then the
     survivors' mean, an estimate of the lost one, rather than shrunk by the lost ranks' share.
+    With ``estimate_lost`` False it is taken to have held nothing: under ``combine="senders"``
+    an entry that one worker alone sends is applied whole, so nothing pending is shrunk by a
+    lost share, and a copy of the survivors' residuals would spend the lost rank's share of
+    the entries on the ones they already send.
     """
     pending = {j: state for j, state in saved.items() if j < old_world}
     lost = [j for j in range(old_world) if j not in pending]
     mine = [_pending(state) for j, state in sorted(pending.items()) if j % new_world == rank]
-    if pending and any(j % new_world == rank for j in lost):
+    if estimate_lost and pending and any(j % new_world == rank for j in lost):
         survivors = [_pending(state) for state in pending.values()]
         mean = {name: np.mean([state[name] for state in survivors if name in state], axis=0)
                 for name in {name for state in survivors for name in state}}

@@ -209,7 +209,8 @@ def restore_hook(path: Path, rank: int, world: int, trainer: dict, state) -> Non
         if template is not None:
             old_count = next(iter(old_holders.values()))[1]
             memory = {} if mine is None else \
-                reshard_state({i: h["memory"] for i, h in saved.items()}, old_count, mine[1], mine[0])
+                reshard_state({i: h["memory"] for i, h in saved.items()}, old_count, mine[1], mine[0],
+                              estimate_lost=state.config.combine == "mean")
             # Re-sharded velocities differ between ranks: no longer the dense steps' shared ones.
             # A collective's plans (the balanced allreduce's regions) start afresh on every
             # rank alike: the templates may come from different old ranks.
@@ -282,7 +283,9 @@ class LocalStepsState(SplitState):
         compression = saved[key].get("compression")
         if compression is not None:
             memory = {r: parts[r][key]["compression"]["memory"] for r in sharded}
-            compression = {**compression, "memory": reshard_state(memory, old_world, self.world, self.rank),
+            memory = reshard_state(memory, old_world, self.world, self.rank,
+                                   estimate_lost=self.local.state.config.combine == "mean")
+            compression = {**compression, "memory": memory,
                            "drained": False, "collective": {}}
         self._load(saved, compression)  # between synchronizations: the donor's own parameters
         print(f"rayzip: rank {self.rank}: world size {old_world} -> {self.world}: local steps resume from rank "

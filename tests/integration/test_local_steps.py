@@ -322,22 +322,23 @@ def _spec(**sections):
     return {"name": "t", **sections}
 
 
-def _local_exchange(rank, world):
+def _local_exchange(rank, world, combine="mean"):
     from rayzip.train.exchange import LocalStepsExchange
 
     spec = parse_spec(_spec(local_steps={"enabled": True, "every": 2}, training={"eval_every": 2},
                             checkpoint={"every_steps": 2},
-                            compression={"codec": "group_topk", "density": 0.05, "collective": "allgather"}))
+                            compression={"codec": "group_topk", "density": 0.05, "collective": "allgather",
+                                         "combine": combine}))
     model = _model()
     local = LocalSteps(model.named_parameters(), every=2, compression=spec.compression)
     return LocalStepsExchange(spec, model, rank, world, _sgd(model.parameters()), local)
 
 
-def _save_local_rank(rank, world, directory):
+def _save_local_rank(rank, world, directory, combine="mean"):
     from rayzip.train.loop import save_step
     from rayzip.train.records import Totals
 
-    exchange = _local_exchange(rank, world)
+    exchange = _local_exchange(rank, world, combine)
     gen = torch.Generator().manual_seed(rank)
     for step in range(4):
         exchange.begin_step(step, last=False)
@@ -352,10 +353,10 @@ def _save_local_rank(rank, world, directory):
             exchange.local.outer.state_dict()["state"][0]["momentum_buffer"].numpy().copy())
 
 
-def _restore_local_rank(rank, world, directory):
+def _restore_local_rank(rank, world, directory, combine="mean"):
     import ray.train
 
-    exchange = _local_exchange(rank, world)
+    exchange = _local_exchange(rank, world, combine)
     start, _ = exchange.restore(ray.train.Checkpoint.from_directory(directory))
     memory = {k: np.asarray(v).copy() for k, v in exchange.local.state.memory.state_dict().items()}
     restored = (start, memory, _flat(exchange.model),
@@ -382,6 +383,35 @@ def test_a_resize_keeps_the_synchronized_model_the_outer_optimizer_and_pending_e
         after = np.sum([r[1][key] for r in restored if key in r[1]], axis=0) / new
         assert np.abs(before).max() > 0  # there was something pending to keep
         np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("combine", ["mean", "senders"])
+def test_a_rank_whose_part_was_lost_resumes_local_steps_from_the_survivors_state(combine):
+    """A restore without rank 1's part (lost with its node's keeper): rank 1 takes rank 0's
+    inner optimizer and rank 0 keeps its own state. Under ``combine: mean`` rank 1's error
+    feedback is estimated as the survivors' mean (here rank 0's), so that the pending mean is
+    rank 0's rather than half of it; under ``senders`` (an entry sent by one worker alone is
+    applied whole) it starts empty, so that rank 1's entries are not spent on rank 0's."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        saved = run_world(_save_local_rank, 2, directory, combine, timeout_s=60)
+        shutil.rmtree(Path(directory) / "rank1")
+        restored = run_world(_restore_local_rank, 2, directory, combine, timeout_s=60)
+    survivor = saved[0][0]
+    assert survivor and max(np.abs(v).max() for v in survivor.values()) > 0  # something pending
+    for rank, (start, memory, params, inner, outer) in enumerate(restored):
+        assert start == 4
+        np.testing.assert_array_equal(params, saved[0][1])
+        np.testing.assert_array_equal(inner, saved[0][2])
+        np.testing.assert_array_equal(outer, saved[0][3])
+        if rank == 1 and combine == "senders":
+            assert all(not np.any(v) for v in memory.values()), memory
+            continue
+        assert set(memory) == set(survivor)
+        for key in survivor:
+            np.testing.assert_array_equal(memory[key], survivor[key])
 
 
 SPARSELOCO = CompressionConfig(codec="group_topk", density=0.05, value_dtype="2bit", coded_indices=True,

@@ -64,6 +64,16 @@ def test_reshard_estimates_a_lost_rank_from_the_survivors(old, new, kept):
             np.testing.assert_allclose(resharded[r]["model"], survivors, rtol=1e-6)
 
 
+def test_reshard_without_an_estimate_leaves_a_lost_rank_empty():
+    """Under combine senders a lost rank held nothing: a survivor in place keeps its own
+    state, the lost rank's place starts empty."""
+    rng = np.random.default_rng(7)
+    saved = {0: {"model": rng.standard_normal(50).astype(np.float32)}}
+    survivor = reshard_state(saved, 2, 2, 0, estimate_lost=False)
+    np.testing.assert_array_equal(survivor["model"], saved[0]["model"])
+    assert reshard_state(saved, 2, 2, 1, estimate_lost=False) == {}
+
+
 def test_reshard_with_every_rank_kept_ignores_the_others_states():
     """States of old ranks that go to other new ranks change nothing when none was lost."""
     rng = np.random.default_rng(7)
