@@ -579,14 +579,16 @@ class JobSpec(_Strict):
             return self
         c = self.compression
         local = self.local_steps
-        if local.enabled and self.sharding.mode != "hsdp":
-            raise ValueError("local_steps with sharding.mode fsdp: one shard group holds the only replica, so there "
-                             "is nothing to synchronize; use sharding.mode hsdp (each node a replica)")
+        if self.sharding.mode != "hsdp":
+            alone = [what for what, on in (("local_steps", local.enabled), ("adaptive", self.adaptive.enabled)) if on]
+            if alone:
+                raise ValueError(f"{alone[0]} with sharding.mode fsdp: one shard group holds the only replica, so "
+                                 "nothing crosses between replicas to tune or synchronize; use sharding.mode hsdp "
+                                 "(each node a replica)")
         others = [what for what, on in (("compression.collective: ps", c.collective == "ps"),
                                         ("local_steps.overlap", local.enabled and local.overlap),
                                         ("compression.torch_hook", c.torch_hook is not None),
                                         ("compression.hierarchy: node", c.hierarchy == "node"),
-                                        ("adaptive", self.adaptive.enabled),
                                         ("compression.adam_correction", c.adam_correction)) if on]
         if others:
             raise ValueError(f"sharding does not run with {', '.join(others)} yet")

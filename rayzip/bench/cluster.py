@@ -88,10 +88,13 @@ METHODS: dict[str, dict[str, Any]] = {
     "hsdp_dct": {"codec": "dct_quant", "bits": 4, "collective": "allgather"},
     "hsdp_local": {"codec": "group_topk", "density": 0.02, "value_dtype": "4bit", "coded_indices": True,
                    "collective": "allgather"},
+    # ``hsdp_adaptive``: each shard through group top-k, whose density (or dense) the
+    # controller sets from the shard exchanges' reports, under its default policy.
+    "hsdp_adaptive": {"codec": "group_topk", "density": 0.01, "collective": "allgather"},
 }
 LOCAL = {"local": 10, "local_gtopk": 10, "local_balanced": 10, "local_compact": 10, "local_sparse": 10,
          "local_sparseloco": 4, "hsdp_local": 4}  # H when the method gives no @H
-SHARDED = {"hsdp", "hsdp_dct", "hsdp_local"}
+SHARDED = {"hsdp", "hsdp_dct", "hsdp_local", "hsdp_adaptive"}
 LOCAL_AUTO_MAX = 50  # @auto: the most H, and the evaluation interval (each evaluation synchronizes)
 PS = {"ps": {"cpus_per_shard": 0, "pull": "codec"}, "ps-dense": {"cpus_per_shard": 0, "pull": "dense"}}
 ADAPTIVE = {"enabled": True, "interval": 2.0, "window": 6.0, "min_compression": 4, "max_compression": 200}
@@ -175,7 +178,8 @@ def method_compression(method: str, powersgd_start_iter: int, training: dict | N
     training = TrainingSpec.model_validate({**(training or {}), **_optimizer(method)})
     if CODECS[compression["codec"]].sparse and training.optimizer == "sgd" and training.momentum > 0:
         compression["momentum_correction"] = True
-    if CODECS[compression["codec"]].sparse and training.optimizer == "adamw" and compression.get("collective") != "ps":
+    if CODECS[compression["codec"]].sparse and training.optimizer == "adamw" and compression.get("collective") != "ps" \
+            and name not in SHARDED:  # a sharded model takes no Adam correction yet: AdamW on the mean
         compression["adam_correction"] = True  # AdamW's moments before compression (AdamCorrection)
     return compression
 
@@ -193,7 +197,7 @@ def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 1
     if changed := _optimizer(method):
         spec["training"] = {**spec.get("training", {}), **changed}
     name = _method_name(method)
-    if name == "adaptive":
+    if name in ("adaptive", "hsdp_adaptive"):
         spec["adaptive"] = {**ADAPTIVE, "policy": "time_to_target"}
     if name == "adaptive_cost":
         spec["adaptive"] = {**ADAPTIVE, "policy": "cost_model"}

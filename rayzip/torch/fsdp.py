@@ -186,7 +186,7 @@ class ShardedExchange:
         self._seen: set[int] = set()
         self._snapshots: list | None = None
         self.last_step: StepStats | None = None
-        self.link_probe = None  # no timed start-up sync: the adaptive controller does not run on shards yet
+        self.link_probe = None  # the timed start-up sync of the replicas (sync_replicas), where one ran
 
     # --- the hook -----------------------------------------------------------------------------
     def _hook(self, index: int, reduce_output: torch.Tensor) -> None:
@@ -221,6 +221,9 @@ class ShardedExchange:
         out.skipped = any(s.skipped for s in steps)
         out.nonfinite = next((s.nonfinite for s in steps if s.nonfinite), None)
         out.stop = any(s.stop for s in steps)
+        # Every group agrees on the same control words, so a proposal is adopted by each of
+        # them at the same step; the newest is the step's.
+        out.adopted = max((s.adopted for s in steps if s.adopted is not None), default=None)
         return out
 
     # --- knobs: every group alike ---------------------------------------------------------------
@@ -239,6 +242,17 @@ class ShardedExchange:
     def set_enabled(self, enabled: bool) -> None:
         for exchange in self.exchanges:
             exchange.set_enabled(enabled)
+
+    def compress_at(self, compression: float) -> None:
+        """Every group at ``compression`` from the next step (every rank, the same step)."""
+        for exchange in self.exchanges:
+            exchange.compress_at(compression)
+
+    def propose(self, compression: float, seq: int = 0) -> None:
+        """Ask every rank to compress at ``compression`` from the step after the next exchange
+        (one rank may call it alone: each group's control word carries it to every rank)."""
+        for exchange in self.exchanges:
+            exchange.propose(compression, seq=seq)
 
     def request_stop(self) -> None:
         for exchange in self.exchanges:

@@ -57,7 +57,7 @@ from .checkpoints import (GroupCheckpoints, load_optimizer, load_trainer, newest
 from ..keeper import DEFAULT_MAX_BYTES
 from .exchange import node_id
 from .local import OwnLoopLocalSteps, own_gradient_hook
-from .probe import prepare_timed
+from .probe import prepare_timed, sync_replicas
 
 __all__ = ["CompressionConfig", "KeptSnapshots", "LocalStepsConfig", "ShardingConfig", "compression_state", "flush",
            "keep_snapshots", "prepare_model", "report", "restore", "save_checkpoint", "snapshot"]
@@ -211,6 +211,7 @@ def _prepare_sharded(model: torch.nn.Module, compression: CompressionConfig | No
     if replicate is not None:
         state = compress_sharded(model, compression, replicate, on_nonfinite=on_nonfinite,
                                  momentum=momentum if compression.momentum_correction else None)
+        state.link_probe = sync_replicas(model, replicate)
     object.__setattr__(model, _ATTRIBUTE, state)
     return model
 

@@ -51,7 +51,7 @@ from ..torch.optim import build_optimizer
 from .checkpoints import (LocalStepsState, load_optimizer, load_trainer, restore_hook, restore_shards,
                           take_shards, unwrap, write_shards)
 from .snapshots import MAX_SNAPSHOT_SLOTS
-from .probe import prepare_timed
+from .probe import prepare_timed, sync_replicas
 from .records import Traffic, traffic_of
 
 __all__ = ["DenseExchange", "Exchange", "HookExchange", "LocalStepsExchange", "LocalStepsServerExchange",
@@ -100,6 +100,12 @@ class Exchange:
     # write_shards, a collective) while weights() returns nothing; otherwise rank 0 writes
     # weights() whole.
     sharded_weights = False
+    @property
+    def controlled(self):
+        """The engine the adaptive controller steers (its proposals and ``last_step``), or
+        None: a mode with no per-step compression to tune."""
+        return None
+
     # Whether the loop keeps in-memory snapshots of this mode (rayzip.train.snapshots): a
     # checkpoint's parts at a step, with weights() whole on any rank.
     takes_snapshots = True
@@ -208,6 +214,10 @@ class HookExchange(Exchange):
     step's control word tells every rank whether to skip, stop or adopt a new compression."""
 
     name = "rayzip"
+
+    @property
+    def controlled(self):
+        return self.state
 
     def begin_step(self, step: int, last: bool) -> None:
         if last:
@@ -446,6 +456,10 @@ class ShardedModelExchange(Exchange):
         # of its own, apart from the training's (every rank builds the exchange alike).
         self.checkpoint_group = dist.new_group(backend="gloo") if self.world > 1 else None
 
+    @property
+    def controlled(self):
+        return self.state  # rayzip's engine between nodes; None under FSDP2's own exchange
+
     def begin_step(self, step: int, last: bool) -> None:
         if self.state is not None and last:
             self.state.request_stop()
@@ -508,6 +522,7 @@ class ShardedLocalStepsExchange(_Rounds, ShardedModelExchange):
     the same: a shard's residual belongs to its layout)."""
 
     name = "local_steps"
+    controlled = None  # local steps tune H themselves (local_steps.adaptive)
 
     def __init__(self, *args, local: LocalSteps, **kwargs):
         super().__init__(*args, state=_ShardedLocalState(local), **kwargs)
@@ -710,6 +725,7 @@ def _sharded(spec: JobSpec, model: torch.nn.Module, rank: int, world: int, emula
         state = compress_sharded(model, comp.to_config(), replicate,
                                  momentum=training.momentum if comp.momentum_correction else None,
                                  on_nonfinite=training.on_nonfinite, emulation=emulation)
+        state.link_probe = sync_replicas(model, replicate)
     optimizer = build_optimizer(training, model.parameters(), momentum_elsewhere=comp.momentum_correction)
     return ShardedModelExchange(spec, model, rank, world, optimizer, state=state, nodes=world // shard_world,
                                 shard_world=shard_world)

@@ -192,7 +192,7 @@ def _train(spec: JobSpec, config: dict, task: Task, exchange: Exchange, run: _Ru
         exchange.compute_probe_s = compute_time(exchange.model, lambda: task.loss(exchange.model, first))
         torch.set_rng_state(rng)
     telemetry = Telemetry(rank=rank, run=config.get("run_id", spec.name), job=spec.name,
-                          metrics=spec.metrics.enabled, state=exchange.state if exchange.name == "rayzip" else None,
+                          metrics=spec.metrics.enabled, state=exchange.controlled,
                           controller=ray.get_actor(config["controller"]) if config.get("controller") else None)
     if exchange.ddp:
         telemetry.start(exchange.compute_probe_s)  # the controller's decision before the first step

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .records import LinkProbe
 
-__all__ = ["LinkProbe", "prepare_timed", "sync_module_states"]
+__all__ = ["LinkProbe", "prepare_timed", "sync_module_states", "sync_replicas"]
 
 
 def prepare_timed(model: torch.nn.Module, **prepare_kwargs: Any) -> tuple[torch.nn.Module, LinkProbe | None]:
@@ -57,32 +57,53 @@ def sync_module_states(module: torch.nn.Module, ignore: set[str] = frozenset(), 
     named = [(n, t) for n, t in module.named_parameters() if n not in ignore]
     if buffers:
         named += [(n, t) for n, t in module.named_buffers() if n not in ignore]
+    return _broadcast_timed(named, None, lambda rank: f"rank {rank}'s model differs from rank {dist.get_rank()}'s")
+
+
+def sync_replicas(model: torch.nn.Module, replicate: dist.ProcessGroup) -> LinkProbe:
+    """HSDP's start-up sync, timed: each rank of the first shard group broadcasts its
+    parameter shards to the ranks that hold the same shards on the other nodes (the
+    ``replicate`` group), after checking that their names and shapes agree. So the replicas
+    start from the same weights whatever each rank's seed, and the adaptive controller gets
+    one sample of the link between nodes, as :func:`sync_module_states` gives it under DDP.
+    Every rank calls it after ``fully_shard``."""
+    from torch.distributed.tensor import DTensor
+
+    named = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()]
+    return _broadcast_timed(named, replicate, lambda rank: f"the replica of rank {rank} holds other shards than "
+                                                           f"rank {dist.get_rank()}'s")
+
+
+def _broadcast_timed(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, differs) -> LinkProbe:
+    """Check that the ``group``'s ranks hold tensors of the same names and shapes (else raise
+    ``differs(global rank)``), then broadcast the group's first rank's to the others: one
+    broadcast per dtype and device, timed alone, after a barrier."""
     shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, shapes)
-    for rank, theirs in enumerate(everyone):
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, shapes, group=group)
+    for index, theirs in enumerate(everyone):
         mine, other = next(((a, b) for a, b in itertools.zip_longest(shapes, theirs) if a != b), (None, None))
         if mine != other:
-            raise ValueError(f"rank {rank}'s model differs from rank {dist.get_rank()}'s: (name, shape, dtype) "
-                             f"{other} against {mine}")
+            rank = dist.get_global_rank(group, index) if group is not None else index
+            raise ValueError(f"{differs(rank)}: (name, shape, dtype) {other} against {mine}")
     groups: dict[tuple, list[torch.Tensor]] = {}
     for _, t in named:
         groups.setdefault((t.dtype, t.device), []).append(t)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    dist.barrier()
+    dist.barrier(group=group)
     seconds = 0.0
     with torch.no_grad():
         for tensors in groups.values():
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
             started = time.perf_counter()
-            dist.broadcast(flat, 0)
+            dist.broadcast(flat, group=group, group_src=0)
             if flat.is_cuda:
                 torch.cuda.synchronize(flat.device)  # NCCL returns before the transfer is done
             seconds += time.perf_counter() - started
             for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
                 t.copy_(part.view_as(t))
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     # gloo broadcasts along a binomial tree, whose root sends the whole payload to each of
     # its ceil(log2 n) children in turn; NCCL pipelines it along a ring, once per link.
-    rounds = 1 if dist.get_backend() == "nccl" else max(1, math.ceil(math.log2(world)))
+    rounds = 1 if dist.get_backend(group) == "nccl" else max(1, math.ceil(math.log2(world)))
     return LinkProbe(bytes=float(rounds * nbytes), seconds=seconds, messages=float(rounds * len(groups)))

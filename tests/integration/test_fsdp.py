@@ -149,6 +149,56 @@ def test_a_nan_on_one_rank_raises_on_every_rank_at_that_step():
         assert "NonFiniteError" in ranks[rank]["raised"] and "is not finite" in ranks[rank]["raised"]
 
 
+def _proposed(rank, world):
+    """Each rank's own initial weights, made the replicas' by the timed start-up sync; then
+    rank 0 alone proposes dense at step 1 (as the controller's decision reaches it)."""
+    from rayzip.torch.fsdp import compress_sharded, hsdp_mesh
+    from rayzip.train.probe import sync_replicas
+
+    torch.manual_seed(rank)  # the replicas start apart
+    model = torch.nn.Sequential(torch.nn.Linear(13, 31), torch.nn.ReLU(), torch.nn.Linear(31, 5))
+    shard_mesh, replicate = hsdp_mesh(2, "cpu")
+    _shard(model, shard_mesh)
+    before = [p.to_local().detach().clone().numpy() for p in model.parameters()]
+    probe = sync_replicas(model, replicate)
+    after = [p.to_local().detach().clone().numpy() for p in model.parameters()]
+    sharded = compress_sharded(model, CompressionConfig(codec="group_topk", density=0.1), replicate)
+    sharded.link_probe = probe
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+    for step in range(4):
+        if rank == 0 and step == 1:
+            sharded.propose(1.0, seq=7)
+        x, y = _batch(rank)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        last = sharded.last_step
+        steps.append({"adopted": last.adopted, "compressed": [e.last_step.compressed for e in sharded.exchanges],
+                      "bytes": last.bytes_sent - last.control_bytes, "dense": last.dense_bytes})
+    return {"before": before, "after": after, "steps": steps, "probe": (probe.bytes, probe.seconds, probe.messages),
+            "weights": [p.to_local().detach().numpy().copy() for p in model.parameters()]}
+
+
+def test_a_proposal_from_rank_zero_switches_every_shards_exchange_at_the_same_step():
+    ranks = run_world(_proposed, 4, timeout_s=120)
+    for a, b in ((0, 2), (1, 3)):  # the start-up sync made each shard's replicas equal
+        assert any(not np.array_equal(x, y) for x, y in zip(ranks[a]["before"], ranks[b]["before"]))
+        for x, y, w_a, w_b in zip(ranks[a]["after"], ranks[b]["after"], ranks[a]["weights"], ranks[b]["weights"]):
+            np.testing.assert_array_equal(x, y)
+            np.testing.assert_array_equal(w_a, w_b)  # and they stay equal
+        for x, y in zip(ranks[a]["before"], ranks[a]["after"]):
+            np.testing.assert_array_equal(x, y)  # from the first shard group's
+    shard_bytes = [sum(x.nbytes for x in ranks[r]["before"]) for r in range(4)]
+    for rank in range(4):
+        steps = ranks[rank]["steps"]
+        assert [s["adopted"] for s in steps] == [None, (7, 1.0), None, None], rank
+        assert [all(s["compressed"]) for s in steps] == [True, True, False, False], rank
+        assert steps[0]["bytes"] < steps[0]["dense"] / 3 and steps[2]["bytes"] >= steps[2]["dense"], rank
+        nbytes, seconds, messages = ranks[rank]["probe"]
+        assert nbytes == shard_bytes[rank] and seconds > 0 and messages == 1  # a tree of two: one round
+
+
 def test_without_fully_shard_it_says_what_to_do():
     from rayzip.torch.fsdp import compress_sharded
 

@@ -126,6 +126,33 @@ def test_hsdp_resumes_a_killed_worker_from_memory_with_no_step_lost(local_ray, t
     assert usage["held_bytes"] > 0 and usage["refused"] == [], usage
 
 
+def test_the_controller_turns_compression_off_between_shard_groups_on_a_fast_link(local_ray, tmp_path):
+    """The adaptive controller on HSDP: the replicas' timed start-up sync is its first sample
+    of the link, the shard exchanges' reports its steps. Between "nodes" on this machine's
+    loopback, group top-k's encoding costs more than sending the shards dense: it turns
+    compression off between the shard groups, and every rank adopts that at the same step."""
+    spec = _spec("hsdp-adaptive", {"codec": "group_topk", "density": 0.01}, snapshots={"enabled": False},
+                 adaptive={"enabled": True, "interval": 0.5, "window": 2.0, "min_compression": 4,
+                           "max_compression": 200})
+    spec = spec.model_copy(update={"training": spec.training.model_copy(update={"steps": 30})})
+    summary = run_job(spec, storage_path=str(tmp_path))
+    assert summary["steps"] == 30 and summary["world_size"] == 4
+    decisions = summary["adaptive"]["decisions"]
+    for d in decisions:
+        print("DECISION", d["source"], round(d["compression"], 1), d.get("applied_step"),
+              {k: v for k, v in d["inputs"].items() if k in ("probe", "link_separable", "predicted_dense_s",
+                                                               "predicted_step_s", "compute_s")})
+    informed = [d for d in decisions if d["inputs"].get("probe")]
+    assert informed, decisions  # the start-up sync between the shard groups reached the controller
+    dense = [d for d in decisions if d["compression"] == 1.0 and d.get("applied_step") is not None]
+    assert dense, decisions
+    # Applied: the steps from then on sent the shards dense (with the control word), so the
+    # run's bytes between the nodes are far from group top-k's at 1%.
+    assert summary["wire_reduction"] < 10, summary["wire_reduction"]
+    history = [h["val_loss"] for h in summary["history"]]
+    assert max(history) < 6.5, history
+
+
 def test_local_steps_on_shards_resume_a_killed_worker_exactly(local_ray, tmp_path):
     """DiLoCo on FSDP2: each node trains 5 steps alone, then its pseudo-gradient shards cross
     between the nodes through group top-k; a worker killed inside a round resumes bit for bit

@@ -172,6 +172,9 @@ def test_sharded_methods_shard_per_node_and_compare_with_dense_hsdp():
     local = JobSpec.model_validate(method_spec("hsdp_local@8", base, "hsdp-local-8"))
     assert local.local_steps.enabled and local.local_steps.every == 8 and local.sharding.enabled
     assert local.training.eval_every % 8 == 0
+    tuned = JobSpec.model_validate(method_spec("hsdp_adaptive", base, "hsdp-adaptive"))
+    assert tuned.sharding.enabled and tuned.adaptive.enabled and tuned.adaptive.policy == "time_to_target"
+    assert tuned.compression.codec == "group_topk" and not tuned.local_steps.enabled
 
     replica = replica_held_bytes(base)  # counted from a real GPT and AdamW after one step
     assert replica["gradients"] == replica["parameters"] and replica["optimizer"] == 2 * replica["parameters"]

@@ -93,6 +93,9 @@ BAD_SPECS = [
     ("local steps with one replica", with_change("sharding", {"enabled": True, "mode": "fsdp"},
                                                  "local_steps", {"enabled": True, "every": 5}),
      "local_steps with sharding.mode fsdp: one shard group holds the only replica"),
+    ("the controller on one replica", with_change("sharding", {"enabled": True, "mode": "fsdp"},
+                                                  "adaptive", {"enabled": True}),
+     "adaptive with sharding.mode fsdp: one shard group holds the only replica"),
     ("overlapped local steps on shards", with_change("sharding", {"enabled": True, "shard_size": 2},
                                                      "local_steps", {"enabled": True, "every": 5, "overlap": True}),
      "sharding does not run with local_steps.overlap yet"),
@@ -207,3 +210,9 @@ def test_local_steps_on_shards_validate():
                                               "local_steps", {"enabled": True, "every": 5},
                                               "compression.momentum_correction", False))
     assert spec.sharding.mode == "hsdp" and spec.local_steps.every == 5
+
+
+def test_the_controller_on_hsdp_validates():
+    spec = JobSpec.model_validate(with_change("sharding", {"enabled": True, "shard_size": 2},
+                                              "adaptive", {"enabled": True}))
+    assert spec.sharding.mode == "hsdp" and spec.adaptive.enabled
