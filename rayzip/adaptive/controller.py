@@ -258,7 +258,8 @@ class AdaptiveController:
             compression, explain = started
             seq = self.current.seq + (1 if compression != self.current.compression else 0)
             self.probing, self.probe_steps = (1.0 / compression if explain.get("probe") else None), 0
-            self.current = Decision(seq, compression, "start", now, {**explain, "dense_bytes": self.model.dense_bytes()})
+            self.current = Decision(seq, compression, "start", now, {**explain, "dense_bytes": self.model.dense_bytes(),
+                                                                     "link_probe": self.link_probed})
             self.decisions.append(asdict(self.current))
         self.metrics.record(compression, explain.get("pressure"), 1.0, "start")
         log.info("rayzip controller: compression %.1f before the first step: %s", compression, explain)
@@ -384,7 +385,8 @@ class AdaptiveController:
                 model=self.model, importance=importance, current=current, now=time.time(),
                 delay_per_byte=inputs["delay_per_byte"], compute_s=inputs["compute_s"], dense_bytes=dense,
                 efficiency=self.efficiency))
-        inputs = {**inputs, **explain, "dense_bytes": dense}
+        # link_probe: whether the ranks' start-up transfer is among the link fit's points
+        inputs = {**inputs, **explain, "dense_bytes": dense, "link_probe": self.link_probed}
         with self.lock:
             self.failures = 0
             seq = self.current.seq + (1 if compression != self.current.compression else 0)
