@@ -81,6 +81,11 @@ METHODS: dict[str, dict[str, Any]] = {
     # that sent it.
     "local_sparseloco": {"codec": "group_topk", "density": 0.01, "value_dtype": "2bit", "coded_indices": True,
                          "collective": "allgather", "error_decay": 0.95, "combine": "senders"},
+    # ``sparseloco_step``: SparseLoCo's wire every step (H = 1), each worker going on from the
+    # synchronized parameters less its own unsent residual (local_steps.keep_unsent), so its
+    # next gradients see its own progress that the wire held back.
+    "sparseloco_step": {"codec": "group_topk", "density": 0.01, "value_dtype": "2bit", "coded_indices": True,
+                        "collective": "allgather", "error_decay": 0.95, "combine": "senders"},
     # Sharded (FSDP2 inside each node, with --workers-per-node): ``hsdp`` is FSDP2's own HSDP
     # (a dense all-reduce between nodes), ``hsdp_dct`` each shard through 4-bit DCT every step
     # (the default under AdamW), ``hsdp_local@H`` local steps on shards with local_sparse's wire.
@@ -93,7 +98,8 @@ METHODS: dict[str, dict[str, Any]] = {
     "hsdp_adaptive": {"codec": "group_topk", "density": 0.01, "collective": "allgather"},
 }
 LOCAL = {"local": 10, "local_gtopk": 10, "local_balanced": 10, "local_compact": 10, "local_sparse": 10,
-         "local_sparseloco": 4, "hsdp_local": 4}  # H when the method gives no @H
+         "local_sparseloco": 4, "sparseloco_step": 1, "hsdp_local": 4}  # H when the method gives no @H
+KEEP_UNSENT = {"sparseloco_step"}  # local_steps.keep_unsent
 SHARDED = {"hsdp", "hsdp_dct", "hsdp_local", "hsdp_adaptive"}
 LOCAL_AUTO_MAX = 50  # @auto: the most H, and the evaluation interval (each evaluation synchronizes)
 PS = {"ps": {"cpus_per_shard": 0, "pull": "codec"}, "ps-dense": {"cpus_per_shard": 0, "pull": "dense"}}
@@ -211,7 +217,7 @@ def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 1
         every = int(value) if value and not tuned else LOCAL[name]
         # The base spec's local_steps section (its outer optimizer) holds for every local method.
         spec["local_steps"] = {**base.get("local_steps", {}), "enabled": True, "every": every,
-                               "overlap": _modifiers(method)[0] == "overlap",
+                               "overlap": _modifiers(method)[0] == "overlap", "keep_unsent": name in KEEP_UNSENT,
                                **({"adaptive": True, "max_every": LOCAL_AUTO_MAX} if tuned else {})}
         # Evaluations and checkpoints fall on synchronizations: the next multiple of H (tuned:
         # of its bound, as each forces a synchronization, which would cap H below it).

@@ -56,6 +56,10 @@ class ErrorFeedback:
     value that waits long fades, as in SparseLoCo's ``e = decay * e + delta``)."""
 
     enabled = True
+    # The residual is in the input's own units (what was handed to encode and not yet sent),
+    # so a caller may hold it elsewhere: local steps keep it in a worker's weights. The
+    # corrections below hold it in units of a velocity or an Adam direction instead.
+    residual_in_input_units = True
 
     def __init__(self, decay: float = 1.0) -> None:
         if not 0.0 < decay <= 1.0:
@@ -167,6 +171,8 @@ class MomentumCorrection(ErrorFeedback):
         payload = memory.encode(codec, "bucket0", grad)
     """
 
+    residual_in_input_units = False
+
     def __init__(self, momentum: float) -> None:
         if not (isinstance(momentum, (int, float)) and 0.0 < momentum < 1.0):
             raise CodecError(f"momentum correction needs a momentum in (0, 1), got {momentum!r}")
@@ -242,6 +248,8 @@ class AdamCorrection(ErrorFeedback):
         optimizer = torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=wd)
         payload = memory.encode(codec, "model", grad)
     """
+
+    residual_in_input_units = False
 
     def __init__(self, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
         b1, b2 = betas

@@ -46,7 +46,7 @@ from ..comm import AllReduce, Transport, make_communicator, ring_allreduce_bytes
 from ..comm.control import ControlWord, RankDisagreement, agree, bad_key, encode_mode
 from ..comm.emulation import Emulation
 from ..comm.hierarchy import build_hierarchy
-from ..xp import as_array, to_torch
+from ..xp import as_array, is_torch, to_torch
 from .config import CompressionConfig
 from .encoder import SegmentEncoder
 from .knobs import Knobs
@@ -373,6 +373,17 @@ class GradientExchange(Knobs):
             return {r: (r, self.world) for r in range(self.world)}
         groups = self.hierarchy.topology.groups
         return {ranks[0]: (k, len(groups)) for k, ranks in enumerate(groups)}
+
+    def residual(self) -> torch.Tensor:
+        """This rank's error-feedback residual over the whole flat input (float32, on this
+        engine's device; zero where nothing is held yet): what it was handed and has not sent."""
+        out = torch.zeros(self.numel, dtype=torch.float32, device=self.transport.device)
+        for name, (lo, hi) in zip(self.segment_names, self.segments):
+            held = self.memory.residuals.get(name)
+            if held is not None:
+                held = held if is_torch(held) else to_torch(held)
+                out[lo:hi].copy_(held.reshape(-1))
+        return out
 
     def state_dict(self) -> dict:
         return {"step": self.step, "enabled": self.enabled, "density": self.density, **self.encoder.state_dict(),

@@ -86,6 +86,11 @@ class LocalStepsConfig:
         outer_lr: the outer optimizer's learning rate.
         outer_momentum: its momentum.
         nesterov: Nesterov momentum in it.
+        keep_unsent: each worker goes on from the synchronized parameters less what error
+            feedback still holds of its own pseudo-gradients (not from the synchronized
+            parameters alone), so its next gradients see its own progress that compression
+            held back. What crosses the wire is unchanged. At H = 1 this is what holds a
+            transformer's quality every step (docs/benchmarks/language-model.md).
 
     Example::
 
@@ -96,6 +101,7 @@ class LocalStepsConfig:
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     nesterov: bool = True
+    keep_unsent: bool = False
 
     def __post_init__(self):
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -131,7 +137,7 @@ class LocalSteps:
                  compression: CompressionConfig | None = None, process_group=None, on_nonfinite: str = "raise",
                  max_skipped_rounds: int = 10, tuner=None, overlap: bool = False,
                  emulation: Emulation | None = None, node_key: str | None = None, control_group=None,
-                 alone: bool = False):
+                 alone: bool = False, keep_unsent: bool = False):
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
         if on_nonfinite not in NONFINITE_POLICIES:
@@ -155,6 +161,10 @@ class LocalSteps:
             # collectives on the training thread.
             raise ValueError("overlap does not run on a sharded model yet")
         self.control_group = control_group
+        self.keep_unsent = bool(keep_unsent)
+        if self.keep_unsent and self.overlap:
+            raise ValueError("keep_unsent and overlap do not combine: with overlap each round already begins "
+                             "from this rank's own progress of the round in flight")
         if exchanging and self.overlap and process_group is None:
             # The exchange's thread gets a group of its own, so that its collectives cannot
             # interleave with the caller's (evaluations, metrics) differently on different
@@ -162,13 +172,20 @@ class LocalSteps:
             process_group = dist.new_group(backend=dist.get_backend())
         # Where this rank's current round began: the synchronized parameters, or with
         # overlap, those plus this rank's own progress in the round still in flight.
-        self.base = [a.clone() for a in self.anchor] if self.overlap else self.anchor
+        # With keep_unsent: those less what error feedback holds of this rank's own progress.
+        self.base = [a.clone() for a in self.anchor] if self.overlap or self.keep_unsent else self.anchor
         self._pending: _InFlight | None = None
+        self.kept = False  # this round began with the unsent residual kept in the parameters
         self.state = (GradientExchange(compression, [a.numel() for a in self.anchor], names=self.names,
                                        process_group=process_group, device=self.anchor[0].device,
                                        on_nonfinite=on_nonfinite, emulation=emulation, node_key=node_key,
                                        control_group=control_group)
                       if exchanging else None)
+        if self.keep_unsent and self.state is not None and not (self.state.memory.enabled and
+                                                                self.state.memory.residual_in_input_units):
+            raise ValueError("keep_unsent needs plain error feedback on the pseudo-gradients (error_feedback on, "
+                             "no momentum or Adam correction): the residual it keeps in the weights is "
+                             "held in their units")
         self.world = dist.get_world_size(process_group) if exchanging else 1
         self.rank = dist.get_rank(process_group) if exchanging else 0
         self.inner = 0  # inner steps since the last synchronization
@@ -262,14 +279,40 @@ class LocalSteps:
             return
         mean, stats, _ = self._exchange(delta, compute_s, agree=False)
         self._step_outer(mean, stats)
-        for anchor, base, p in zip(self.anchor, self.base, self.params):
-            if base is not anchor:
-                base.copy_(anchor)
-            local_part(p).copy_(anchor)
+        # A forced synchronization leaves every rank with the same parameters.
+        self._restart(keep=not force)
         self.last_sync = _merged(landed, stats) if self.state is not None else None
         self.sync_s = time.perf_counter() - started
         if self.tuner is not None:
             self._choose(*self._agree(compute_s, self.sync_s, self.last_sync))
+
+    def _restart(self, keep: bool) -> None:
+        """Set where the next round begins, and the parameters to it: the synchronized ones,
+        or (``keep`` and keep_unsent) those less what error feedback holds of this rank's own
+        pseudo-gradients, as much of it as the next round's input will carry. The pseudo-gradient
+        is then this round's progress alone, and the exchange adds the residual as before, so
+        the wire carries the same as without keep_unsent."""
+        unsent = None
+        self.kept = keep and self.keep_unsent
+        if self.kept and self.state is not None:
+            unsent = self.state.residual()
+            unsent *= self.state.memory.decay
+        for anchor, base, p, (offset, n) in zip(self.anchor, self.base, self.params, self._offsets()):
+            if unsent is not None:
+                torch.sub(anchor, unsent[offset: offset + n].view_as(anchor), out=base)
+            elif base is not anchor:
+                base.copy_(anchor)
+            local_part(p).copy_(base)
+
+    @torch.no_grad()
+    def to_synchronized(self) -> None:
+        """Between rounds, set every parameter to the synchronized one (with keep_unsent each
+        rank's are its own until then), as a forced synchronization leaves them. Nothing is
+        lost: the residual stays in error feedback, which the next round sends from."""
+        if self.inner:
+            raise RuntimeError(f"to_synchronized is called between rounds, not {self.inner} inner steps into one")
+        self._restart(keep=False)
+        self.generation += 1
 
     def _offsets(self) -> list[tuple[int, int]]:
         spans, offset = [], 0
@@ -369,9 +412,14 @@ class LocalSteps:
         """Taken at a synchronization (the parameters then equal the synchronized ones, which
         the model's own state dict holds): the outer optimizer, the rounds, and the
         compression state (error feedback of the pseudo-gradients)."""
-        if self.inner or self._pending is not None:
-            raise RuntimeError(f"a LocalSteps checkpoint is taken at a forced synchronization, not {self.inner} "
-                               f"inner steps after one{' or with a round in flight' if self._pending else ''}")
+        if self.inner or self.kept or self._pending is not None:
+            where = ("with a round in flight" if self._pending else "after a round that kept this rank's unsent "
+                     "residual in its parameters" if self.kept else f"{self.inner} inner steps after one")
+            raise RuntimeError(f"a LocalSteps checkpoint is taken at a forced synchronization, not {where}: "
+                               "use round_state_dict")
+        return self._state()
+
+    def _state(self) -> dict:
         return {"rounds": self.rounds, "every": self.every, "outer": self.outer.state_dict(),
                 "compression": self.state.state_dict() if self.state is not None else None,
                 "tuner": self.tuner.state_dict() if self.tuner is not None else None}
@@ -387,6 +435,13 @@ class LocalSteps:
         its own)."""
         return self.inner > 0
 
+    @property
+    def own_parameters(self) -> bool:
+        """Each rank's parameters are its own, not the synchronized ones: inside a round, or
+        at the start of one that keeps this rank's unsent residual (keep_unsent). Its state is
+        then :meth:`round_state_dict`, with the rank's own parameters."""
+        return self.inner > 0 or self.kept
+
     def round_state_dict(self) -> dict:
         """:meth:`state_dict` at any step between synchronizations, not with a round in
         flight: with the synchronized parameters and this round's inner steps, so that a
@@ -400,12 +455,7 @@ class LocalSteps:
         optimizer, error feedback, H."""
         if self._pending is not None:
             raise RuntimeError("a round is in flight (overlap): its state is taken at a forced synchronization")
-        inner, self.inner = self.inner, 0
-        try:
-            state = self.state_dict()
-        finally:
-            self.inner = inner
-        return {**state, "anchor": list(self.anchor)}
+        return {**self._state(), "anchor": list(self.anchor), "kept": self.kept}
 
     def round_step_dict(self) -> dict:
         """The part of :meth:`round_state_dict` that each inner step changes."""
@@ -416,10 +466,10 @@ class LocalSteps:
         params = [local_part(p).detach().clone() for p in self.params]
         self.load_state_dict(state, compression)
         with torch.no_grad():
-            for anchor, base, saved, p, own in zip(self.anchor, self.base, state["anchor"], self.params, params):
+            for anchor, saved in zip(self.anchor, state["anchor"]):
                 anchor.copy_(saved)
-                if base is not anchor:
-                    base.copy_(anchor)
+            self._restart(keep=bool(state.get("kept", False)))  # from the anchor and the residual loaded
+            for p, own in zip(self.params, params):
                 local_part(p).copy_(own)
         self.inner, self.bad, self.compute_s = int(state["inner"]), state["bad"], float(state["compute_s"])
         self.generation += 1
@@ -435,6 +485,7 @@ class LocalSteps:
                     base.copy_(anchor)
         self.outer.load_state_dict(state["outer"])
         self.rounds, self.inner, self.bad, self.compute_s = int(state["rounds"]), 0, None, 0.0
+        self.kept = False
         self.generation += 1
         if self.tuner is not None:  # a fixed H is the caller's, which may differ from the saved one
             self.every = min(self.tuner.high, max(self.tuner.low, int(state["every"])))

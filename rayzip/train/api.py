@@ -192,7 +192,7 @@ def _prepare_local(model: torch.nn.Module, config: LocalStepsConfig, compression
     # After DDP's broadcast of rank 0's parameters: every rank's round starts from the same.
     local = LocalSteps(unwrap(prepared).named_parameters(), every=config.every, outer_lr=config.outer_lr,
                        outer_momentum=config.outer_momentum, nesterov=config.nesterov, compression=compression,
-                       on_nonfinite=on_nonfinite, node_key=node_id())
+                       on_nonfinite=on_nonfinite, node_key=node_id(), keep_unsent=config.keep_unsent)
     state = OwnLoopLocalSteps(prepared, local, context.get_world_rank(), world)
     object.__setattr__(prepared, _ATTRIBUTE, state)
     return prepared

@@ -236,7 +236,7 @@ class LocalStepsState(SplitState):
     def state_dict(self) -> dict:
         """At a synchronization; between them (a snapshot's), with this rank's own parameters
         and the round's state (:meth:`LocalSteps.round_state_dict`)."""
-        if self.local.mid_round:
+        if self.local.own_parameters:
             return {"round": self.local.round_state_dict(), "inner_optimizer": self.optimizer.state_dict(),
                     "own_model": unwrap(self.model).state_dict()}
         return {"local_steps": self.local.state_dict(), "inner_optimizer": self.optimizer.state_dict()}

@@ -545,7 +545,7 @@ class ShardedLocalStepsExchange(_Rounds, ShardedModelExchange):
     def snapshot_due(self, step: int) -> bool:
         # At synchronizations: the parameters are then the synchronized ones, which the
         # shards hold, with the outer momentum (a kill inside a round redoes its steps).
-        return not self.local.mid_round
+        return not self.local.own_parameters
 
     def _inner_key(self, nodes: int) -> str:
         """Where this node's inner optimizer is saved, among ``nodes``: the nodes' inner
@@ -652,7 +652,8 @@ def build_exchange(spec: JobSpec, model: torch.nn.Module, rank: int, world: int,
                             outer_momentum=local.outer_momentum, nesterov=local.nesterov,
                             compression=comp.to_config(),
                             on_nonfinite=training.on_nonfinite, max_skipped_rounds=training.max_skipped_steps,
-                            tuner=_every_tuner(spec), overlap=local.overlap, emulation=emulation, node_key=node_id())
+                            tuner=_every_tuner(spec), overlap=local.overlap, emulation=emulation, node_key=node_id(),
+                            keep_unsent=local.keep_unsent)
         return LocalStepsExchange(spec, model, rank, world, build_optimizer(training, model), synced)
     if comp.collective == "ps":
         # The shards combine gradients: no DDP allreduce underneath.

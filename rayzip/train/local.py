@@ -87,6 +87,8 @@ class OwnLoopLocalSteps(SplitState):
         if self.local.mid_round:
             self.local.synchronize(force=True)
             self.local.synced = True
+        elif self.local.kept:  # each rank's parameters hold its unsent residual: set them all alike
+            self.local.to_synchronized()
 
     @property
     def totals(self) -> dict:

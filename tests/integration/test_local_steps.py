@@ -462,3 +462,75 @@ def test_sparselocos_outer_update_averages_each_entry_over_its_senders_with_fadi
             _, _, delta, before, kept, _ = rounds[0][k]
             unsent = sent[0] == 0
             np.testing.assert_array_equal(kept[unsent], (before * np.float32(0.95) + delta)[unsent])
+
+
+def _kept_rank(rank, world, steps, keep, fixed=True, restart_at=None):
+    """H = 1 with SparseLoCo's outer updates, with or without keep_unsent. ``fixed``: each
+    inner step subtracts this rank's own random update, whatever the parameters (else a
+    real SGD step). Per step: the synchronized parameters, this rank's parameters and its
+    residual. With ``restart_at`` everything is rebuilt from state dicts before that step."""
+    def build():
+        model = _model()
+        local = LocalSteps(model.named_parameters(), every=1, outer_lr=1.0, outer_momentum=0.0,
+                           compression=SPARSELOCO, keep_unsent=keep)
+        return model, local, _sgd(model.parameters())
+
+    model, local, optimizer = build()
+    gen = torch.Generator().manual_seed(rank)
+    out = []
+    for step in range(steps):
+        if step == restart_at:
+            assert local.own_parameters == keep
+            saved = ({k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict(),
+                     local.round_state_dict() if local.own_parameters else local.state_dict())
+            model, local, optimizer = build()
+            model.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+            (local.load_round_state_dict if keep else local.load_state_dict)(saved[2])
+        if fixed:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(0.01 * torch.randn(p.shape, generator=gen))
+        else:
+            _train_step(model, optimizer, gen)
+        local.after_inner_step(force=step == steps - 1)
+        anchor = torch.cat([a.reshape(-1) for a in local.anchor]).numpy().copy()
+        out.append((anchor, _flat(model), local.state.residual().numpy().copy()))
+    return out
+
+
+def test_keep_unsent_moves_each_rank_to_its_own_residual_and_sends_the_same():
+    steps = 6
+    kept, plain = run_world(_kept_rank, 2, steps, True), run_world(_kept_rank, 2, steps, False)
+    for rank in range(2):
+        for step in range(steps):
+            anchor, own, residual = kept[rank][step]
+            # The wire is the same: inner updates that ignore the parameters give the same
+            # synchronized parameters and residuals (to float rounding of base - own).
+            np.testing.assert_allclose(anchor, plain[rank][step][0], rtol=0, atol=1e-6)
+            np.testing.assert_allclose(residual, plain[rank][step][2], rtol=0, atol=1e-6)
+            if step < steps - 1:
+                assert np.abs(residual).max() > 0
+                np.testing.assert_allclose(own, anchor - np.float32(0.95) * residual, rtol=0, atol=1e-7)
+                np.testing.assert_array_equal(plain[rank][step][1], plain[rank][step][0])  # plain: the anchor
+            else:  # the last step forces: every rank holds the synchronized parameters
+                np.testing.assert_array_equal(own, anchor)
+    np.testing.assert_array_equal(kept[0][-1][1], kept[1][-1][1])
+
+
+def test_keep_unsent_changes_training_and_a_restart_resumes_it_exactly():
+    steps = 7
+    straight = run_world(_kept_rank, 2, steps, True, False)
+    plain = run_world(_kept_rank, 2, steps, False, False)
+    # Real gradients see each rank's own residual, so the run is not the plain one.
+    assert not np.allclose(straight[0][-1][0], plain[0][-1][0], rtol=0, atol=1e-6)
+    restarted = run_world(_kept_rank, 2, steps, True, False, 4)
+    for rank in range(2):
+        for step in range(4, steps):
+            for a, b in zip(straight[rank][step], restarted[rank][step]):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_keep_unsent_takes_plain_error_feedback_only():
+    with pytest.raises(ValueError, match="keep_unsent and overlap"):
+        LocalSteps(_model().named_parameters(), every=1, keep_unsent=True, overlap=True)

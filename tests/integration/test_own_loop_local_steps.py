@@ -37,16 +37,20 @@ def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
 
 
+def _side_by_side(rank, world, make_local):
+    """The user's DDP model driven by its optimizer, and the same model by hand with LocalSteps."""
+    ddp = torch.nn.parallel.DistributedDataParallel(_model(), forward_sync_buffers=False)
+    ddp.register_comm_hook(None, own_gradient_hook)
+    adapter = OwnLoopLocalSteps(ddp, make_local(ddp.module), rank, world)
+    by_hand = _model()
+    return (ddp, adapter, torch.optim.AdamW(ddp.parameters(), lr=1e-2), by_hand, make_local(by_hand),
+            torch.optim.AdamW(by_hand.parameters(), lr=1e-2))
+
+
 def _own_loop_rank(rank, world):
     """The user's loop: DDP, two micro-batches under no_sync(), clipping, optimizer.step()
     and nothing else; beside it, the same model stepped by hand with LocalSteps."""
-    ddp = torch.nn.parallel.DistributedDataParallel(_model(), forward_sync_buffers=False)
-    ddp.register_comm_hook(None, own_gradient_hook)
-    adapter = OwnLoopLocalSteps(ddp, _local(ddp.module), rank, world)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    by_hand = _model()
-    local = _local(by_hand)
-    reference = torch.optim.AdamW(by_hand.parameters(), lr=1e-2)
+    ddp, adapter, optimizer, by_hand, local, reference = _side_by_side(rank, world, _local)
     mine, theirs, grads = [], [], []
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -162,3 +166,41 @@ def test_local_steps_in_a_users_loop_refuse_what_does_not_run_there():
     spec = parse_spec({"name": "own", "training": {"loop": "mine:loop", "eval_every": 10},
                        "checkpoint": {"every_steps": 50}, "local_steps": {"enabled": True, "every": 3}})
     assert spec.local_steps.to_config().every == 3
+
+
+def _kept_local(model):
+    return LocalSteps(model.named_parameters(), every=1, outer_lr=1.0, outer_momentum=0.0,
+                      compression=CompressionConfig(codec="group_topk", density=0.05, collective="allgather",
+                                                    error_decay=0.95, combine="senders"),
+                      keep_unsent=True)
+
+
+def _kept_own_loop_rank(rank, world):
+    """keep_unsent at H = 1 in the user's loop, against LocalSteps by hand; then the loop's
+    synchronize() before an evaluation."""
+    ddp, adapter, optimizer, by_hand, local, reference = _side_by_side(rank, world, _kept_local)
+    same = []
+    for step in range(4):
+        optimizer.zero_grad()
+        reference.zero_grad()
+        x, y = _micro_batches(rank, step)[0]
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        torch.nn.functional.cross_entropy(by_hand(x), y).backward()
+        optimizer.step()
+        reference.step()
+        local.after_inner_step()
+        same.append(torch.equal(_flat(ddp.module), _flat(by_hand)))
+    kept = adapter.local.kept
+    own = _flat(ddp.module)
+    adapter.synchronize()  # as before an evaluation: every rank on the synchronized parameters
+    anchor = torch.cat([a.flatten() for a in adapter.local.anchor])
+    return same, kept, own, _flat(ddp.module), anchor
+
+
+def test_keep_unsent_in_a_users_loop_steps_as_by_hand_and_meets_before_an_evaluation():
+    ranks = run_world(_kept_own_loop_rank, 2, timeout_s=120)
+    for same, kept, own, synced, anchor in ranks:
+        assert all(same) and kept
+        assert not torch.equal(own, anchor)  # between rounds each rank holds its own residual
+        assert torch.equal(synced, anchor)
+    assert torch.equal(ranks[0][3], ranks[1][3])

@@ -24,6 +24,9 @@ def _spec(**sections):
       "adaptive": {"enabled": True}, "compression": {"codec": "group_topk", "density": 0.01}}, "local_steps.adaptive"),
     ({"local_steps": {"enabled": True, "every": 5, "overlap": True}, "compression": {"collective": "ps"},
       "training": {"eval_every": 5}, "checkpoint": {"every_steps": 5}}, "local_steps.overlap"),
+    ({"local_steps": {"enabled": True, "every": 1, "keep_unsent": True, "overlap": True}}, "local_steps.keep_unsent"),
+    ({"local_steps": {"enabled": True, "every": 1, "keep_unsent": True},
+      "compression": {"codec": "group_topk", "density": 0.01, "error_feedback": False}}, "local_steps.keep_unsent"),
 ])
 def test_the_spec_refuses_what_local_steps_cannot_do(sections, field):
     with pytest.raises(SpecError) as info:
@@ -94,6 +97,10 @@ def test_bench_methods_name_the_local_steps():
     assert not parse_spec(method_spec("dense", outer, "x")).local_steps.enabled
     with pytest.raises(ValueError, match="local steps :overlap"):
         method_spec("group_topk:overlap", base, "x")
+    step = parse_spec(method_spec("sparseloco_step", outer, "x"))
+    assert step.local_steps.every == 1 and step.local_steps.keep_unsent
+    assert (step.compression.density, step.compression.combine) == (0.01, "senders")
+    assert not parse_spec(method_spec("local_sparseloco", outer, "x")).local_steps.keep_unsent
     compact = parse_spec(method_spec("local_compact@4", outer, "x")).compression
     assert (compact.codec, compact.density, compact.value_dtype, compact.packed_indices) == ("group_topk", 0.02, "int8", True)
     assert compact.collective == "allgather" and not compact.adam_correction

@@ -99,6 +99,9 @@ BAD_SPECS = [
     ("overlapped local steps on shards", with_change("sharding", {"enabled": True, "shard_size": 2},
                                                      "local_steps", {"enabled": True, "every": 5, "overlap": True}),
      "sharding does not run with local_steps.overlap yet"),
+    ("kept residuals on shards", with_change("sharding", {"enabled": True, "shard_size": 2},
+                                             "local_steps", {"enabled": True, "every": 5, "keep_unsent": True}),
+     "sharding does not run with local_steps.keep_unsent yet"),
 ]
 
 
