@@ -33,7 +33,9 @@ Methods:
           ``--support leader``: one worker in turn picks the entries, every worker sends its
           values there), averaged (``--combine senders``: each entry over the workers that
           sent it, as SparseLoCo does), applied with ``--outer-lr``; ``--ef-decay`` scales the
-          residual each round (SparseLoCo's error feedback in place of outer momentum).
+          residual each round (SparseLoCo's error feedback in place of outer momentum);
+          ``--restart residual``: each worker goes on from the shared model plus its own unsent
+          residual, not from the shared model alone.
 """
 
 from __future__ import annotations
@@ -351,7 +353,9 @@ class Sim:
                 leader = ((step + 1) // a.every) % a.workers
                 order = [leader] + [r for r in range(a.workers) if r != leader]
                 for rank in order:
-                    compensated = start - flat_of(inner[rank]) + a.ef_decay * residuals[rank]
+                    compensated = start - flat_of(inner[rank])
+                    if a.restart == "global":  # else the residual is in the worker's weights already
+                        compensated += a.ef_decay * residuals[rank]
                     sent, chosen = sparsify(compensated, a.group, k, a.values, a.run, idx)
                     if a.support == "leader":
                         idx = chosen
@@ -360,7 +364,14 @@ class Sim:
                     senders = senders + (sent != 0)
                 set_flat(self.params, start - a.outer_lr * combined(total, senders, a.workers, a.combine),
                          grad=False)
-                for ps in inner:
+                for rank, ps in enumerate(inner):
+                    # ``--restart residual``: a worker goes on from the shared model plus what it
+                    # has not yet sent, so its own next gradients see its unsent updates.
+                    # The fading error feedback fades it there.
+                    own = flat_of(self.params) - a.ef_decay * residuals[rank] if a.restart == "residual" else None
+                    if own is not None:
+                        set_flat(ps, own, grad=False)
+                        continue
                     for p, q in zip(ps, self.params):
                         p.copy_(q)
             if self.due(step + 1):
@@ -444,6 +455,10 @@ def main() -> None:
     ap.add_argument("--combine", default="mean", choices=["mean", "senders"],
                     help="local, topk: average each entry over every worker, or over those that sent it")
     ap.add_argument("--outer-lr", type=float, default=1.0)
+    ap.add_argument("--restart", default="global", choices=["global", "residual"],
+                    help="local: after a round each worker restarts from the shared model, or from "
+                         "the shared model less its own unsent residual (the error feedback kept in "
+                         "the worker's weights)")
     ap.add_argument("--inner", default="adamw", choices=["adamw", "muon"],
                     help="the workers' optimizer (dense and local): the job's AdamW, or Muon on the hidden "
                          "matrices with AdamW's settings (rayzip.torch.muon)")
