@@ -364,16 +364,16 @@ class Sim:
                     senders = senders + (sent != 0)
                 set_flat(self.params, start - a.outer_lr * combined(total, senders, a.workers, a.combine),
                          grad=False)
+                shared = flat_of(self.params)
                 for rank, ps in enumerate(inner):
                     # ``--restart residual``: a worker goes on from the shared model plus what it
                     # has not yet sent, so its own next gradients see its unsent updates.
                     # The fading error feedback fades it there.
-                    own = flat_of(self.params) - a.ef_decay * residuals[rank] if a.restart == "residual" else None
-                    if own is not None:
-                        set_flat(ps, own, grad=False)
-                        continue
-                    for p, q in zip(ps, self.params):
-                        p.copy_(q)
+                    if a.restart == "residual":
+                        set_flat(ps, shared - a.ef_decay * residuals[rank], grad=False)
+                    else:
+                        for p, q in zip(ps, self.params):
+                            p.copy_(q)
             if self.due(step + 1):
                 self.evaluate(step + 1)
         return ratio
