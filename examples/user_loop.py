@@ -3,9 +3,11 @@
 A plain ``TorchTrainer`` job over ``ray.data`` input (scikit-learn's digits). Against the same
 loop without rayzip, three lines differ, each marked ``# rayzip``: ``prepare_model`` comes from
 ``rayzip.train`` and is told the optimizer, AdamW, for which it picks the compression that
-holds quality (4-bit DCT every step), and the checkpoint is written by
+holds quality (SparseLoCo's wire every step: each rank's AdamW steps on its own gradient and
+the ranks average what moved, top 1% in 2 bits), and the checkpoint is written by
 ``rayzip.train.report`` and read by ``rayzip.train.restore``, which carry the compression state
-(error-feedback residuals, codec state, step) with the model and optimizer.
+(error-feedback residuals, codec state, step) with the model and optimizer. The evaluation
+runs in eval mode, as usual: that is where every rank's weights are the ones they share.
 
 Run it on a local Ray (or ``RAY_ADDRESS``)::
 
@@ -45,13 +47,14 @@ def train_func(config: dict) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
                                 torch.nn.ReLU(), torch.nn.Linear(256, 10))
-    model = rayzip.train.prepare_model(model, optimizer="adamw")  # rayzip: 4-bit DCT, which holds AdamW's quality
+    model = rayzip.train.prepare_model(model, optimizer="adamw")  # rayzip: the compression that holds AdamW's quality
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"])
     saved = rayzip.train.restore(model, optimizer)  # rayzip: {} on a fresh start
     state = rayzip.train.compression_state(model)  # None at world size 1
+    residuals = list(state.memory.residuals.values()) if state and state.memory else []
     resumed = {"epoch": saved.get("epoch"), "hook_step": state.step if state else None,
-               "residual_norm": float(np.linalg.norm(np.asarray(state.memory.residuals["model"])))
-               if state and "model" in state.memory.residuals else None} if saved else None
+               "residual_norm": float(sum(np.linalg.norm(np.asarray(r)) for r in residuals)) if residuals else None
+               } if saved else None
     rank = ray.train.get_context().get_world_rank()
     train = ray.train.get_dataset_shard("train")
     x_test, y_test = (torch.as_tensor(np.stack(c)) for c in zip(*((r["x"], r["y"]) for r in config["test_rows"])))
@@ -67,8 +70,10 @@ def train_func(config: dict) -> None:
             optimizer.step()
             if state is not None:
                 sent, dense = sent + state.last_step.bytes_sent, dense + state.last_step.dense_bytes
+        model.eval()
         with torch.no_grad():
             accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
+        model.train()
         metrics = {"epoch": epoch, "loss": float(loss), "test_accuracy": accuracy, "bytes_sent": sent,
                    "dense_bytes": dense, "hook_step": state.step if state else None, "resumed": resumed}
         rayzip.train.report(metrics, model=model, optimizer=optimizer, extra={"epoch": epoch})  # rayzip

@@ -338,9 +338,9 @@ def bench_codecs(
 
 @bench_app.command("encoder")
 def bench_encoder(
-    settings: str = typer.Option("dense,default,group_topk,group_topk_adam,local_steps",
-                                 help="Settings, comma-separated: dense, default, group_topk, group_topk_adam, "
-                                      "local_steps."),
+    settings: str = typer.Option("dense,default,dct,group_topk,group_topk_adam,local_steps",
+                                 help="Settings, comma-separated: dense, default, dct, group_topk, "
+                                      "group_topk_adam, local_steps."),
     steps: int = typer.Option(148, min=1, help="Optimizer steps per fine-tune (2 micro-batches each)."),
     repeat: int = typer.Option(1, min=1, help="Runs per setting, interleaved; rows give the medians."),
     workers: int = typer.Option(2, min=1, help="Ray Train workers."),

@@ -9,7 +9,11 @@ embeddings, bf16 autocast, ``clip_grad_norm_(1.0)`` and gradient accumulation un
 
 * ``dense``: plain DDP (``compression=None``);
 * ``default``: ``prepare_model(model, optimizer="adamw")``, the compression rayzip picks for
-  AdamW (:func:`rayzip.torch.optim.default_compression`);
+  AdamW: SparseLoCo's wire every step, each rank keeping its unsent residual in its weights;
+  the loop evaluates as it would under DDP (rayzip's hook sets the weights every rank shares
+  for a forward in eval mode);
+* ``dct``: 4-bit DCT every step (``CompressionConfig(codec="dct_quant", bits=4)``), the
+  default for AdamW before it;
 * ``group_topk``: group top-k at 1% every step (the README's example before it changed);
 * ``group_topk_adam``: the same with ``adam_correction`` (the optimizer is then SGD without
   momentum, as that setting requires).
@@ -22,8 +26,8 @@ packages (asyncio, email, http, importlib, logging, multiprocessing, unittest, x
 labelled with its package, split by a CRC of the text. The table gives each setting's
 final validation accuracy against dense's, in points, its bytes against fp32 DDP's, and the
 median norm that ``clip_grad_norm_`` measured, against dense's: under rayzip's default the
-code after ``backward()`` sees a gradient, so that norm is dense's; under ``adam_correction``
-it sees Adam's direction.
+code after ``backward()`` sees a gradient (under DDP and ``dct`` the ranks' mean, under the
+default and local steps the rank's own), and under ``adam_correction`` Adam's direction.
 
 With ``repeat`` above 1 the settings run interleaved (round r rotated by r) and rows give
 medians. Needs ``pip install 'rayzip[encoder]'``.
@@ -44,7 +48,7 @@ from .timing import interleaved
 __all__ = ["PACKAGES", "SETTINGS", "docstring_task", "markdown_table", "run_encoder_bench"]
 
 PACKAGES = ("asyncio", "email", "http", "importlib", "logging", "multiprocessing", "unittest", "xml")
-SETTINGS = ("dense", "default", "group_topk", "group_topk_adam", "local_steps")
+SETTINGS = ("dense", "default", "dct", "group_topk", "group_topk_adam", "local_steps")
 VALIDATION_FRACTION = 0.2
 
 
@@ -99,6 +103,7 @@ def train_func(config: dict) -> None:
 
     import rayzip.train
     from rayzip.engine import CompressionConfig
+    from rayzip.train.local import OwnLoopLocalSteps
 
     torch.manual_seed(0)
     context = ray.train.get_context()
@@ -126,6 +131,9 @@ def train_func(config: dict) -> None:
         model = rayzip.train.prepare_model(model, compression=None)
     elif setting == "default":
         model = rayzip.train.prepare_model(model, optimizer="adamw")
+    elif setting == "dct":
+        model = rayzip.train.prepare_model(model, compression=CompressionConfig(codec="dct_quant", bits=4),
+                                           optimizer="adamw")
     elif setting == "local_steps":
         model = rayzip.train.prepare_model(model, local_steps=rayzip.train.LocalStepsConfig())
     else:
@@ -183,7 +191,9 @@ def train_func(config: dict) -> None:
                 state.synchronize()
             history.append({"step": step + 1, "accuracy": accuracy()})
     totals = state.totals if state is not None else {}
-    codec = state.local.state.codec if setting == "local_steps" else (state.codec if state is not None else None)
+    local = isinstance(state, OwnLoopLocalSteps)
+    codec = (state.local.state.codec if local and state.local.state is not None
+             else state.codec if state is not None and not local else None)
     metrics = {"setting": setting, "accuracy": history[-1]["accuracy"], "history": history,
                "median_clip_norm": statistics.median(norms), "bytes_sent": totals.get("bytes_sent", 0),
                "dense_bytes": totals.get("dense_bytes", 0), "codec": codec.name if codec is not None else "none"}

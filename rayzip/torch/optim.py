@@ -125,9 +125,10 @@ def adaptive(optimizer: torch.optim.Optimizer | str | None) -> bool:
 
 
 def default_compression(optimizer: torch.optim.Optimizer | str | None):
-    """The compression that holds quality under ``optimizer`` (an optimizer, or its name),
-    for :func:`rayzip.torch.compress` and :func:`rayzip.train.prepare_model` when they are
-    given the optimizer and no config.
+    """The per-step gradient compression that holds quality under ``optimizer`` (an
+    optimizer, or its name), for :func:`rayzip.torch.compress` when it is given the optimizer
+    and no config (and :func:`rayzip.train.prepare_model` under SGD; under an adaptive
+    optimizer it compresses each rank's own update instead, see its ``compression``).
 
     - Under an adaptive optimizer (Adam, AdamW, Adagrad, RMSprop...): 4-bit DCT every step
       (``dct_quant``, ``bits=4``), a quantizer that sends every entry every step, so the
@@ -161,10 +162,11 @@ def warn_for_optimizer(config, optimizer: torch.optim.Optimizer | str | None, st
         return None
     name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
     message = (f"codec {config.codec} sends a sparse gradient every step, which costs a transformer's quality "
-               f"under {name}: for an adaptive optimizer compress each step with codec='dct_quant' (bits=4, the "
-               "default for it: give rayzip the optimizer and no config), or "
-               "synchronize every few steps with local steps (rayzip.torch.LocalSteps), whose pseudo-gradients "
-               "group top-k sends well. See the codecs guide, 'Under Adam and AdamW'.")
+               f"under {name}: for an adaptive optimizer compress each step with codec='dct_quant' (bits=4, what "
+               "rayzip.torch.compress picks for it), or sparsify what each rank's own optimizer moved rather than "
+               "its gradient, with local steps: rayzip.train.prepare_model's default for it (give it the optimizer "
+               "and no config) sends group top-k that way every step, and rayzip.torch.LocalSteps does in your "
+               "own loop. See the codecs guide, 'Under Adam and AdamW'.")
     if config.adam_correction:
         message += (" With adam_correction the hook sends Adam's direction and your code sees it after "
                     "backward(), not a gradient: clip_grad_norm_ there scales every update down.")

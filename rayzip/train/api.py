@@ -91,9 +91,11 @@ def prepare_model(model: torch.nn.Module,
         model: your model, inside a Ray Train worker.
         compression: the library's config, or a job spec's compression section (converted
             with its ``to_config``); None: plain DDP. Left out: the compression that holds
-            quality under ``optimizer`` (:func:`rayzip.torch.optim.default_compression`: 4-bit
-            DCT under AdamW and other adaptive optimizers, group top-k at 1% under SGD), or
-            plain DDP where no optimizer is named.
+            quality under ``optimizer``: under AdamW and other adaptive optimizers SparseLoCo's
+            wire every step, each rank stepping its own optimizer on its own gradient
+            (:func:`_per_step_default`; with ``grad_scaler`` or ``sharding``, 4-bit DCT); under
+            SGD group top-k at 1% (:func:`rayzip.torch.optim.default_compression`); plain DDP
+            where no optimizer is named.
         sharding: shard the model with FSDP2 instead of DDP
             (:class:`rayzip.torch.fsdp.ShardingConfig`, or a job spec's ``sharding`` section):
             under ``hsdp`` each shard group is a node's workers by default, and ``compression``
@@ -129,7 +131,7 @@ def prepare_model(model: torch.nn.Module,
 
     Example::
 
-        model = rayzip.train.prepare_model(model, optimizer="adamw")  # 4-bit DCT, which holds AdamW's quality
+        model = rayzip.train.prepare_model(model, optimizer="adamw")  # SparseLoCo's wire every step
         model = rayzip.train.prepare_model(model, compression=CompressionConfig(codec="group_topk", density=0.01))
         model = rayzip.train.prepare_model(model, local_steps=LocalStepsConfig(every=4))  # SparseLoCo's outer updates
     """
@@ -137,6 +139,8 @@ def prepare_model(model: torch.nn.Module,
         sharding = sharding.to_config() if sharding.enabled else None
     if isinstance(local_steps, LocalStepsSpec):
         local_steps = local_steps.to_config() if local_steps.enabled else None
+    if compression is FOR_OPTIMIZER and local_steps is None and ray.train.get_context().get_world_size() > 1:
+        local_steps = _per_step_default(optimizer, sharding, grad_scaler)
     if local_steps is not None:
         if compression is FOR_OPTIMIZER:
             compression = sparseloco_compression()
@@ -166,6 +170,24 @@ def prepare_model(model: torch.nn.Module,
         state.link_probe = probe
     object.__setattr__(prepared, _ATTRIBUTE, state)  # a plain attribute, not a submodule
     return prepared
+
+
+def _per_step_default(optimizer: torch.optim.Optimizer | str | None, sharding=None,
+                     grad_scaler: torch.amp.GradScaler | None = None) -> LocalStepsConfig | None:
+    """``prepare_model``'s default under an adaptive optimizer (AdamW and its kin): SparseLoCo's
+    wire every step (:func:`sparseloco_compression` at H = 1), each rank keeping its unsent
+    residual in its weights (``keep_unsent``). Gradient sparsifiers every step cost a
+    transformer's quality under AdamW because AdamW scales the late, summed entries by
+    statistics of gradients it never saw; here each rank's own AdamW steps on its own
+    gradient, and what the wire holds back stays in that rank's weights
+    (docs/adr/0011-adamw-default-is-sparseloco-every-step.md). None (the per-step codec of
+    :func:`rayzip.torch.optim.default_compression`) under any other optimizer, with a
+    ``grad_scaler`` (a rank's scaler skips steps on its own) or with ``sharding``."""
+    from ..torch.optim import adaptive
+
+    if optimizer is None or not adaptive(optimizer) or sharding is not None or grad_scaler is not None:
+        return None
+    return LocalStepsConfig(every=1, keep_unsent=True)
 
 
 def _prepare_local(model: torch.nn.Module, config: LocalStepsConfig, compression: CompressionConfig | None,

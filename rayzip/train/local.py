@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from ..comm import ring_allreduce_bytes
 from ..engine import StepStats
 from ..torch.local_steps import LocalSteps
-from .checkpoints import LocalStepsState, SplitState
+from .checkpoints import LocalStepsState, SplitState, unwrap
 from .snapshots import MAX_SNAPSHOT_SLOTS
 
 __all__ = ["OwnLoopLocalSteps", "own_gradient_hook"]
@@ -63,6 +63,7 @@ class OwnLoopLocalSteps(SplitState):
         self.dense_bytes = ring_allreduce_bytes(4 * numel, world) if world > 1 else 0  # DDP's, a step
         _LIVE.add(self)
         _install_hooks()
+        unwrap(model).register_forward_pre_hook(self._before_forward)
 
     def bind(self, optimizer: torch.optim.Optimizer | None) -> OwnLoopLocalSteps:
         """Count ``optimizer``'s steps (None: keep the one bound)."""
@@ -91,6 +92,12 @@ class OwnLoopLocalSteps(SplitState):
             self.local.to_synchronized()
 
     @property
+    def memory(self):
+        """The error feedback of this rank's pseudo-gradients, as a per-step exchange's
+        ``memory`` (its ``residuals``...); None where nothing is exchanged (world size 1)."""
+        return self.local.state.memory if self.local.state is not None else None
+
+    @property
     def totals(self) -> dict:
         """Bytes sent by this rank's synchronizations so far (``bytes_sent``), and what DDP's
         ring would have sent over as many steps (``dense_bytes``)."""
@@ -104,6 +111,14 @@ class OwnLoopLocalSteps(SplitState):
         if self.local.synced and self.local.last_sync is not None:
             return replace(self.local.last_sync, dense_bytes=self.dense_bytes, skipped=self.skipped)
         return StepStats(step=self.step, dense_bytes=self.dense_bytes, skipped=self.skipped)
+
+    def _before_forward(self, module: torch.nn.Module, args) -> None:
+        # An evaluation between rounds (a forward in eval mode) sees the parameters every rank
+        # shares, not this rank's own, which hold its unsent residual (keep_unsent): what your
+        # code evaluates or exports is the model the ranks train. Nothing crosses the wire
+        # and nothing is lost: the residual stays in error feedback, sent from next round.
+        if not module.training and self.local.kept and not self.local.inner:
+            self.local.to_synchronized()
 
     # --- the optimizer's hooks ------------------------------------------------------------
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:

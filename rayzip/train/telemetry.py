@@ -28,6 +28,7 @@ import torch
 from ..engine import GradientExchange
 from ..metrics import WorkerMetrics
 from .records import StepRecord, Traffic, traffic_of
+from .local import OwnLoopLocalSteps
 
 __all__ = ["Adoption", "Telemetry"]
 
@@ -94,6 +95,10 @@ class Telemetry:
         self.metrics = WorkerMetrics(run, job or run, rank) if metrics else None
         if isinstance(controller, str):
             controller = ray.get_actor(controller)
+        if controller is not None and isinstance(self.state, OwnLoopLocalSteps):
+            raise ValueError("the adaptive controller sets per-step compression, and this model runs local steps "
+                             "(prepare_model's default under an adaptive optimizer is SparseLoCo's wire every step): "
+                             "give prepare_model a compression=CompressionConfig(...) for the controller to tune")
         self.controller = controller
         self.adoption = (Adoption.from_controller(controller, rank, self.state)
                          if controller is not None and self.state is not None else None)

@@ -204,3 +204,50 @@ def test_keep_unsent_in_a_users_loop_steps_as_by_hand_and_meets_before_an_evalua
         assert not torch.equal(own, anchor)  # between rounds each rank holds its own residual
         assert torch.equal(synced, anchor)
     assert torch.equal(ranks[0][3], ranks[1][3])
+
+
+def _eval_forward_rank(rank, world):
+    """keep_unsent at H = 1: a forward in train mode leaves this rank's own parameters, one in
+    eval mode (an evaluation, with no synchronize() called) sets the shared ones, sending
+    nothing; the next step keeps the residual again."""
+    ddp, adapter, optimizer, *_ = _side_by_side(rank, world, _kept_local)
+    x, y = _micro_batches(rank, 0)[0]
+
+    def step():
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+
+    step()
+    step()
+    own = _flat(ddp.module)
+    with torch.no_grad():
+        ddp(x)  # train mode: a forward of the rank's own model
+    unchanged = torch.equal(_flat(ddp.module), own)
+    sent = adapter.totals["bytes_sent"]
+    ddp.eval()
+    with torch.no_grad():
+        ddp(x)
+    ddp.train()
+    anchor = torch.cat([a.flatten() for a in adapter.local.anchor])
+    evaluated = _flat(ddp.module)
+    quiet = adapter.totals["bytes_sent"] == sent
+    step()
+    return unchanged, torch.equal(evaluated, anchor), quiet, evaluated, adapter.local.kept
+
+
+def test_an_evaluation_in_eval_mode_sees_the_shared_parameters_without_a_call():
+    ranks = run_world(_eval_forward_rank, 2, timeout_s=120)
+    for unchanged, at_anchor, quiet, _, kept_again in ranks:
+        assert unchanged and at_anchor and quiet and kept_again
+    assert torch.equal(ranks[0][3], ranks[1][3])  # every rank evaluated the same model
+
+
+def test_the_adaptive_controller_refuses_local_steps_naming_the_config_to_pass():
+    from rayzip.train.telemetry import Telemetry
+
+    model = _model()
+    state = OwnLoopLocalSteps(model, LocalSteps(model.named_parameters(), every=1), rank=0, world=1)
+    with pytest.raises(ValueError, match="compression=CompressionConfig"):
+        Telemetry(state=state, controller=object(), rank=0, metrics=False)
+    assert Telemetry(state=state, rank=0, metrics=False).controller is None  # metrics alone are fine

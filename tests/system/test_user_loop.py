@@ -31,5 +31,6 @@ def test_user_loop_example_compresses_and_resumes_its_compression_state(local_ra
     assert steps_per_epoch >= 20 and resumed["hook_step"] == steps_per_epoch * (resumed["epoch"] + 1)
     assert m["hook_step"] == steps_per_epoch * 8
     assert resumed["residual_norm"] > 0
-    assert m["dense_bytes"] / m["bytes_sent"] >= 6  # 4-bit DCT, prepare_model's default under AdamW
+    # SparseLoCo's wire every step, prepare_model's default under AdamW: 50x is issue 46's bar.
+    assert m["dense_bytes"] / m["bytes_sent"] >= 50
     assert m["test_accuracy"] >= 0.9

@@ -76,3 +76,15 @@ def test_the_default_under_sgd_or_an_unknown_optimizer_is_group_topk(optimizer):
 def test_the_default_needs_the_optimizer():
     with pytest.raises(ValueError, match="needs the optimizer"):
         default_compression(None)
+
+
+def test_prepare_models_default_under_adamw_is_sparseloco_every_step_keeping_the_residual():
+    from rayzip.train.api import _per_step_default
+
+    for optimizer in ("adamw", torch.optim.AdamW(_params()), "adam", "muon"):
+        config = _per_step_default(optimizer)
+        assert config.every == 1 and config.keep_unsent
+    # Where local steps cannot run, or the optimizer is not adaptive: the per-step codec.
+    assert _per_step_default("sgd") is None and _per_step_default(None) is None
+    assert _per_step_default("adamw", grad_scaler=torch.amp.GradScaler("cpu")) is None
+    assert _per_step_default("adamw", sharding=object()) is None
