@@ -604,7 +604,9 @@ def bench_table(report_json: Path = typer.Argument(..., help="A `bench cluster` 
                                                              "checkpoint report's stall table; threads: its "
                                                              "default threads over one thread; headline: a "
                                                              "cluster report's narrow table; memory: a "
-                                                             "sharded-checkpoint report's bytes per rank)."),
+                                                             "sharded-checkpoint report's bytes per rank; "
+                                                             "history: an encoder report's accuracy at each "
+                                                             "evaluation)."),
                 plot_path: Optional[Path] = typer.Option(None, "--plot", help="Also draw a `bench cluster` "
                                                                                "report's plot here, from the JSON.")):
     """Print a benchmark report as the Markdown table the README shows (generated from the JSON).

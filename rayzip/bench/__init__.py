@@ -15,7 +15,8 @@ def markdown_table(report: dict, part: str | None = None) -> str | None:
     other reports, or for a ``part`` the report does not have (``stall``: a checkpoint
     report's stall table; ``threads``: its speed on its default threads over one thread;
     ``headline``: a cluster report's narrow table for the README and the home page;
-    ``memory``: a sharded-checkpoint report's bytes held per rank)."""
+    ``memory``: a sharded-checkpoint report's bytes held per rank; ``history``: an encoder
+    report's accuracy at each evaluation)."""
     if part is not None:
         if part == "stall" and report.get("stall"):
             from .checkpoint import stall_markdown_table
@@ -29,6 +30,10 @@ def markdown_table(report: dict, part: str | None = None) -> str | None:
             from .sharded_checkpoint import memory_markdown_table
 
             return memory_markdown_table(report)
+        if part == "history" and report.get("bench") == "encoder":
+            from .encoder import history_markdown_table
+
+            return history_markdown_table(report)
         if part == "headline" and "methods" in report:
             from .cluster import headline_markdown_table
 

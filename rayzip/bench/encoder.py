@@ -45,7 +45,8 @@ from typing import Any, Callable
 
 from .timing import interleaved
 
-__all__ = ["PACKAGES", "SETTINGS", "docstring_task", "markdown_table", "run_encoder_bench"]
+__all__ = ["PACKAGES", "SETTINGS", "docstring_task", "history_markdown_table", "markdown_table",
+           "run_encoder_bench"]
 
 PACKAGES = ("asyncio", "email", "http", "importlib", "logging", "multiprocessing", "unittest", "xml")
 SETTINGS = ("dense", "default", "dct", "group_topk", "group_topk_adam", "local_steps")
@@ -266,3 +267,15 @@ def markdown_table(report: dict) -> str:
                      f"{r['wire_reduction']:.1f}× | {r['median_clip_norm']:.3g} | {norm} |")
     return "\n".join(lines)
 
+
+
+def history_markdown_table(report: dict) -> str:
+    """Each setting's accuracy at each evaluation (its first run's: the runs are deterministic)."""
+    steps = [h["step"] for h in report["rows"][0]["history"]]
+    lines = ["| setting | " + " | ".join(f"step {step}" for step in steps) + " |",
+             "|---|" + "---|" * len(steps)]
+    for r in report["rows"]:
+        accuracy = {h["step"]: h["accuracy"] for h in r["history"]}
+        lines.append(f"| {r['setting']} | " + " | ".join(f"{accuracy[step]:.3f}" if step in accuracy else "–"
+                                                        for step in steps) + " |")
+    return "\n".join(lines)
