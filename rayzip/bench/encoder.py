@@ -11,7 +11,7 @@ embeddings, bf16 autocast, ``clip_grad_norm_(1.0)`` and gradient accumulation un
 * ``default``: ``prepare_model(model, optimizer="adamw")``, the compression rayzip picks for
   AdamW: SparseLoCo's wire every step, each rank keeping its unsent residual in its weights;
   the loop evaluates as it would under DDP (rayzip's hook sets the weights every rank shares
-  for a forward in eval mode);
+  for a forward in eval mode under ``no_grad``);
 * ``dct``: 4-bit DCT every step (``CompressionConfig(codec="dct_quant", bits=4)``), the
   default for AdamW before it;
 * ``group_topk``: group top-k at 1% every step (the README's example before it changed);

@@ -113,11 +113,13 @@ class OwnLoopLocalSteps(SplitState):
         return StepStats(step=self.step, dense_bytes=self.dense_bytes, skipped=self.skipped)
 
     def _before_forward(self, module: torch.nn.Module, args) -> None:
-        # An evaluation between rounds (a forward in eval mode) sees the parameters every rank
-        # shares, not this rank's own, which hold its unsent residual (keep_unsent): what your
-        # code evaluates or exports is the model the ranks train. Nothing crosses the wire
-        # and nothing is lost: the residual stays in error feedback, sent from next round.
-        if not module.training and self.local.kept and not self.local.inner:
+        # An evaluation between rounds (a forward in eval mode without autograd) sees the
+        # parameters every rank shares, not this rank's own, which hold its unsent residual
+        # (keep_unsent): what your code evaluates or exports is the model the ranks train.
+        # Nothing crosses the wire and nothing is lost: the residual stays in error feedback,
+        # sent from next round. A training forward in eval mode (dropout off) has autograd on
+        # and keeps the rank's own parameters.
+        if not module.training and not torch.is_grad_enabled() and self.local.kept and not self.local.inner:
             self.local.to_synchronized()
 
     # --- the optimizer's hooks ------------------------------------------------------------

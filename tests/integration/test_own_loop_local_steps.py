@@ -207,9 +207,10 @@ def test_keep_unsent_in_a_users_loop_steps_as_by_hand_and_meets_before_an_evalua
 
 
 def _eval_forward_rank(rank, world):
-    """keep_unsent at H = 1: a forward in train mode leaves this rank's own parameters, one in
-    eval mode (an evaluation, with no synchronize() called) sets the shared ones, sending
-    nothing; the next step keeps the residual again."""
+    """keep_unsent at H = 1: a forward in train mode, or in eval mode with autograd on, leaves
+    this rank's own parameters; one in eval mode under no_grad (an evaluation, with no
+    synchronize() called) sets the shared ones, sending nothing; the next step keeps the
+    residual again."""
     ddp, adapter, optimizer, *_ = _side_by_side(rank, world, _kept_local)
     x, y = _micro_batches(rank, 0)[0]
 
@@ -226,6 +227,8 @@ def _eval_forward_rank(rank, world):
     unchanged = torch.equal(_flat(ddp.module), own)
     sent = adapter.totals["bytes_sent"]
     ddp.eval()
+    ddp(x)  # eval mode with autograd on: a training forward with dropout off
+    unchanged = unchanged and torch.equal(_flat(ddp.module), own)
     with torch.no_grad():
         ddp(x)
     ddp.train()
