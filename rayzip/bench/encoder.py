@@ -104,7 +104,6 @@ def train_func(config: dict) -> None:
 
     import rayzip.train
     from rayzip.engine import CompressionConfig
-    from rayzip.train.local import OwnLoopLocalSteps
 
     torch.manual_seed(0)
     context = ray.train.get_context()
@@ -192,9 +191,7 @@ def train_func(config: dict) -> None:
                 state.synchronize()
             history.append({"step": step + 1, "accuracy": accuracy()})
     totals = state.totals if state is not None else {}
-    local = isinstance(state, OwnLoopLocalSteps)
-    codec = (state.local.state.codec if local and state.local.state is not None
-             else state.codec if state is not None and not local else None)
+    codec = state.codec if state is not None else None
     metrics = {"setting": setting, "accuracy": history[-1]["accuracy"], "history": history,
                "median_clip_norm": statistics.median(norms), "bytes_sent": totals.get("bytes_sent", 0),
                "dense_bytes": totals.get("dense_bytes", 0), "codec": codec.name if codec is not None else "none"}
@@ -266,7 +263,6 @@ def markdown_table(report: dict) -> str:
         lines.append(f"| {r['setting']} | {r['codec']} | {r['accuracy']:.4f} | {versus} | "
                      f"{r['wire_reduction']:.1f}× | {r['median_clip_norm']:.3g} | {norm} |")
     return "\n".join(lines)
-
 
 
 def history_markdown_table(report: dict) -> str:

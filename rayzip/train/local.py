@@ -92,6 +92,12 @@ class OwnLoopLocalSteps(SplitState):
             self.local.to_synchronized()
 
     @property
+    def codec(self):
+        """The codec of the pseudo-gradients, as a per-step exchange's ``codec``; None where
+        nothing is exchanged (world size 1)."""
+        return self.local.state.codec if self.local.state is not None else None
+
+    @property
     def memory(self):
         """The error feedback of this rank's pseudo-gradients, as a per-step exchange's
         ``memory`` (its ``residuals``...); None where nothing is exchanged (world size 1)."""

@@ -236,13 +236,14 @@ def _eval_forward_rank(rank, world):
     evaluated = _flat(ddp.module)
     quiet = adapter.totals["bytes_sent"] == sent
     step()
-    return unchanged, torch.equal(evaluated, anchor), quiet, evaluated, adapter.local.kept
+    return unchanged, torch.equal(evaluated, anchor), quiet, evaluated, adapter.local.kept, adapter.codec.name
 
 
 def test_an_evaluation_in_eval_mode_sees_the_shared_parameters_without_a_call():
     ranks = run_world(_eval_forward_rank, 2, timeout_s=120)
-    for unchanged, at_anchor, quiet, _, kept_again in ranks:
+    for unchanged, at_anchor, quiet, _, kept_again, codec in ranks:
         assert unchanged and at_anchor and quiet and kept_again
+        assert codec == "group_topk"  # the pseudo-gradients' codec, as a per-step exchange reports its own
     assert torch.equal(ranks[0][3], ranks[1][3])  # every rank evaluated the same model
 
 
@@ -254,3 +255,4 @@ def test_the_adaptive_controller_refuses_local_steps_naming_the_config_to_pass()
     with pytest.raises(ValueError, match="compression=CompressionConfig"):
         Telemetry(state=state, controller=object(), rank=0, metrics=False)
     assert Telemetry(state=state, rank=0, metrics=False).controller is None  # metrics alone are fine
+    assert state.codec is None and state.memory is None  # world size 1: nothing exchanged
