@@ -506,7 +506,7 @@ def bench_cluster(
     spec: Optional[Path] = typer.Option(None, help="Job spec (default: jobs/bench-synthetic.yaml)."),
     methods: str = typer.Option("dense,powersgd,fp16,group_topk,dct_quant",
                                 help="Comma-separated methods; NAME:muon trains NAME with Muon inside (the "
-                                     "spec's AdamW settings)."),
+                                     "spec's AdamW settings), NAME:bf16 under bf16 autocast."),
     powersgd_start_iter: int = typer.Option(10, help="torch PowerSGD start_powerSGD_iter (torch's default, 1000, "
                                                      "would leave it uncompressed for a short run)."),
     budget_steps: Optional[int] = typer.Option(None, "--budget-steps", min=1,

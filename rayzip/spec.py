@@ -148,6 +148,11 @@ class TrainingSpec(_Strict):
     momentum: float = Field(0.9, ge=0, lt=1, description="sgd momentum.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="adam/adamw betas.")
     weight_decay: float = Field(0.0, ge=0)
+    mixed_precision: Literal["none", "bf16"] = Field(
+        "none", description="bf16: each training forward and its loss run under torch.autocast in bfloat16; "
+                            "weights, gradients, the exchange and the optimizer stay float32, and evaluation "
+                            "runs in float32. (fp16 would need a gradient scaler, which the built-in loops do "
+                            "not run.)")
     grad_clip_norm: Optional[float] = Field(None, gt=0, description="Clip the averaged gradient's global "
                                                                     "norm (every rank holds the same one).")
     seed: int = Field(0, ge=0)
@@ -186,6 +191,9 @@ class TrainingSpec(_Strict):
             raise ValueError("loop language_model measures validation loss: use target_val_loss")
         if self.config and self.loop in BUILTIN_LOOPS:
             raise ValueError("config is for a 'module:function' loop")
+        if self.mixed_precision != "none" and self.loop not in BUILTIN_LOOPS:
+            raise ValueError("mixed_precision is for the built-in loops: a 'module:function' loop runs its "
+                             "own torch.autocast")
         return self
 
     @model_validator(mode="after")

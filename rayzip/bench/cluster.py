@@ -112,16 +112,21 @@ def _method_name(method: str) -> str:
     return method.partition(":")[0].partition("@")[0]
 
 
-def _modifiers(method: str) -> tuple[str, bool]:
-    """A method argument's structural modifier ('' for none) and whether it ends in
-    ``:muon`` (the job's optimizer replaced by Muon with AdamW's settings)."""
+# Trailing modifiers that change the workers' training, not the method: ``:muon`` (Muon on the
+# hidden matrices with AdamW's settings) and ``:bf16`` (bf16 autocast on each forward).
+TRAINING_MODIFIERS = {"muon": {"optimizer": "muon"}, "bf16": {"mixed_precision": "bf16"}}
+
+
+def _modifiers(method: str) -> tuple[str, dict[str, str]]:
+    """A method argument's structural modifier ('' for none) and the training fields its
+    trailing :data:`TRAINING_MODIFIERS` change."""
     modifiers = method.split(":")[1:]
-    muon = modifiers[-1:] == ["muon"]
-    if muon:
-        modifiers.pop()
+    training: dict[str, str] = {}
+    while modifiers and modifiers[-1] in TRAINING_MODIFIERS:
+        training.update(TRAINING_MODIFIERS[modifiers.pop()])
     if len(modifiers) > 1:
-        raise ValueError(f"method {method!r}: one modifier at most, and :muon last")
-    return (modifiers[0] if modifiers else ""), muon
+        raise ValueError(f"method {method!r}: one modifier at most, then :muon and :bf16 last")
+    return (modifiers[0] if modifiers else ""), training
 
 
 def _method_base(method: str) -> tuple[str, dict[str, Any]]:
@@ -132,8 +137,11 @@ def _method_base(method: str) -> tuple[str, dict[str, Any]]:
     ``dense:node`` is the hierarchy's exchange uncompressed (dense inside and across nodes);
     ``local@H:overlap`` sends each round during the next (local_steps.overlap). Any method
     but the sharded and parameter-server ones may end in ``:muon``: the workers' optimizer
-    becomes Muon on the hidden matrices with AdamW's settings (``training.optimizer: muon``)."""
-    modifier, muon = _modifiers(method)
+    becomes Muon on the hidden matrices with AdamW's settings (``training.optimizer: muon``).
+    Any method may end in ``:bf16``: each forward runs under bf16 autocast
+    (``training.mixed_precision: bf16``)."""
+    modifier, training = _modifiers(method)
+    muon = "optimizer" in training
     method = method.partition(":")[0]
     name, _, value = method.partition("@")
     if muon and (name in SHARDED or name in PS):
@@ -181,7 +189,7 @@ def method_compression(method: str, powersgd_start_iter: int, training: dict | N
         return compression  # momentum stays in the inner optimizer
     if name == "powersgd":
         compression["powersgd_start_iter"] = powersgd_start_iter
-    training = TrainingSpec.model_validate({**(training or {}), **_optimizer(method)})
+    training = TrainingSpec.model_validate({**(training or {}), **_training(method)})
     if CODECS[compression["codec"]].sparse and training.optimizer == "sgd" and training.momentum > 0:
         compression["momentum_correction"] = True
     if CODECS[compression["codec"]].sparse and training.optimizer == "adamw" and compression.get("collective") != "ps" \
@@ -190,9 +198,10 @@ def method_compression(method: str, powersgd_start_iter: int, training: dict | N
     return compression
 
 
-def _optimizer(method: str) -> dict[str, str]:
-    """The training fields a method argument changes: ``{"optimizer": "muon"}`` for ``:muon``."""
-    return {"optimizer": "muon"} if _modifiers(method)[1] else {}
+def _training(method: str) -> dict[str, str]:
+    """The training fields a method argument changes: ``{"optimizer": "muon"}`` for ``:muon``,
+    ``{"mixed_precision": "bf16"}`` for ``:bf16``."""
+    return _modifiers(method)[1]
 
 
 def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 10) -> dict:
@@ -200,7 +209,7 @@ def method_spec(method: str, base: dict, slug: str, powersgd_start_iter: int = 1
     controller or parameter-server section."""
     spec = {**base, "name": f"bench-{slug}",
             "compression": method_compression(method, powersgd_start_iter, base.get("training"))}
-    if changed := _optimizer(method):
+    if changed := _training(method):
         spec["training"] = {**spec.get("training", {}), **changed}
     name = _method_name(method)
     if name in ("adaptive", "hsdp_adaptive"):

@@ -189,7 +189,7 @@ def _train(spec: JobSpec, config: dict, task: Task, exchange: Exchange, run: _Ru
     batches = itertools.chain([first], batches)
     if exchange.ddp:
         rng = torch.get_rng_state()  # a probe with dropout would shift a resumed run's draws
-        exchange.compute_probe_s = compute_time(exchange.model, lambda: task.loss(exchange.model, first))
+        exchange.compute_probe_s = compute_time(exchange.model, lambda: task.training_loss(exchange.model, first))
         torch.set_rng_state(rng)
     telemetry = Telemetry(rank=rank, run=config.get("run_id", spec.name), job=spec.name,
                           metrics=spec.metrics.enabled, state=exchange.controlled,
@@ -205,7 +205,7 @@ def _train(spec: JobSpec, config: dict, task: Task, exchange: Exchange, run: _Ru
         t0 = time.perf_counter()
         lr = learning_rate(training, world, step, steps)
         model.zero_grad(set_to_none=True)
-        loss = task.loss(model, batch)
+        loss = task.training_loss(model, batch)
         try:
             loss.backward()  # the comm hook compresses and exchanges here
             skipped = exchange.skipped(step)

@@ -54,6 +54,15 @@ class Task:
     def loss(self, model: torch.nn.Module, batch) -> torch.Tensor:
         raise NotImplementedError
 
+    def training_loss(self, model: torch.nn.Module, batch) -> torch.Tensor:
+        """:meth:`loss` for a training step, under ``training.mixed_precision``: autocast
+        changes the forward's matmuls only, so the gradients stay float32 and everything
+        after backward (the exchange, error feedback, the optimizer) is unchanged."""
+        if self.spec.training.mixed_precision == "bf16":
+            with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16):
+                return self.loss(model, batch)
+        return self.loss(model, batch)
+
     def evaluate(self, model: torch.nn.Module) -> float:
         """The task's metric, identical on every rank."""
         raise NotImplementedError

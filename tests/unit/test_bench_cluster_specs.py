@@ -213,6 +213,29 @@ def test_a_muon_suffix_swaps_the_workers_optimizer_and_keeps_the_method():
             method_spec(bad, base, "m")
 
 
+def test_a_bf16_suffix_turns_on_autocast_alone_or_with_muon():
+    import yaml
+
+    from rayzip.bench.cluster import method_compression, method_spec
+    from rayzip.spec import JobSpec
+
+    from paths import ROOT
+
+    base = yaml.safe_load((ROOT / "jobs" / "bench-gpt.yaml").read_text())
+    for method in ("dense:bf16", "sparseloco_step:bf16", "local_sparseloco@4:muon:bf16", "local@4:overlap:bf16",
+                   "hsdp_local@4:bf16"):
+        spec = JobSpec.model_validate(method_spec(method, base, "m"))
+        plain = JobSpec.model_validate(method_spec(method.rpartition(":")[0], base, "m"))
+        assert spec.training.mixed_precision == "bf16" and plain.training.mixed_precision == "none", method
+        assert spec.compression == plain.compression and spec.local_steps == plain.local_steps, method
+    both = JobSpec.model_validate(method_spec("group_topk:bf16:muon", base, "m")).training
+    assert (both.optimizer, both.mixed_precision) == ("muon", "bf16")
+    assert method_compression("group_topk:bf16", 10, base["training"])["adam_correction"] is True
+    for bad in ("hsdp:bf16:muon", "local@4:bf16:overlap", "dense:bf16:node"):
+        with pytest.raises(ValueError):
+            method_spec(bad, base, "m")
+
+
 def test_a_lost_nodes_run_is_set_beside_its_uninterrupted_run_and_tabled():
     from rayzip.bench.cluster import NODE_LOST, _compare_with_uninterrupted, markdown_table
 

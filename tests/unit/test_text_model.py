@@ -117,6 +117,8 @@ def test_cosine_schedule_warms_up_then_decays_to_the_floor():
     ({"training": {"target_val_loss": 2.0}}, "training"),
     ({"training": {"loop": "not a path"}}, "training.loop"),
     ({"training": {"betas": [0.9, 1.5]}}, "training.betas"),
+    ({"training": {"mixed_precision": "fp16"}}, "training.mixed_precision"),
+    ({"training": {"loop": "os:getcwd", "mixed_precision": "bf16"}}, "training"),
     ({"model": {"name": "gpt", "width": 100, "heads": 3}, "dataset": {"name": "python-stdlib"},
       "training": {"loop": "language_model"}}, "model"),
 ])
@@ -132,3 +134,33 @@ def test_the_bench_gpt_job_validates_and_survives_a_dump():
     spec = load_spec("jobs/bench-gpt.yaml")
     assert (spec.model.name, spec.dataset.name, spec.training.loop) == ("gpt", "python-stdlib", "language_model")
     assert parse_spec(spec.model_dump()) == spec
+
+
+def test_bf16_mixed_precision_autocasts_the_forward_and_keeps_float32_gradients():
+    from rayzip.spec import load_spec
+    from rayzip.train.tasks import Task
+
+    class Next(Task):
+        def loss(self, model, batch):
+            x, y = batch
+            return lm_loss(model(x), y)
+
+    spec = load_spec("jobs/bench-gpt.yaml")
+    bf16 = spec.model_copy(update={"training": spec.training.model_copy(update={"mixed_precision": "bf16"})})
+    torch.manual_seed(0)
+    model = GPT(layers=1, width=64, heads=2, context=16)
+    tokens = torch.randint(0, 256, (4, 17))
+    batch = tokens[:, :-1], tokens[:, 1:]
+    seen: list[torch.dtype] = []
+    model.head.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    losses, grads = [], []
+    for job in (spec, bf16):
+        model.zero_grad()
+        loss = Next(job, 0, 1, "cpu").training_loss(model, batch)
+        loss.backward()
+        losses.append(float(loss))
+        grads.append(model.head.weight.grad.clone())
+    assert seen == [torch.float32, torch.bfloat16]
+    assert all(g.dtype == torch.float32 for g in grads)
+    assert losses[0] != losses[1] and losses[1] == pytest.approx(losses[0], rel=1e-2)
+    assert torch.nn.functional.cosine_similarity(grads[0].flatten(), grads[1].flatten(), dim=0) > 0.99
