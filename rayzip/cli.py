@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import typer
 from rich.console import Console
@@ -28,12 +28,13 @@ app.add_typer(k8s_app, name="k8s")
 console = Console(width=None if sys.stdout.isatty() else 120)
 
 
-def _load_or_exit(path: Path):
-    """The parsed spec, or exit 2 with every bad field named (nothing else is started)."""
+def _load_or_exit(path: Path, overrides: Sequence[str] = ()):
+    """The parsed spec (with ``overrides``, SECTION.FIELD=VALUE), or exit 2 with every bad
+    field named (nothing else is started)."""
     from .spec import SpecError, load_spec
 
     try:
-        return load_spec(path)
+        return load_spec(path, overrides)
     except SpecError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
@@ -270,9 +271,10 @@ def _write_report(report: dict, json_path: Optional[Path]) -> None:
         console.print(f"wrote {json_path}")
 
 
-def _cluster_bench_inputs(methods: str, spec: Optional[Path], latency: Optional[str] = None):
-    """(methods, spec path) for a namespace-cluster benchmark; exit 2 on a bad method or spec,
-    or when this machine cannot build the cluster."""
+def _cluster_bench_inputs(methods: str, spec: Optional[Path], latency: Optional[str] = None,
+                          overrides: Sequence[str] = ()):
+    """(methods, spec path) for a namespace-cluster benchmark; exit 2 on a bad method or spec
+    (with ``overrides`` set), or when this machine cannot build the cluster."""
     from .bench.cluster import DEFAULT_SPEC, method_compression
     from .bench.netns import ClusterError, preflight
 
@@ -281,7 +283,7 @@ def _cluster_bench_inputs(methods: str, spec: Optional[Path], latency: Optional[
     try:
         for method in chosen:
             method_compression(method, 10)  # refuses unknown methods
-        _load_or_exit(spec_path)
+        _load_or_exit(spec_path, overrides)
         preflight(latency)
     except (ValueError, ClusterError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
@@ -529,6 +531,9 @@ def bench_cluster(
         "memory", "--node-loss-from", help="With --kill-node-at-step: comma-separated, memory and/or storage; "
                                            "storage adds each lost-node run again with snapshots off (the resume "
                                            "from the last checkpoint), and every run then checkpoints to storage."),
+    overrides: Optional[list[str]] = typer.Option(
+        None, "--set", help="SECTION.FIELD=VALUE (VALUE as YAML) set in the spec for every method; repeatable, "
+                            "e.g. --set training.base_world_size=2."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write accuracy-vs-time PNG here."),
 ):
@@ -538,7 +543,7 @@ def bench_cluster(
     """
     from .bench.cluster import plot, render_table, run_cluster_bench
 
-    chosen, spec_path = _cluster_bench_inputs(methods, spec, latency)
+    chosen, spec_path = _cluster_bench_inputs(methods, spec, latency, overrides or ())
     if kill_node_at_step is not None and (drop_to or nodes < 2):
         console.print("[red]error:[/red] --kill-node-at-step needs 2 nodes or more, and no --drop-to")
         raise typer.Exit(2)
@@ -547,7 +552,8 @@ def bench_cluster(
     report = _run_cluster(lambda log: run_cluster_bench(
         chosen, bandwidth, nodes, latency, spec_path, powersgd_start_iter, log=log, budget_steps=budget_steps,
         drop_to=drop_to, drop_at_step=drop_at_step if drop_to else None, workers_per_node=workers_per_node,
-        repeat=repeat, kill_node_at_step=kill_node_at_step, lose_ranks=ranks, node_loss_from=sources))
+        repeat=repeat, kill_node_at_step=kill_node_at_step, lose_ranks=ranks, node_loss_from=sources,
+        overrides=overrides or ()))
     console.print(render_table(report))
     if drop_to:
         from .bench.cluster import render_drop_table

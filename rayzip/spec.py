@@ -8,12 +8,13 @@ Usage::
 
 from __future__ import annotations
 
+import copy
 import importlib
 
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
@@ -27,7 +28,7 @@ from .keeper import DEFAULT_MAX_BYTES
 __all__ = [
     "CheckpointSpec", "CompressionSpec", "DatasetSpec", "JobSpec", "LocalStepsSpec", "MetricsSpec", "ModelSpec",
     "ParameterServerSpec", "ScalingSpec", "SpecError", "TrainingSpec", "check_allowed_modules", "code_references",
-    "load_spec", "parse_spec",
+    "load_spec", "load_spec_data", "parse_spec", "with_overrides",
 ]
 
 BUILTIN_MODELS = ("mlp", "gpt")
@@ -746,7 +747,31 @@ def parse_spec(data: Any, source: str = "spec") -> JobSpec:
         raise SpecError(_problems(exc), source) from None
 
 
-def load_spec(path: str | Path) -> JobSpec:
+def with_overrides(data: dict, assignments: Sequence[str], source: str = "spec") -> dict:
+    """``data`` (a spec's mapping) with each ``SECTION.FIELD=VALUE`` set, VALUE read as YAML
+    (``training.base_world_size=2``, ``training.betas=[0.9, 0.95]``); a new dict. Fields are
+    checked when the result is parsed; a malformed assignment raises :class:`SpecError`."""
+    data = copy.deepcopy(data)
+    for assignment in assignments:
+        key, sep, text = assignment.partition("=")
+        path = key.strip().split(".")
+        if not sep or not all(path):
+            raise SpecError([f"(override): {assignment!r} is not SECTION.FIELD=VALUE"], source)
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise SpecError([f"{key}: {exc}".replace("\n", " ")], source) from None
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SpecError([f"{key}: {part} is not a section"], source)
+        node[path[-1]] = value
+    return data
+
+
+def load_spec_data(path: str | Path, overrides: Sequence[str] = ()) -> dict:
+    """The YAML mapping of the spec at ``path``, with ``overrides`` (:func:`with_overrides`)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -756,4 +781,10 @@ def load_spec(path: str | Path) -> JobSpec:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise SpecError([f"(yaml): {exc}".replace("\n", " ")], str(path)) from None
-    return parse_spec(data, str(path))
+    if not isinstance(data, dict):
+        raise SpecError([f"(top level): expected a mapping of sections, got {type(data).__name__}"], str(path))
+    return with_overrides(data, overrides, str(path))
+
+
+def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> JobSpec:
+    return parse_spec(load_spec_data(path, overrides), str(path))

@@ -20,12 +20,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import yaml
 
 from ..codecs import CODECS
-from ..spec import CheckpointSpec, TrainingSpec
+from ..spec import CheckpointSpec, TrainingSpec, load_spec_data
 from .netns import NetnsCluster, rate_bytes
 from .timing import interleaved
 
@@ -246,7 +246,8 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
                       drop_at_step: int | None = None, workers_per_node: int = 1, repeat: int = 1,
                       kill_node_at_step: int | None = None,
                       lose_ranks: list[int] | None = None,
-                      node_loss_from: tuple[str, ...] = ("memory",)) -> dict[str, Any]:
+                      node_loss_from: tuple[str, ...] = ("memory",),
+                      overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Run every method on one namespace cluster. With ``budget_steps``, each method trains
     exactly that many steps (time to target is still taken where the target is first
     reached), so final accuracies compare at the same budget. With ``drop_to``, every run
@@ -272,8 +273,11 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
     spec has them) and ``storage`` (snapshots off, ``METHOD, node lost ... from storage``:
     Ray Train's resume from the last checkpoint, the old path). With ``storage``, every run of
     the report writes checkpoints to storage every ``checkpoint.every_steps`` (the default
-    where the spec has 0), so that the runs differ in their snapshots alone."""
-    base = yaml.safe_load(spec_path.read_text())
+    where the spec has 0), so that the runs differ in their snapshots alone.
+
+    ``overrides`` (``SECTION.FIELD=VALUE``) change the spec for every method, and are kept in
+    the report."""
+    base = load_spec_data(spec_path, overrides)
     workers = nodes * workers_per_node
     base.setdefault("scaling", {}).update({"min_workers": workers, "max_workers": workers})
     if budget_steps is not None:
@@ -333,7 +337,7 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
             "kill_node_at_step": kill_node_at_step, "lose_ranks": lose_ranks,
             "node_loss_from": list(node_loss_from) if kill_node_at_step is not None else None,
             "checkpoint_every_steps": base.get("checkpoint", {}).get("every_steps"),
-            "spec": str(spec_path), "powersgd_start_iter": powersgd_start_iter,
+            "spec": str(spec_path), "overrides": list(overrides), "powersgd_start_iter": powersgd_start_iter,
             "python": sys.version.split()[0], "methods": rows,
             "ddp_held_bytes": replica_held_bytes(base) if sharded else None}
 

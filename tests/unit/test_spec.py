@@ -219,3 +219,33 @@ def test_the_controller_on_hsdp_validates():
     spec = JobSpec.model_validate(with_change("sharding", {"enabled": True, "shard_size": 2},
                                               "adaptive", {"enabled": True}))
     assert spec.sharding.mode == "hsdp" and spec.adaptive.enabled
+
+
+def test_overrides_set_nested_fields_as_yaml_and_leave_the_input_alone():
+    from rayzip.spec import SpecError, with_overrides
+
+    data = {"name": "x", "training": {"lr": 0.1, "betas": [0.9, 0.999]}}
+    out = with_overrides(data, ["training.base_world_size=2", "training.betas=[0.9, 0.95]",
+                                "local_steps.enabled=true", "name=y"])
+    assert out == {"name": "y", "training": {"lr": 0.1, "betas": [0.9, 0.95], "base_world_size": 2},
+                   "local_steps": {"enabled": True}}
+    assert data == {"name": "x", "training": {"lr": 0.1, "betas": [0.9, 0.999]}}
+    for bad, problem in (("training.lr", "(override)"), ("=3", "(override)"), ("name.x=1", "name.x: name is not a section")):
+        with pytest.raises(SpecError) as err:
+            with_overrides(data, [bad])
+        assert err.value.problems[0].startswith(problem), err.value.problems
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("training.lr=-1", "training.lr:"),
+    ("training.lr", "(override)"),
+    ("compression.codec=zip", "compression.codec:"),
+])
+def test_a_bad_bench_override_exits_2_naming_the_field(setting, message):
+    import ray
+
+    result = runner.invoke(app, ["bench", "cluster", "--spec", str(ROOT / "jobs" / "bench-gpt.yaml"),
+                                 "--methods", "dense", "--set", setting])
+    assert result.exit_code == 2, result.output
+    assert message in result.output, result.output
+    assert not ray.is_initialized()
