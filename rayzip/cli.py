@@ -94,12 +94,15 @@ def run(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's and the workers' output here too "
                                                                  "(by default it goes to Ray's log folder, "
                                                                  "printed at the start)."),
+    overrides: Optional[list[str]] = typer.Option(
+        None, "--set", help="SECTION.FIELD=VALUE (VALUE as YAML) set in the spec; repeatable, "
+                            "e.g. --set training.mixed_precision=bf16."),
 ):
     """Train a job spec on Ray ($RAY_ADDRESS, or an embedded local Ray).
 
     Example: rayzip run jobs/digits-group-topk.yaml --summary-json out/summary.json
     """
-    spec = _load_or_exit(spec_path)
+    spec = _load_or_exit(spec_path, overrides or ())
     _allowed_or_exit(spec, spec_path)
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -241,11 +241,12 @@ def test_overrides_set_nested_fields_as_yaml_and_leave_the_input_alone():
     ("training.lr", "(override)"),
     ("compression.codec=zip", "compression.codec:"),
 ])
-def test_a_bad_bench_override_exits_2_naming_the_field(setting, message):
+def test_a_bad_override_exits_2_naming_the_field(setting, message):
     import ray
 
-    result = runner.invoke(app, ["bench", "cluster", "--spec", str(ROOT / "jobs" / "bench-gpt.yaml"),
-                                 "--methods", "dense", "--set", setting])
-    assert result.exit_code == 2, result.output
-    assert message in result.output, result.output
+    spec = str(ROOT / "jobs" / "bench-gpt.yaml")
+    for command in (["bench", "cluster", "--spec", spec, "--methods", "dense"], ["run", spec]):
+        result = runner.invoke(app, [*command, "--set", setting])
+        assert result.exit_code == 2, (command, result.output)
+        assert message in result.output, result.output
     assert not ray.is_initialized()
