@@ -1,7 +1,7 @@
 """The language-model task under `rayzip run` on a local Ray (issue 17): a GPT on the
 standard library's source trains, and a killed worker resumes the data stream, the weights
 and the compression state exactly, from the last complete checkpoint when it dies while the
-next one is being written in the background (issue 21); a spec-named user loop on a sharded
+next one is being written in the background (issue 21), under bf16 autocast; a spec-named user loop on a sharded
 model resumes from its DCP shards (issue 47). A spec-named user loop on a replicated model is
 tests/system/test_snapshots.py's."""
 
@@ -30,7 +30,8 @@ def _lm_spec(name: str) -> JobSpec:
         "dataset": {"name": "python-stdlib", "max_bytes": 400_000, "eval_windows": 32},
         "training": {"loop": "language_model", "steps": 60, "batch_size": 8, "optimizer": "adamw", "lr": 0.003,
                      "betas": [0.9, 0.95], "lr_schedule": "cosine", "lr_warmup_steps": 5, "grad_clip_norm": 1.0,
-                     "eval_every": 20, "target_val_loss": 5.5, "stop_at_target": False},
+                     "eval_every": 20, "target_val_loss": 5.5, "stop_at_target": False,
+                     "mixed_precision": "bf16"},  # the replay below is then bit-exact under autocast too
         "scaling": {"min_workers": 2, "max_workers": 2, "max_failures": 2},
         "compression": {"codec": "group_topk", "density": 0.05},
         "checkpoint": {"every_steps": 20, "num_to_keep": 2},
