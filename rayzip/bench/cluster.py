@@ -88,9 +88,11 @@ METHODS: dict[str, dict[str, Any]] = {
                         "collective": "allgather", "error_decay": 0.95, "combine": "senders"},
     # Sharded (FSDP2 inside each node, with --workers-per-node): ``hsdp`` is FSDP2's own HSDP
     # (a dense all-reduce between nodes), ``hsdp_dct`` each shard through 4-bit DCT every step
-    # (the default under AdamW), ``hsdp_local@H`` local steps on shards with local_sparse's wire.
+    # (the default under AdamW), ``hsdp_dct8`` the same at 8 bits (twice the bytes, for a loss
+    # nearer dense), ``hsdp_local@H`` local steps on shards with local_sparse's wire.
     "hsdp": {"codec": "none"},
     "hsdp_dct": {"codec": "dct_quant", "bits": 4, "collective": "allgather"},
+    "hsdp_dct8": {"codec": "dct_quant", "bits": 8, "collective": "allgather"},
     "hsdp_local": {"codec": "group_topk", "density": 0.02, "value_dtype": "4bit", "coded_indices": True,
                    "collective": "allgather"},
     # ``hsdp_adaptive``: each shard through group top-k, whose density (or dense) the
@@ -100,7 +102,7 @@ METHODS: dict[str, dict[str, Any]] = {
 LOCAL = {"local": 10, "local_gtopk": 10, "local_balanced": 10, "local_compact": 10, "local_sparse": 10,
          "local_sparseloco": 4, "sparseloco_step": 1, "hsdp_local": 4}  # H when the method gives no @H
 KEEP_UNSENT = {"sparseloco_step"}  # local_steps.keep_unsent
-SHARDED = {"hsdp", "hsdp_dct", "hsdp_local", "hsdp_adaptive"}
+SHARDED = {"hsdp", "hsdp_dct", "hsdp_dct8", "hsdp_local", "hsdp_adaptive"}
 LOCAL_AUTO_MAX = 50  # @auto: the most H, and the evaluation interval (each evaluation synchronizes)
 PS = {"ps": {"cpus_per_shard": 0, "pull": "codec"}, "ps-dense": {"cpus_per_shard": 0, "pull": "dense"}}
 ADAPTIVE = {"enabled": True, "interval": 2.0, "window": 6.0, "min_compression": 4, "max_compression": 200}

@@ -169,6 +169,8 @@ def test_sharded_methods_shard_per_node_and_compare_with_dense_hsdp():
     assert dense.sharding.shard_size is None  # the workers of each node
     dct = JobSpec.model_validate(method_spec("hsdp_dct", base, "hsdp-dct"))
     assert dct.compression.codec == "dct_quant" and dct.compression.bits == 4 and not dct.compression.adam_correction
+    dct8 = JobSpec.model_validate(method_spec("hsdp_dct8:bf16", base, "hsdp-dct8"))
+    assert dct8.sharding.enabled and dct8.compression.bits == 8 and dct8.training.mixed_precision == "bf16"
     local = JobSpec.model_validate(method_spec("hsdp_local@8", base, "hsdp-local-8"))
     assert local.local_steps.enabled and local.local_steps.every == 8 and local.sharding.enabled
     assert local.training.eval_every % 8 == 0
