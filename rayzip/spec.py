@@ -738,9 +738,13 @@ def _problems(exc: ValidationError) -> list[str]:
     return out
 
 
-def parse_spec(data: Any, source: str = "spec") -> JobSpec:
+def _require_mapping(data: Any, source: str) -> None:
     if not isinstance(data, dict):
         raise SpecError([f"(top level): expected a mapping of sections, got {type(data).__name__}"], source)
+
+
+def parse_spec(data: Any, source: str = "spec") -> JobSpec:
+    _require_mapping(data, source)
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
@@ -763,7 +767,9 @@ def with_overrides(data: dict, assignments: Sequence[str], source: str = "spec")
             raise SpecError([f"{key}: {exc}".replace("\n", " ")], source) from None
         node = data
         for part in path[:-1]:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or an empty YAML key (``local_steps:``)
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
                 raise SpecError([f"{key}: {part} is not a section"], source)
         node[path[-1]] = value
@@ -781,8 +787,7 @@ def load_spec_data(path: str | Path, overrides: Sequence[str] = ()) -> dict:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise SpecError([f"(yaml): {exc}".replace("\n", " ")], str(path)) from None
-    if not isinstance(data, dict):
-        raise SpecError([f"(top level): expected a mapping of sections, got {type(data).__name__}"], str(path))
+    _require_mapping(data, str(path))
     return with_overrides(data, overrides, str(path))
 
 

@@ -230,6 +230,8 @@ def test_overrides_set_nested_fields_as_yaml_and_leave_the_input_alone():
     assert out == {"name": "y", "training": {"lr": 0.1, "betas": [0.9, 0.95], "base_world_size": 2},
                    "local_steps": {"enabled": True}}
     assert data == {"name": "x", "training": {"lr": 0.1, "betas": [0.9, 0.999]}}
+    # An empty YAML key (``local_steps:``, read as None) is a section to fill, not an error.
+    assert with_overrides({"local_steps": None}, ["local_steps.every=4"]) == {"local_steps": {"every": 4}}
     for bad, problem in (("training.lr", "(override)"), ("=3", "(override)"), ("name.x=1", "name.x: name is not a section")):
         with pytest.raises(SpecError) as err:
             with_overrides(data, [bad])
