@@ -496,16 +496,25 @@ def _compare_with_best_fixed(rows: list[dict], key: str, into: str) -> None:
         r[into] = r[key] / min(fixed) if fixed and r.get(key) and "error" not in r else None
 
 
+def _baseline(rows: list[dict], method: str) -> dict | None:
+    """The dense row ``method`` compares with: DDP's, or dense HSDP's (the baseline that holds
+    what a sharded method holds), trained as ``method`` is (``:bf16`` against ``dense:bf16``)
+    where the run has that one, else the first."""
+    dense = sorted((r for r in rows if "error" not in r and _method_name(r["name"]) in ("dense", "hsdp")
+                    and not _modifiers(r["name"])[0]), key=lambda r: _method_name(r["name"]) != "dense")
+    same = [r for r in dense if _training(r["name"]) == _training(method.split(NODE_LOST)[0])]
+    return (same or dense or [None])[0]
+
+
 def _compare_with_dense(rows: list[dict]) -> None:
     """Each row against plain DDP in the same run: speed-up to the target, the ideal
     speed-up (DDP's step time over its compute-only step: what no compressor can beat), the
     share of it reached, and the final metric's relative difference at the same budget."""
-    # Sharded methods alone compare with dense HSDP, the baseline that holds what they hold.
-    dense = next((r for name in ("dense", "hsdp") for r in rows if r["name"] == name and "error" not in r), None)
-    ideal = (dense["step_s"] / dense["compute_probe_s"]) if dense and dense.get("compute_probe_s") else None
     for row in rows:
         if "error" in row:
             continue
+        dense = _baseline(rows, row["name"])
+        ideal = (dense["step_s"] / dense["compute_probe_s"]) if dense and dense.get("compute_probe_s") else None
         ok = dense and dense["time_to_target_s"] and row.get("time_to_target_s")
         row["speedup_vs_dense"] = dense["time_to_target_s"] / row["time_to_target_s"] if ok else None
         row["step_speedup_vs_dense"] = dense["step_s"] / row["step_s"] if dense and row["step_s"] else None

@@ -130,6 +130,24 @@ def test_rows_compare_with_dense_in_the_same_run():
     assert "speedup_vs_dense" not in rows[3]
 
 
+def test_rows_compare_with_the_dense_run_trained_as_they_are():
+    from rayzip.bench.cluster import _compare_with_dense
+
+    rows = [{"name": "hsdp:bf16", "time_to_target_s": 540.0, "step_s": 4.5, "final_metric": 2.97},
+            {"name": "hsdp", "time_to_target_s": 720.0, "step_s": 5.9, "final_metric": 2.96},
+            {"name": "hsdp_local@4:bf16", "time_to_target_s": 180.0, "step_s": 1.8, "final_metric": 2.9},
+            {"name": "hsdp_local@4", "time_to_target_s": 360.0, "step_s": 3.0, "final_metric": 2.9},
+            {"name": "hsdp_dct8:bf16:muon", "time_to_target_s": 270.0, "step_s": 3.0, "final_metric": 3.0},
+            {"name": "hsdp_local@4:bf16, node lost (rank 0)", "time_to_target_s": 270.0, "step_s": 1.8,
+             "final_metric": 2.9}]
+    _compare_with_dense(rows)
+    assert rows[0]["speedup_vs_dense"] == pytest.approx(1.0) and rows[1]["speedup_vs_dense"] == pytest.approx(1.0)
+    assert rows[2]["speedup_vs_dense"] == pytest.approx(3.0)  # against hsdp:bf16, not hsdp
+    assert rows[3]["speedup_vs_dense"] == pytest.approx(2.0)
+    assert rows[4]["speedup_vs_dense"] == pytest.approx(540 / 270)  # no dense run under Muon: the first
+    assert rows[5]["speedup_vs_dense"] == pytest.approx(2.0) and rows[5]["final_vs_dense"] < 0
+
+
 def test_repeated_runs_give_medians_with_their_spread():
     from rayzip.bench.cluster import aggregate_runs, markdown_table
 
