@@ -500,9 +500,10 @@ def _baseline(rows: list[dict], method: str) -> dict | None:
     """The dense row ``method`` compares with: DDP's, or dense HSDP's (the baseline that holds
     what a sharded method holds), trained as ``method`` is (``:bf16`` against ``dense:bf16``)
     where the run has that one, else the first."""
-    dense = sorted((r for r in rows if "error" not in r and _method_name(r["name"]) in ("dense", "hsdp")
-                    and not _modifiers(r["name"])[0]), key=lambda r: _method_name(r["name"]) != "dense")
-    same = [r for r in dense if _training(r["name"]) == _training(method.split(NODE_LOST)[0])]
+    dense = sorted((r for r in rows if "error" not in r and NODE_LOST not in r["name"]
+                    and _method_name(r["name"]) in ("dense", "hsdp") and not _modifiers(r["name"])[0]),
+                   key=lambda r: _method_name(r["name"]) != "dense")
+    same = [r for r in dense if _training(r["name"]) == _training(method.partition(NODE_LOST)[0])]
     return (same or dense or [None])[0]
 
 
