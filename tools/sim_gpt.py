@@ -338,7 +338,17 @@ class Sim:
         inner = [[p for p in w.parameters() if p.requires_grad] for w in workers]
         optimizers = [self.optimizer(w) for w in workers]
         residuals = [torch.zeros(self.numel) for _ in range(a.workers)]
+        # ``--lose-at``: what a persisted checkpoint and the keepers' log of sent payloads know.
+        saved = [torch.zeros(self.numel) for _ in range(a.workers)]
+        sent_since = [torch.zeros(self.numel) for _ in range(a.workers)]
+        rounds_since = 0
         for step in range(self.last_step()):
+            if a.lose_at and step == a.lose_at + 1:
+                # Rank 0's node is lost after step ``lose_at``; it resumes from the survivor's
+                # snapshot one step later, with the survivor's inner model and optimizer.
+                workers[0].load_state_dict(workers[1].state_dict())
+                optimizers[0].load_state_dict(optimizers[1].state_dict())
+                residuals[0] = self.lost_residual(residuals, saved, sent_since, rounds_since)
             for rank in range(a.workers):
                 for group in optimizers[rank].param_groups:
                     group["lr"] = self.lr(step)
@@ -360,10 +370,16 @@ class Sim:
                     if a.support == "leader":
                         idx = chosen
                     residuals[rank] = compensated - sent
+                    sent_since[rank] = a.ef_decay * sent_since[rank] + sent
                     total = total + sent
                     senders = senders + (sent != 0)
                 set_flat(self.params, start - a.outer_lr * combined(total, senders, a.workers, a.combine),
                          grad=False)
+                rounds_since += 1
+                if a.checkpoint_every and (step + 1) % a.checkpoint_every == 0:
+                    saved = [r.clone() for r in residuals]
+                    sent_since = [torch.zeros(self.numel) for _ in range(a.workers)]
+                    rounds_since = 0
                 shared = flat_of(self.params)
                 for rank, ps in enumerate(inner):
                     # ``--restart residual``: a worker goes on from the shared model plus what it
@@ -377,6 +393,23 @@ class Sim:
             if self.due(step + 1):
                 self.evaluate(step + 1)
         return ratio
+
+
+    def lost_residual(self, residuals, saved, sent_since, rounds_since) -> torch.Tensor:
+        """Rank 0's residual after its node was lost (``--lost-residual``): none, the
+        survivor's, its own (the oracle), or an estimate: its residual at the last persisted
+        checkpoint carried forward with the survivor's pseudo-gradients in place of its own,
+        less what it sent since (every rank holds every payload):
+        e0 ~ e1 + decay^k (e0_saved - e1_saved) + sum decay^(k-j) (sent1_j - sent0_j)."""
+        how = self.args.lost_residual
+        if how == "exact":
+            return residuals[0]
+        if how == "empty":
+            return torch.zeros(self.numel)
+        if how == "survivor":
+            return residuals[1].clone()
+        carried = self.args.ef_decay ** rounds_since
+        return residuals[1] + carried * (saved[0] - saved[1]) + sent_since[1] - sent_since[0]
 
 
 def table(path: str) -> str:
@@ -462,6 +495,13 @@ def main() -> None:
     ap.add_argument("--inner", default="adamw", choices=["adamw", "muon"],
                     help="the workers' optimizer (dense and local): the job's AdamW, or Muon on the hidden "
                          "matrices with AdamW's settings (rayzip.torch.muon)")
+    ap.add_argument("--lose-at", type=int, default=0,
+                    help="local: rank 0 is lost after this step and resumes one step later from rank 1's "
+                         "snapshot (issue 48's node loss)")
+    ap.add_argument("--lost-residual", default="empty", choices=["empty", "survivor", "exact", "estimate"],
+                    help="local, --lose-at: the residual rank 0 resumes with")
+    ap.add_argument("--checkpoint-every", type=int, default=52,
+                    help="local, --lose-at: the persisted checkpoint the estimate starts from")
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--label", default=None)
     ap.add_argument("--json", default=None, help="add this run's row to this file")
