@@ -1,6 +1,6 @@
 """HSDP with rayzip in your own torchrun loop: FSDP2 shards the model inside each node, and
 each shard's gradient crosses between nodes compressed, with error feedback, by the codec that
-holds AdamW's quality (4-bit DCT: rayzip.torch.optim.default_compression). With
+holds AdamW's quality on shards (8-bit DCT: rayzip.torch.optim.default_compression). With
 ``--local-steps H`` (DiLoCo on FSDP2), each node trains H steps alone, and then each rank's
 pseudo-gradient shard crosses between nodes through group top-k (``--density``) with error
 feedback.
@@ -60,7 +60,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                                                                     value_dtype="int8", packed_indices=True))
         exchange = None
     else:
-        exchange = compress_sharded(model, default_compression(optimizer), replicate)  # 4-bit DCT under AdamW
+        # 8-bit DCT on the shards under AdamW
+        exchange = compress_sharded(model, default_compression(optimizer, sharded=True), replicate)
 
     generator = torch.Generator().manual_seed(rank)  # each rank its own data
     x = torch.randn(512, 256, generator=generator).to(device)

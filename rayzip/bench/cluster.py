@@ -87,9 +87,9 @@ METHODS: dict[str, dict[str, Any]] = {
     "sparseloco_step": {"codec": "group_topk", "density": 0.01, "value_dtype": "2bit", "coded_indices": True,
                         "collective": "allgather", "error_decay": 0.95, "combine": "senders"},
     # Sharded (FSDP2 inside each node, with --workers-per-node): ``hsdp`` is FSDP2's own HSDP
-    # (a dense all-reduce between nodes), ``hsdp_dct`` each shard through 4-bit DCT every step
-    # (the default under AdamW), ``hsdp_dct8`` the same at 8 bits (twice the bytes, for a loss
-    # nearer dense), ``hsdp_local@H`` local steps on shards with local_sparse's wire.
+    # (a dense all-reduce between nodes), ``hsdp_dct`` each shard through 4-bit DCT every step,
+    # ``hsdp_dct8`` the same at 8 bits (twice the bytes, for a loss nearer dense: the default on
+    # shards under AdamW), ``hsdp_local@H`` local steps on shards with local_sparse's wire.
     "hsdp": {"codec": "none"},
     "hsdp_dct": {"codec": "dct_quant", "bits": 4, "collective": "allgather"},
     "hsdp_dct8": {"codec": "dct_quant", "bits": 8, "collective": "allgather"},

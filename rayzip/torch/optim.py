@@ -124,32 +124,39 @@ def adaptive(optimizer: torch.optim.Optimizer | str | None) -> bool:
     return isinstance(optimizer, (*ADAPTIVE, MuonWithAdamW))
 
 
-def default_compression(optimizer: torch.optim.Optimizer | str | None):
+def default_compression(optimizer: torch.optim.Optimizer | str | None, sharded: bool = False):
     """The per-step gradient compression that holds quality under ``optimizer`` (an
     optimizer, or its name), for :func:`rayzip.torch.compress` when it is given the optimizer
-    and no config (and :func:`rayzip.train.prepare_model` under SGD; under an adaptive
-    optimizer it compresses each rank's own update instead, see its ``compression``).
+    and no config (and :func:`rayzip.train.prepare_model` under SGD, or with sharding; under an
+    adaptive optimizer it otherwise compresses each rank's own update instead, see its
+    ``compression``).
 
-    - Under an adaptive optimizer (Adam, AdamW, Adagrad, RMSprop...): 4-bit DCT every step
-      (``dct_quant``, ``bits=4``), a quantizer that sends every entry every step, so the
-      optimizer's per-entry statistics see what they would see under DDP. On the GPT
-      benchmark it ends at DDP's loss; sparsifiers every step do not
-      (docs/benchmarks/language-model.md).
+    - Under an adaptive optimizer (Adam, AdamW, Adagrad, RMSprop...): DCT every step
+      (``dct_quant``), a quantizer that sends every entry every step, so the optimizer's
+      per-entry statistics see what they would see under DDP; sparsifiers every step do not
+      (docs/benchmarks/language-model.md). 4 bits on a replicated model's gradient, 8 bits on
+      a sharded one's flat shards (``sharded``), where 4 bits cost a transformer's loss
+      (docs/adr/0012-sharded-adamw-default-is-8-bit-dct.md).
     - Under SGD, or an optimizer rayzip does not know: group top-k at 1% with error feedback.
 
     The gradient your code sees after ``backward()`` is the decoded mean gradient under
     either: clipping, logging and ``GradScaler`` keep their meaning.
 
+    Args:
+        optimizer: the optimizer, or its name ("adamw", "sgd"...).
+        sharded: the gradient is FSDP2's shards (:func:`rayzip.torch.fsdp.compress_sharded`).
+
     Example::
 
-        config = default_compression("adamw")       # CompressionConfig(codec="dct_quant", bits=4)
+        config = default_compression("adamw")                # CompressionConfig(codec="dct_quant", bits=4)
+        config = default_compression("adamw", sharded=True)  # CompressionConfig(codec="dct_quant", bits=8)
     """
     from ..engine import CompressionConfig
 
     if optimizer is None:
         raise ValueError("default_compression needs the optimizer, or its name (\"adamw\", \"sgd\"...)")
     if adaptive(optimizer):
-        return CompressionConfig(codec="dct_quant", bits=4)
+        return CompressionConfig(codec="dct_quant", bits=8 if sharded else 4)
     return CompressionConfig(codec="group_topk", density=0.01)
 
 

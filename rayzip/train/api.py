@@ -93,7 +93,8 @@ def prepare_model(model: torch.nn.Module,
             with its ``to_config``); None: plain DDP. Left out: the compression that holds
             quality under ``optimizer``: under AdamW and other adaptive optimizers SparseLoCo's
             wire every step, each rank stepping its own optimizer on its own gradient
-            (:func:`_per_step_default`; with ``grad_scaler`` or ``sharding``, 4-bit DCT); under
+            (:func:`_per_step_default`; with ``grad_scaler``, 4-bit DCT, with ``sharding``
+            8-bit DCT between the shard groups); under
             SGD group top-k at 1% (:func:`rayzip.torch.optim.default_compression`); plain DDP
             where no optimizer is named.
         sharding: shard the model with FSDP2 instead of DDP
@@ -148,7 +149,7 @@ def prepare_model(model: torch.nn.Module,
             compression = compression.to_config()
         return _prepare_local(model, local_steps, compression, sharding, on_nonfinite, grad_scaler, prepare_kwargs)
     if compression is FOR_OPTIMIZER:
-        compression = default_compression(optimizer) if optimizer is not None else None
+        compression = default_compression(optimizer, sharded=sharding is not None) if optimizer is not None else None
         optimizer = None  # chosen for it: nothing to warn of
     if isinstance(compression, CompressionSpec):
         if compression.collective == "ps":

@@ -228,7 +228,7 @@ def test_the_torchrun_example_trains_two_ranks_as_two_nodes():
     found = re.search(r"loss ([\d.]+) -> ([\d.]+); between nodes ([\d,]+) bytes sent, ([\d.]+)x fewer", result.stdout)
     assert found, result.stdout
     first, last, sent, fewer = float(found[1]), float(found[2]), int(found[3].replace(",", "")), float(found[4])
-    assert last < first and sent > 0 and fewer > 6, found[0]  # 4-bit DCT, the default under AdamW
+    assert last < first and sent > 0 and fewer > 3, found[0]  # 8-bit DCT, the default on shards under AdamW
 
 
 def test_the_torchrun_example_trains_local_steps_on_shards():

@@ -61,6 +61,8 @@ def test_the_default_under_an_adaptive_optimizer_quantizes_every_entry_every_ste
     config = default_compression(optimizer())
     assert (config.codec, config.bits) == ("dct_quant", 4)
     assert not config.adam_correction  # the user's code sees a gradient after backward()
+    sharded = default_compression(optimizer(), sharded=True)  # 4 bits cost the GPT's loss on shards
+    assert (sharded.codec, sharded.bits, sharded.adam_correction) == ("dct_quant", 8, False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert warn_for_optimizer(config, optimizer()) is None  # the default draws no warning of its own
@@ -69,8 +71,8 @@ def test_the_default_under_an_adaptive_optimizer_quantizes_every_entry_every_ste
 @pytest.mark.parametrize("optimizer", [lambda: torch.optim.SGD(_params(), lr=0.1), lambda: "sgd",
                                        lambda: _Custom(_params()), lambda: "lion"])
 def test_the_default_under_sgd_or_an_unknown_optimizer_is_group_topk(optimizer):
-    config = default_compression(optimizer())
-    assert (config.codec, config.density) == ("group_topk", 0.01)
+    for config in (default_compression(optimizer()), default_compression(optimizer(), sharded=True)):
+        assert (config.codec, config.density) == ("group_topk", 0.01)
 
 
 def test_the_default_needs_the_optimizer():
