@@ -35,7 +35,9 @@ Methods:
           sent it, as SparseLoCo does), applied with ``--outer-lr``; ``--ef-decay`` scales the
           residual each round (SparseLoCo's error feedback in place of outer momentum);
           ``--restart residual``: each worker goes on from the shared model plus its own unsent
-          residual, not from the shared model alone.
+          residual, not from the shared model alone. ``--lose-at N``: rank 0 is lost after
+          step N and resumes a step later from rank 1's model and inner optimizer, as from a
+          surviving node's keeper, with the residual ``--lost-residual`` names (issue 48).
 """
 
 from __future__ import annotations
@@ -397,13 +399,18 @@ class Sim:
 
     def lost_residual(self, residuals, saved, sent_since, rounds_since) -> torch.Tensor:
         """Rank 0's residual after its node was lost (``--lost-residual``): none, the
-        survivor's, its own (the oracle), or an estimate: its residual at the last persisted
-        checkpoint carried forward with the survivor's pseudo-gradients in place of its own,
-        less what it sent since (every rank holds every payload):
+        survivor's, its own (the oracle), each group's largest ``--copied-density`` of it (a
+        copy kept on another node after every round), or an estimate: its residual at the last
+        persisted checkpoint (``--checkpoint-every``; 0: the run's start) carried forward with
+        the survivor's pseudo-gradients in place of its own, less what it sent since (every
+        rank holds every payload):
         e0 ~ e1 + decay^k (e0_saved - e1_saved) + sum decay^(k-j) (sent1_j - sent0_j)."""
         how = self.args.lost_residual
         if how == "exact":
             return residuals[0]
+        if how == "copied":  # each group's largest entries of rank 0's residual, copied after every round
+            keep = max(1, math.ceil(self.args.copied_density * self.args.group))
+            return sparsify(residuals[0], self.args.group, keep, "bf16")[0]
         if how == "empty":
             return torch.zeros(self.numel)
         if how == "survivor":
@@ -498,8 +505,11 @@ def main() -> None:
     ap.add_argument("--lose-at", type=int, default=0,
                     help="local: rank 0 is lost after this step and resumes one step later from rank 1's "
                          "snapshot (issue 48's node loss)")
-    ap.add_argument("--lost-residual", default="empty", choices=["empty", "survivor", "exact", "estimate"],
+    ap.add_argument("--lost-residual", default="empty", choices=["empty", "survivor", "exact", "estimate", "copied"],
                     help="local, --lose-at: the residual rank 0 resumes with")
+    ap.add_argument("--copied-density", type=float, default=0.1,
+                    help="local, --lost-residual copied: the share of rank 0's residual copied to another "
+                         "node after each round (each group's largest entries, bf16)")
     ap.add_argument("--checkpoint-every", type=int, default=52,
                     help="local, --lose-at: the persisted checkpoint the estimate starts from")
     ap.add_argument("--eval-every", type=int, default=20)
