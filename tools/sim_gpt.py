@@ -343,7 +343,8 @@ class Sim:
         # ``--lose-at``: what a persisted checkpoint and the keepers' log of sent payloads know.
         saved = [torch.zeros(self.numel) for _ in range(a.workers)]
         sent_since = [torch.zeros(self.numel) for _ in range(a.workers)]
-        rounds_since = 0
+        rounds_since = rounds = 0
+        self.copy = torch.zeros(self.numel)  # ``--lost-residual copied``: rank 0's, on another node
         for step in range(self.last_step()):
             if a.lose_at and step == a.lose_at + 1:
                 # Rank 0's node is lost after step ``lose_at``; it resumes from the survivor's
@@ -373,11 +374,14 @@ class Sim:
                         idx = chosen
                     residuals[rank] = compensated - sent
                     sent_since[rank] = a.ef_decay * sent_since[rank] + sent
+                    if rank == 0:
+                        self.copy_after_round(rounds, residuals[0], sent)
                     total = total + sent
                     senders = senders + (sent != 0)
                 set_flat(self.params, start - a.outer_lr * combined(total, senders, a.workers, a.combine),
                          grad=False)
                 rounds_since += 1
+                rounds += 1
                 if a.checkpoint_every and (step + 1) % a.checkpoint_every == 0:
                     saved = [r.clone() for r in residuals]
                     sent_since = [torch.zeros(self.numel) for _ in range(a.workers)]
@@ -397,10 +401,24 @@ class Sim:
         return ratio
 
 
+    def copy_after_round(self, rounds: int, residual: torch.Tensor, sent: torch.Tensor) -> None:
+        """``--lost-residual copied``: every ``--copy-every`` rounds, each group's largest
+        ``--copied-density`` of rank 0's residual (bf16) is copied to another node; between
+        copies the copy is kept current from what every rank holds: it fades as the residual
+        does, and the entries rank 0 sends are cleared (their residual is a rounding error)."""
+        a = self.args
+        if a.lost_residual != "copied":
+            return
+        if rounds % a.copy_every == 0:
+            keep = max(1, math.ceil(a.copied_density * a.group))
+            self.copy = sparsify(residual, a.group, keep, "bf16")[0]
+        else:
+            self.copy.mul_(a.ef_decay)[sent != 0] = 0
+
     def lost_residual(self, residuals, saved, sent_since, rounds_since) -> torch.Tensor:
         """Rank 0's residual after its node was lost (``--lost-residual``): none, the
-        survivor's, its own (the oracle), each group's largest ``--copied-density`` of it (a
-        copy kept on another node after every round), or an estimate: its residual at the last
+        survivor's, its own (the oracle), a partial copy kept on another node
+        (:meth:`copy_after_round`), or an estimate: its residual at the last
         persisted checkpoint (``--checkpoint-every``; 0: the run's start) carried forward with
         the survivor's pseudo-gradients in place of its own, less what it sent since (every
         rank holds every payload):
@@ -408,9 +426,8 @@ class Sim:
         how = self.args.lost_residual
         if how == "exact":
             return residuals[0]
-        if how == "copied":  # each group's largest entries of rank 0's residual, copied after every round
-            keep = max(1, math.ceil(self.args.copied_density * self.args.group))
-            return sparsify(residuals[0], self.args.group, keep, "bf16")[0]
+        if how == "copied":
+            return self.copy.clone()
         if how == "empty":
             return torch.zeros(self.numel)
         if how == "survivor":
@@ -509,7 +526,9 @@ def main() -> None:
                     help="local, --lose-at: the residual rank 0 resumes with")
     ap.add_argument("--copied-density", type=float, default=0.1,
                     help="local, --lost-residual copied: the share of rank 0's residual copied to another "
-                         "node after each round (each group's largest entries, bf16)")
+                         "node (each group's largest entries, bf16)")
+    ap.add_argument("--copy-every", type=int, default=1,
+                    help="local, --lost-residual copied: rounds between copies")
     ap.add_argument("--checkpoint-every", type=int, default=52,
                     help="local, --lose-at: the persisted checkpoint the estimate starts from")
     ap.add_argument("--eval-every", type=int, default=20)
