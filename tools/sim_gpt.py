@@ -340,7 +340,9 @@ class Sim:
         inner = [[p for p in w.parameters() if p.requires_grad] for w in workers]
         optimizers = [self.optimizer(w) for w in workers]
         residuals = [torch.zeros(self.numel) for _ in range(a.workers)]
-        # ``--lose-at``: what a persisted checkpoint and the keepers' log of sent payloads know.
+        # ``--lost-residual estimate``: what a persisted checkpoint and the payloads every rank
+        # holds know; kept only for it.
+        estimating = bool(a.lose_at) and a.lost_residual == "estimate"
         saved = [torch.zeros(self.numel) for _ in range(a.workers)]
         sent_since = [torch.zeros(self.numel) for _ in range(a.workers)]
         rounds_since = rounds = 0
@@ -373,7 +375,8 @@ class Sim:
                     if a.support == "leader":
                         idx = chosen
                     residuals[rank] = compensated - sent
-                    sent_since[rank] = a.ef_decay * sent_since[rank] + sent
+                    if estimating:
+                        sent_since[rank] = a.ef_decay * sent_since[rank] + sent
                     if rank == 0:
                         self.copy_after_round(rounds, residuals[0], sent)
                     total = total + sent
@@ -382,7 +385,7 @@ class Sim:
                          grad=False)
                 rounds_since += 1
                 rounds += 1
-                if a.checkpoint_every and (step + 1) % a.checkpoint_every == 0:
+                if estimating and a.checkpoint_every and (step + 1) % a.checkpoint_every == 0:
                     saved = [r.clone() for r in residuals]
                     sent_since = [torch.zeros(self.numel) for _ in range(a.workers)]
                     rounds_since = 0
@@ -399,7 +402,6 @@ class Sim:
             if self.due(step + 1):
                 self.evaluate(step + 1)
         return ratio
-
 
     def copy_after_round(self, rounds: int, residual: torch.Tensor, sent: torch.Tensor) -> None:
         """``--lost-residual copied``: every ``--copy-every`` rounds, each group's largest
