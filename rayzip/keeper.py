@@ -76,12 +76,14 @@ class Keeper:
             keeper it starts on a node that joined later takes (:meth:`settings`).
         every: the ranks' snapshot interval, for workers that learn it from their keeper
             (:func:`rayzip.train.keep_snapshots`): N steps, or ``"auto"``.
+        copy_density: the share of their error feedback that ranks copy to another node's
+            keeper (:meth:`hold_copy`), for those workers too.
     """
 
     def __init__(self, root: str | None, run_id: str, node_id: str, max_bytes: int, known: list[str] = (),
-                 every: int | str = "auto"):
+                 every: int | str = "auto", copy_density: float = 0.0):
         self.node_id, self.max_bytes, self.root, self.known = node_id, int(max_bytes), root, list(known)
-        self.every = every
+        self.every, self.copy_density = every, float(copy_density)
         self.path = Path(root or default_root()) / "rayzip-snapshots" / run_id / node_id[:16]
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.reserved: dict[str, int] = {}
@@ -91,8 +93,10 @@ class Keeper:
         return str(self.path)
 
     def settings(self) -> dict:
-        """``root``, ``max_bytes``, ``known`` and ``every``, as this keeper was started with."""
-        return {"root": self.root, "max_bytes": self.max_bytes, "known": self.known, "every": self.every}
+        """``root``, ``max_bytes``, ``known``, ``every`` and ``copy_density``, as this keeper was
+        started with."""
+        return {"root": self.root, "max_bytes": self.max_bytes, "known": self.known, "every": self.every,
+                "copy_density": self.copy_density}
 
     def reserve(self, owner: str, nbytes: int) -> bool:
         """Whether ``owner``'s slots (all of them) may hold ``nbytes``; a refusal is logged once."""
@@ -138,6 +142,33 @@ class Keeper:
         if p.parent != self.path or not p.is_file():
             return None
         return zstandard.ZstdCompressor(level=1, threads=-1).compress(p.read_bytes())
+
+    def hold_copy(self, owner: str, step: int, blob: bytes) -> bool:
+        """Keep ``blob``, a rank on another node's copy of its error feedback after the
+        synchronization of ``step`` (:func:`rayzip.train.residual_copy.pack_residuals`), in
+        place of that owner's copies but the newest. False, with a log line once, where it
+        would take the node's snapshots past ``max_bytes``."""
+        old = sorted(self.path.glob(f"copy-{owner}.*"), key=lambda p: int(p.suffix[1:]))
+        freed = sum(p.stat().st_size for p in old[:-1])
+        if self.held_bytes() - freed + len(blob) > self.max_bytes:
+            if f"copy-{owner}" not in self.refused:
+                self.refused.add(f"copy-{owner}")
+                print(f"rayzip: node {self.node_id[:12]} keeps no more copies of {owner}'s error feedback: they "
+                      f"would take its snapshots over snapshots.max_bytes_per_node {self.max_bytes:,}")
+            return False
+        tmp = self.path / f".copy-{owner}.{int(step)}"
+        tmp.write_bytes(blob)
+        tmp.rename(self.path / f"copy-{owner}.{int(step)}")  # whole or absent
+        for p in old[:-1]:
+            if p.name != f"copy-{owner}.{int(step)}":
+                p.unlink(missing_ok=True)
+        return True
+
+    def copy_of(self, owner: str, step: int) -> bytes | None:
+        """``owner``'s copy of its error feedback after the synchronization of ``step``
+        (:meth:`hold_copy`), or None."""
+        p = self.path / f"copy-{owner}.{int(step)}"
+        return p.read_bytes() if p.is_file() else None
 
     def close(self) -> None:
         """Remove the node's snapshots (the run's end)."""

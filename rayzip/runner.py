@@ -46,7 +46,8 @@ def _start_keepers(spec: JobSpec, run_id: str) -> dict[str, Any]:
     """One snapshot keeper on each live node where the spec takes snapshots (rayzip.keeper)."""
     if not spec.snapshots.enabled:
         return {}
-    return start_keepers(run_id, spec.snapshots.directory, spec.snapshots.max_bytes_per_node)
+    return start_keepers(run_id, spec.snapshots.directory, spec.snapshots.max_bytes_per_node,
+                         copy_density=spec.snapshots.copy_density)
 
 
 def _stop_keepers(keepers: dict[str, Any], spec: JobSpec, run_id: str) -> dict[str, dict]:

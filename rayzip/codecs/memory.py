@@ -26,7 +26,7 @@ from .base import CodecError
 from ..xp import array_module, as_array, asnumpy, is_torch
 
 __all__ = ["AdamCorrection", "ErrorFeedback", "MomentumCorrection", "NoMemory", "check_error_feedback",
-           "relayout_state", "reshard_state", "segment_name"]
+           "pending_parts", "relayout_state", "reshard_state", "segment_name"]
 
 
 def check_error_feedback(codec) -> None:
@@ -356,9 +356,9 @@ def reshard_state(saved: dict[int, dict], old_world: int, new_world: int, rank: 
     """
     pending = {j: state for j, state in saved.items() if j < old_world}
     lost = [j for j in range(old_world) if j not in pending]
-    mine = [_pending(state) for j, state in sorted(pending.items()) if j % new_world == rank]
+    mine = [pending_parts(state) for j, state in sorted(pending.items()) if j % new_world == rank]
     if estimate_lost and pending and any(j % new_world == rank for j in lost):
-        survivors = [_pending(state) for state in pending.values()]
+        survivors = [pending_parts(state) for state in pending.values()]
         mean = {name: np.mean([state[name] for state in survivors if name in state], axis=0)
                 for name in {name for state in survivors for name in state}}
         mine += [mean] * sum(1 for j in lost if j % new_world == rank)
@@ -377,7 +377,7 @@ def reshard_state(saved: dict[int, dict], old_world: int, new_world: int, rank: 
     return out
 
 
-def _pending(state: dict) -> dict[str, np.ndarray]:
+def pending_parts(state: dict) -> dict[str, np.ndarray]:
     """A saved Memory state's pending parts (residuals, velocities) as flat arrays."""
     return {name: _restored(held, None) for name, held in state.items() if not name.startswith(_ADAM)}
 

@@ -486,7 +486,8 @@ class KeptSnapshots:
 
 @contextlib.contextmanager
 def keep_snapshots(run: str | ray.train.RunConfig, every: int | str = "auto",
-                   max_bytes_per_node: int = DEFAULT_MAX_BYTES, directory: str | None = None) -> Iterator[dict]:
+                   max_bytes_per_node: int = DEFAULT_MAX_BYTES, directory: str | None = None,
+                   copy_density: float = 0.1) -> Iterator[dict]:
     """On the driver, around ``trainer.fit()``: a snapshot keeper on each node for the run, so
     that the workers' :func:`snapshot` keeps each step off the worker and :func:`restore`
     resumes a restarted worker group from memory. The keepers are removed, with everything
@@ -496,7 +497,8 @@ def keep_snapshots(run: str | ray.train.RunConfig, every: int | str = "auto",
     rank's snapshot is one memory copy into its slots there, so a killed worker process leaves
     it behind. A node that joins later gets its keeper from its first worker. When a node is
     lost with its keeper, the survivors' snapshots still resume the run: the lost ranks' error
-    feedback is dropped, as on a resize.
+    feedback is re-sharded from the survivors', as on a resize, or under local steps with
+    ``combine: senders`` taken from its partial copy on another node (``copy_density``).
 
     Args:
         run: the ``ray.train.RunConfig`` that the trainer is given (the workers find their
@@ -506,6 +508,9 @@ def keep_snapshots(run: str | ray.train.RunConfig, every: int | str = "auto",
         max_bytes_per_node: what one node's snapshots may hold (each rank keeps two); a rank
             past it takes no more, with a log line, and its restarts read storage.
         directory: where each node keeps them (default ``/dev/shm``).
+        copy_density: under local steps with ``combine: senders`` on more than one node, the
+            share of each group of a rank's error feedback (its largest entries, bf16) copied
+            to the next node's keeper after each synchronization; 0: none.
 
     Each restart is recorded, as ``rayzip run`` records its own: rank 0's :func:`snapshot`
     posts each step to a small actor on the driver's node, which counts the restarts, the
@@ -534,7 +539,9 @@ def keep_snapshots(run: str | ray.train.RunConfig, every: int | str = "auto",
                          "find their keepers by it")
     if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise ValueError(f"every is a number of steps >= 1, or 'auto', got {every!r}")
-    keepers = start_keepers(name, directory, max_bytes_per_node, every=every)
+    if not 0 <= copy_density <= 1:
+        raise ValueError(f"copy_density is a share of the entries in [0, 1], got {copy_density!r}")
+    keepers = start_keepers(name, directory, max_bytes_per_node, every=every, copy_density=copy_density)
     kept, recorder = KeptSnapshots(), None
     try:
         recorder = start_progress(_recorder_name(name), name, name)
@@ -623,7 +630,8 @@ def _snapshots(model: torch.nn.Module, asked: bool = False):
                                "snapshot() keeps nothing, and restarts resume from the checkpoint in storage")
         else:
             _SNAPSHOTS[key] = Snapshots(keepers, rank, world, ray.get_runtime_context().get_node_id(),
-                                        settings["every"], slots=snapshot_slots(model), sharded=_is_sharded(model))
+                                        settings["every"], slots=snapshot_slots(model), sharded=_is_sharded(model),
+                                        copy_density=settings.get("copy_density", 0.0))
     found = _SNAPSHOTS[key]
     if isinstance(found, str):  # why there are none, said once, by the first snapshot()
         if asked and found:

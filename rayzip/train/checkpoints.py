@@ -34,7 +34,7 @@ from ..xp import local_part
 if TYPE_CHECKING:
     from ..torch.local_steps import LocalSteps
 
-__all__ = ["GroupCheckpoints", "OWN_SHARDS", "Parts", "SplitState", "holder_parts", "load_local_shards",
+__all__ = ["COPIED", "GroupCheckpoints", "OWN_SHARDS", "Parts", "SplitState", "holder_parts", "load_local_shards",
            "load_optimizer", "load_shards", "load_trainer", "local_shards", "newest_of", "restore_hook",
            "restore_shards", "save_shards", "take_parts", "take_shards", "trainer_step", "unwrap", "write_parts",
            "write_shards", "write_taken"]
@@ -43,6 +43,9 @@ SHARDS = "shards"  # a sharded model's folder in a checkpoint: DCP's .metadata a
 # A snapshot's restore folder (rayzip.train.snapshots): this rank's own shards, as its slot held
 # them (local tensors), for the same layout.
 OWN_SHARDS = "own_shards"
+# ... and a lost rank's error feedback, from its partial copy on another node's keeper
+# (rayzip.train.residual_copy): copied<rank>/, {"memory": {name: array}}.
+COPIED = "copied"
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -82,6 +85,12 @@ class SplitState:
         parts' entries together are what a snapshot restores; the rest is the same while
         the generation is."""
         raise NotImplementedError
+
+    def residuals_of(self, rest: dict) -> dict | None:
+        """This rank's error feedback in ``rest`` (the part :meth:`split_state_dict` returns
+        last), which a snapshot copies in part to another node's keeper
+        (:mod:`rayzip.train.residual_copy`); None: none to copy."""
+        return None
 
 
 def take_parts(rank: int, world: int, trainer: Callable[[], dict], state: RankState | None,
@@ -248,6 +257,14 @@ class LocalStepsState(SplitState):
                "own_model": unwrap(self.model).state_dict()}
         return own, self.local.generation, lambda: {"round": self.local.round_start_dict()}
 
+    def residuals_of(self, rest: dict) -> dict | None:
+        """Under ``combine: senders`` only: under ``mean`` a lost rank's residual is estimated
+        from the survivors' (:func:`rayzip.codecs.memory.reshard_state`)."""
+        compression = rest["round"].get("compression")
+        if compression is None or self.local.state.config.combine != "senders":
+            return None
+        return compression.get("memory") or None
+
     def _load(self, saved: dict, compression: dict | None = None) -> None:
         load_optimizer(self.optimizer, saved["inner_optimizer"])
         if "round" in saved:  # between synchronizations: this rank's own parameters, then the round
@@ -283,6 +300,10 @@ class LocalStepsState(SplitState):
         compression = saved[key].get("compression")
         if compression is not None:
             memory = {r: parts[r][key]["compression"]["memory"] for r in sharded}
+            # A lost rank's partial copy, kept on another node (a snapshot's restore), in
+            # place of the estimate or of nothing.
+            memory.update((r, load_checkpoint(path / f"{COPIED}{r}")["memory"]) for r in range(old_world)
+                          if r not in kept and (path / f"{COPIED}{r}").exists())
             memory = reshard_state(memory, old_world, self.world, self.rank,
                                    estimate_lost=self.local.state.config.combine == "mean")
             compression = {**compression, "memory": memory,

@@ -170,7 +170,8 @@ def open_snapshots(spec: JobSpec, config: dict, exchange: Exchange) -> Snapshots
     if not (spec.snapshots.enabled and exchange.takes_snapshots and config.get("keepers") is not None):
         return None
     return Snapshots(_keepers(spec, config), exchange.rank, exchange.world, ray.get_runtime_context().get_node_id(),
-                     spec.snapshots.every, slots=exchange.snapshot_slots, sharded=exchange.sharded_weights)
+                     spec.snapshots.every, slots=exchange.snapshot_slots, sharded=exchange.sharded_weights,
+                     copy_density=spec.snapshots.copy_density)
 
 
 def _keepers(spec: JobSpec, config: dict) -> dict:
@@ -272,7 +273,9 @@ def _after_step(spec: JobSpec, task: Task, exchange: Exchange, telemetry: Teleme
         _snapshot(spec, task, exchange, run, record)
     metrics.update({"resumed_source": run.resumed_source, "snapshot_every": run.snapshots.every if run.snapshots else None,
                     "mean_snapshot_s": (totals.snapshot_s / totals.snapshots) if totals.snapshots else None,
-                    "snapshot_bytes": run.snapshots.bytes if run.snapshots else None})
+                    "snapshot_bytes": run.snapshots.bytes if run.snapshots else None,
+                    # what this rank's error feedback copies took to another node's keeper, all of them
+                    "copied_bytes": run.snapshots.copied_bytes if run.snapshots else None})
     metrics.update({"checkpoint_stall_s": totals.checkpoint_stall_s, "resumed_from": run.resumed_from,
                     "checkpoint_reported_step": run.reported_step, "checkpoint_uploading_step": run.uploading_step,
                     "checkpoint_pending_step": run.checkpoint_steps.get(checkpoints.pending)})
@@ -458,7 +461,7 @@ class LoopContext:
             self._snapshots = Snapshots(_keepers(self.spec, self._config), self.rank,
                                         self.world, ray.get_runtime_context().get_node_id(),
                                         self.spec.snapshots.every, slots=snapshot_slots(model),
-                                        sharded=_is_sharded(model))
+                                        sharded=_is_sharded(model), copy_density=self.spec.snapshots.copy_density)
         return self._snapshots
 
     def report(self, metrics: dict, model: torch.nn.Module | None = None,

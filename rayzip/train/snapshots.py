@@ -57,7 +57,8 @@ import xxhash
 
 from ..keeper import DEFAULT_MAX_BYTES, HEADER, HEADER_BYTES, MAGIC, Keeper, default_root, keeper_name, keeper_prefix
 from ..checkpoint import save as save_checkpoint
-from .checkpoints import OWN_SHARDS, Parts, SplitState, local_shards, take_parts, write_taken
+from .checkpoints import COPIED, OWN_SHARDS, Parts, SplitState, local_shards, take_parts, write_taken
+from .residual_copy import pack_residuals, unpack_residuals
 
 __all__ = ["SnapshotError", "Snapshots", "find_keepers", "keeper_actor", "newest_complete", "placed", "read_arrays",
            "read_part", "read_slot", "start_keeper", "start_keepers", "stop_keepers", "tensor_key", "worker_keepers",
@@ -84,7 +85,7 @@ def keeper_actor():
 
 
 def start_keeper(run_id: str, node_id: str, root: str | None, max_bytes: int, detached: bool = False,
-                 known: list[str] = (), every: int | str = "auto"):
+                 known: list[str] = (), every: int | str = "auto", copy_density: float = 0.0):
     """The keeper of ``node_id`` for ``run_id``, started on that node if it is not there yet.
     The driver starts one per node at the start (owned by it, :func:`start_keepers`); a worker
     on a node that joined later starts its node's ``detached``, so that it outlives the worker
@@ -96,17 +97,18 @@ def start_keeper(run_id: str, node_id: str, root: str | None, max_bytes: int, de
     return keeper_actor().options(
         name=keeper_name(run_id, node_id), get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False), **options,
-    ).remote(root, run_id, node_id, max_bytes, known, every)
+    ).remote(root, run_id, node_id, max_bytes, known, every, copy_density)
 
 
 def start_keepers(run_id: str, root: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
-                  every: int | str = "auto") -> dict:
+                  every: int | str = "auto", copy_density: float = 0.0) -> dict:
     """One keeper on each live node, owned by the caller (the driver): {node id: actor}.
     Named, so that every worker finds its node's; each knows the nodes that had one."""
     import ray
 
     nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
-    return {node: start_keeper(run_id, node, root, max_bytes, known=nodes, every=every) for node in nodes}
+    return {node: start_keeper(run_id, node, root, max_bytes, known=nodes, every=every, copy_density=copy_density)
+            for node in nodes}
 
 
 def stop_keepers(run_id: str, keepers: dict, root: str | None = None) -> dict[str, dict]:
@@ -169,7 +171,8 @@ def worker_keepers(run_id: str) -> tuple[dict, dict]:
     node = ray.get_runtime_context().get_node_id()
     if found.get(node) is None and node not in settings["known"]:
         found[node] = start_keeper(run_id, node, settings["root"], settings["max_bytes"], detached=True,
-                                   known=settings["known"], every=settings["every"])
+                                   known=settings["known"], every=settings["every"],
+                                   copy_density=settings.get("copy_density", 0.0))
     return found, settings
 
 
@@ -500,10 +503,15 @@ class Snapshots:
         sharded: each rank's slot holds its own shards of the model and optimizer (FSDP2,
             :meth:`take`'s ``shards``): a restart takes a snapshot only onto a world of the
             same size, with every rank's slot (a lost node's shards are gone with it).
+        copy_density: where a rank state's part that changes now and then holds error
+            feedback to copy (:meth:`SplitState.residuals_of`: local steps under ``combine:
+            senders``), the share of each group of it that goes to the next node's keeper each
+            time that part is written (:mod:`rayzip.train.residual_copy`), so that a lost
+            node's ranks resume with it; 0: none.
     """
 
     def __init__(self, keepers: dict, rank: int, world: int, node_id: str, every: int | str, slots: int = 2,
-                 sharded: bool = False):
+                 sharded: bool = False, copy_density: float = 0.0):
         import ray
 
         self.ray, self.keepers, self.rank, self.world, self.node_id = ray, keepers, rank, world, node_id
@@ -538,6 +546,16 @@ class Snapshots:
         self.stable_at = (-1, -1)
         self.stable_count = 0
         self.stable_bytes = self.step_bytes = 0
+        # The next node's keeper (by id, cyclic) holds this rank's residual copies: one node
+        # per node, so that the copies spread over the nodes.
+        live = sorted(n for n, k in keepers.items() if k is not None)
+        self.peer = keepers[live[(live.index(node_id) + 1) % len(live)]] \
+            if copy_density and node_id in live and len(live) > 1 and not sharded else None
+        self.copy_density = float(copy_density)
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="rayzip-copy")  # off the training thread
+        self.copied_bytes = 0  # what this rank's copies took on the wire, all of them
+        self.copies = 0
+        self.copy_failed = False
         if not self.enabled:
             print(f"rayzip: rank {rank}: no snapshot keeper on node {node_id[:12]} (it joined after the run started): "
                   "its restarts fall back to the checkpoint in storage")
@@ -568,7 +586,7 @@ class Snapshots:
             hook = stable = None
             if isinstance(state, SplitState):
                 hook, generation, rest = state.split_state_dict()
-                stable = generation, rest
+                stable = generation, rest, state.residuals_of
             parts = take_parts(0 if self.writes_trainer else self.rank, self.world, trainer, state, hook=hook)
             parts.rank = self.rank
             if shards is not None:
@@ -598,14 +616,18 @@ class Snapshots:
         self.sealing[slot] = self.sealer.submit(seal_slot, slot, size)
         return size
 
-    def _write(self, step: int, parts: Parts, stable: tuple[int, Callable[[], dict]] | None = None) -> None:
+    def _write(self, step: int, parts: Parts, stable: tuple[int, Callable[[], dict], Callable] | None = None) -> None:
         index, written = self.count % self.slot_count, 0
         if stable is not None and stable[0] != self.stable_generation:
             # Written once a generation, into the older of two slots: the rank slots a restart
             # may take (the last round's and this one's) refer to the newer two.
             at = (self.stable_count % STABLE_SLOTS, step)
+            rest = stable[1]()
             size = self._commit(slot := self._slot(f"stable{self.rank}", at[0]),
-                                write_slot(slot, stable[1](), step, self.world, self.rank, seal=False))
+                                write_slot(slot, rest, step, self.world, self.rank, seal=False))
+            memory = stable[2](rest) if self.peer is not None else None
+            if memory:  # its arrays are the state dict's own copies: the thread may read them
+                self.copier.submit(self._send_copy, step, memory)
             self.stable_generation, self.stable_at = stable[0], at
             self.stable_count += 1
             self.stable_bytes = max(self.stable_bytes, slot.size)  # the file, room to grow included
@@ -633,6 +655,20 @@ class Snapshots:
                 self.close(remove=True)
             self.reserved = need
 
+    def _send_copy(self, step: int, memory: dict) -> None:
+        """On the copier's thread: this rank's residual copy to the peer keeper, the training
+        thread not waiting (a copy that fails is said once; a restart then goes without)."""
+        try:
+            blob = pack_residuals(memory, self.copy_density)
+            if self.ray.get(self.peer.hold_copy.remote(f"rank{self.rank}", step, blob), timeout=600):
+                self.copied_bytes += len(blob)
+                self.copies += 1
+        except Exception as exc:  # noqa: BLE001 - the peer's node lost, or the copy refused
+            if not self.copy_failed:
+                self.copy_failed = True
+                print(f"rayzip: rank {self.rank}: the copy of its error feedback after step {step} did not reach "
+                      f"the next node's keeper ({type(exc).__name__}: {exc})")
+
     def _agreed_every(self) -> int:
         cost = statistics.median(c for c, _ in self.costs)
         step = statistics.median(s for _, s in self.costs)
@@ -647,6 +683,7 @@ class Snapshots:
         return every
 
     def close(self, remove: bool = False) -> None:
+        self.copier.shutdown(wait=False, cancel_futures=True)  # the run's end: a copy is of no more use
         for pending in self.sealing.values():
             pending.result()
         self.sealing.clear()
@@ -684,8 +721,8 @@ class Snapshots:
         missing = sorted(set(f"rank{r}" for r in range(worlds[agreed])) - set(where[agreed]))
         if missing:
             print(f"rayzip: rank {self.rank}: step {agreed} is restored without {', '.join(missing)} "
-                  f"(lost with node(s) {', '.join(n[:12] for n in lost)}): their error feedback is estimated "
-                  "from the survivors'")
+                  f"(lost with node(s) {', '.join(n[:12] for n in lost)}): their error feedback is taken from "
+                  "their copies on other nodes where kept, else estimated as the restore's combine rule says")
         return agreed, where[agreed]
 
     def _agree(self, step: int) -> int:
@@ -719,6 +756,7 @@ class Snapshots:
         keeper) and written as a checkpoint folder for the loop's restore."""
         directory = Path(tempfile.mkdtemp(prefix="rayzip-snapshot-"))
         trainer, read = None, {}  # the trainer slot is read once, for the rank slots that refer to it too
+        saved_world, rounds = self.world, set()
         for owner, (node, name) in sorted(owners.items()):
             if self.sharded and owner not in ("trainer", f"rank{self.rank}"):
                 continue  # another rank's shards and state: that rank's restore reads them
@@ -726,15 +764,41 @@ class Snapshots:
             if header["step"] != step:  # the slot was written again since it was listed
                 raise SnapshotError(f"{name} on node {node[:12]} holds step {header['step']}, not {step}")
             if owner == "trainer":
-                trainer = nest
+                trainer, saved_world = nest, header["world"]
                 continue
+            if "stable" in header:
+                rounds.add(header["stable"][1])  # the step whose synchronization its stable part holds
             shards = nest.pop("shards", None)
             if shards is not None:
                 save_checkpoint(directory / OWN_SHARDS, shards)
             if nest:  # the rank's own, as a checkpoint holds it
                 write_taken(directory, Parts(header["rank"], header["world"], None, nest))
         write_taken(directory, Parts(0, self.world, trainer, None))
+        lost = [r for r in range(saved_world) if f"rank{r}" not in owners]
+        if lost and len(rounds) == 1 and not self.sharded:
+            self._copied(directory, lost, rounds.pop())
         return directory
+
+    def _copied(self, directory: Path, lost: list[int], synchronized: int) -> None:
+        """The lost ranks' copies of their error feedback after the synchronization of step
+        ``synchronized`` (that of the survivors' stable parts), from the surviving keepers,
+        into ``directory`` for the restore; a rank with none resumes without."""
+        for r in lost:
+            for node, keeper in sorted(self.keepers.items()):
+                try:
+                    blob = self.ray.get(keeper.copy_of.remote(f"rank{r}", synchronized), timeout=300) \
+                        if keeper is not None else None
+                except Exception:  # noqa: BLE001 - that keeper is gone too
+                    blob = None
+                if blob is not None:
+                    where = f"copy-rank{r}.{synchronized} on node {node[:12]}"
+                    save_checkpoint(directory / f"{COPIED}{r}", {"memory": unpack_residuals(blob, where)})
+                    print(f"rayzip: rank {self.rank}: rank {r}'s error feedback resumes from its copy after step "
+                          f"{synchronized}, kept on node {node[:12]} ({len(blob):,} bytes)")
+                    break
+            else:
+                print(f"rayzip: rank {self.rank}: no copy of rank {r}'s error feedback after step {synchronized} "
+                      "survives: it resumes without")
 
     def _read(self, node: str, name: str, read: dict) -> tuple[dict, Any]:
         """A slot's header and nest; ``read`` holds the slots read so far, {(node, name): arrays}."""

@@ -414,6 +414,31 @@ def test_a_rank_whose_part_was_lost_resumes_local_steps_from_the_survivors_state
             np.testing.assert_array_equal(memory[key], survivor[key])
 
 
+def test_a_lost_rank_under_senders_resumes_with_its_copy_from_another_node():
+    """Rank 1's part lost, its partial copy kept (a snapshot's restore writes it beside the
+    survivors' parts): rank 1 resumes with that copy's entries as its error feedback, rank 0
+    with its own."""
+    import shutil
+    import tempfile
+
+    from rayzip.checkpoint import save as save_checkpoint
+    from rayzip.train.checkpoints import COPIED
+    from rayzip.train.residual_copy import pack_residuals, unpack_residuals
+
+    with tempfile.TemporaryDirectory() as directory:
+        saved = run_world(_save_local_rank, 2, directory, "senders", timeout_s=60)
+        shutil.rmtree(Path(directory) / "rank1")
+        copy = unpack_residuals(pack_residuals(saved[1][0], 0.1))
+        save_checkpoint(Path(directory) / f"{COPIED}1", {"memory": copy})
+        restored = run_world(_restore_local_rank, 2, directory, "senders", timeout_s=60)
+    assert any(np.any(v) for v in copy.values()) and any(np.any(v != 0) for v in saved[1][0].values())
+    for rank, expected in ((0, saved[0][0]), (1, copy)):
+        memory = restored[rank][1]
+        assert set(memory) == set(expected)
+        for key in expected:
+            np.testing.assert_array_equal(memory[key], expected[key])
+
+
 SPARSELOCO = CompressionConfig(codec="group_topk", density=0.05, value_dtype="2bit", coded_indices=True,
                                error_decay=0.95, combine="senders")
 

@@ -177,8 +177,10 @@ def test_a_rank_slot_takes_its_stable_slots_entries_only_while_that_slot_holds_t
 
 
 def test_a_keeper_hands_its_settings_to_the_workers_that_find_it(tmp_path):
-    keeper = Keeper(str(tmp_path), "run-3", "node" * 8, max_bytes=1 << 20, known=["a", "b"], every=4)
-    assert keeper.settings() == {"root": str(tmp_path), "max_bytes": 1 << 20, "known": ["a", "b"], "every": 4}
+    keeper = Keeper(str(tmp_path), "run-3", "node" * 8, max_bytes=1 << 20, known=["a", "b"], every=4,
+                    copy_density=0.1)
+    assert keeper.settings() == {"root": str(tmp_path), "max_bytes": 1 << 20, "known": ["a", "b"], "every": 4,
+                                 "copy_density": 0.1}
     assert Keeper(str(tmp_path), "run-4", "node" * 8, max_bytes=1).settings()["every"] == "auto"
 
 

@@ -1,0 +1,67 @@
+"""The partial copy of a rank's error feedback that another node's keeper holds
+(rayzip.train.residual_copy, rayzip.keeper.Keeper.hold_copy): what it keeps, what it leaves,
+its bytes, and a keeper that bounds what copies take."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rayzip.keeper import Keeper
+from rayzip.train.residual_copy import COPY_GROUP, pack_residuals, unpack_residuals
+
+
+def _memory(n: int = 5 * COPY_GROUP + 300, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"model@0:4000": rng.standard_normal(4000).astype(np.float32),
+            "model@4000:%d" % n: rng.standard_normal(n - 4000).astype(np.float32),
+            "velocity:model@0:4000": rng.standard_normal(4000).astype(np.float32),
+            "adam_m:model@0:4000": rng.standard_normal(4000).astype(np.float32)}
+
+
+@pytest.mark.parametrize("density", [0.1, 0.02, 1.0])
+def test_a_copy_keeps_the_largest_entries_of_each_group_in_bf16_and_zero_elsewhere(density):
+    memory = _memory()
+    copy = unpack_residuals(pack_residuals(memory, density))
+    assert set(copy) == {k for k in memory if not k.startswith("adam_")}  # moments are statistics, not pending
+    keep = int(np.ceil(density * COPY_GROUP))
+    for name, held in copy.items():
+        full = memory[name]
+        assert held.dtype == np.float32 and held.shape == full.shape
+        for lo in range(0, full.size, COPY_GROUP):
+            group, kept = full[lo:lo + COPY_GROUP], held[lo:lo + COPY_GROUP]
+            chosen = np.sort(np.argsort(-np.abs(group), kind="stable")[:min(keep, group.size)])
+            np.testing.assert_array_equal(np.flatnonzero(kept), chosen)
+            as_bf16 = torch.from_numpy(group[chosen]).to(torch.bfloat16).float().numpy()
+            np.testing.assert_array_equal(kept[chosen], as_bf16)
+
+
+def test_a_copy_of_a_tenth_takes_about_a_tenth_of_bf16s_bytes_and_its_mask():
+    n = 200 * COPY_GROUP
+    memory = {"model": np.random.default_rng(1).standard_normal(n).astype(np.float32)}
+    size = len(pack_residuals(memory, 0.1))
+    values = 2 * int(np.ceil(0.1 * COPY_GROUP)) * 200
+    assert values < size < values + n / 8  # the mask coded below a bit an entry
+
+
+def test_a_corrupt_copy_is_refused_naming_it():
+    blob = bytearray(pack_residuals(_memory(), 0.1))
+    blob[len(blob) // 2] ^= 0xFF
+    with pytest.raises(ValueError, match="copy-rank1.8 on node ab"):
+        unpack_residuals(bytes(blob), "copy-rank1.8 on node ab")
+    with pytest.raises(ValueError, match="share of the entries"):
+        pack_residuals(_memory(), 0.0)
+
+
+def test_the_keeper_holds_each_ranks_two_newest_copies_within_its_bound(tmp_path, capsys):
+    keeper = Keeper(str(tmp_path), "run-1", "node" * 8, max_bytes=3_000)
+    for step in (3, 7, 11):
+        assert keeper.hold_copy("rank1", step, bytes([step]) * 1000)
+    assert keeper.copy_of("rank1", 3) is None  # only the two newest stay
+    assert keeper.copy_of("rank1", 11) == bytes([11]) * 1000 and keeper.copy_of("rank1", 7) is not None
+    assert keeper.inventory() == {}  # copies are not snapshot slots
+    assert not keeper.hold_copy("rank0", 3, b"\0" * 1500)  # 2,000 + 1,500 > 3,000
+    assert "keeps no more copies of rank0's error feedback" in capsys.readouterr().out
+    keeper.close()
+    assert not (tmp_path / "rayzip-snapshots").exists()
