@@ -695,6 +695,9 @@ def _row(method: str, s: dict, tx_before: list[int], tx_after: list[int], run_s:
         "efficiency": last_efficiency(s.get("adaptive")),
         "run_s": run_s,
         "held_bytes": s.get("held_bytes"),  # rank 0's parameters, gradients, optimizer state
+        # Rank 0's copies of its error feedback to another node's keeper (snapshots.copy_density),
+        # since its last restart: outside rayzip's wire counts, on the interface.
+        "copied_bytes": (s.get("metrics") or {}).get("copied_bytes"),
     }
 
 
@@ -918,7 +921,7 @@ def _node_loss_table(report: dict) -> str:
     after it, and its final metric against the uninterrupted run's."""
     lm = report.get("metric") == "val_loss"
     head = ["run", "node lost at", "resumed at", "from", "cause", "steps lost", "recovery", "replacement up after",
-            "final val bpb" if lm else "final acc", "vs uninterrupted", "MB sent / worker"]
+            "final val bpb" if lm else "final acc", "vs uninterrupted", "MB sent / worker", "MB copied / worker"]
 
     def cells(r: dict) -> list[str]:
         loss = r.get("node_loss") or {}
@@ -933,14 +936,19 @@ def _node_loss_table(report: dict) -> str:
                     _number(loss.get("recovery_s"), "{:.1f} s") + _spread(loss, "recovery_s", "{:.1f}"),
                     _number(loss.get("replaced_after_s"), "{:.1f} s") + _spread(loss, "replaced_after_s", "{:.1f}"),
                     f"{r.get('final_metric', r.get('final_accuracy')):.4f}" + _spread(r, "final_metric", "{:.4f}"),
-                    _number(r.get("final_vs_uninterrupted"), "{:+.2%}"), f"{_network(r) / 1e6:.1f}"]
+                    _number(r.get("final_vs_uninterrupted"), "{:+.2%}"), f"{_network(r) / 1e6:.1f}", _copied(r)]
         return [r["name"], str(loss.get("killed_at_step") or "–"), each("resumed_at"), each("source"), each("cause"),
                 str(loss["steps_lost"]) if loss else "–", each("seconds", "{:.1f} s"),
                 _number(loss.get("replaced_after_s"), "{:.1f} s"),
                 f"{r.get('final_metric', r.get('final_accuracy')):.4f}",
-                _number(r.get("final_vs_uninterrupted"), "{:+.2%}"), f"{_network(r) / 1e6:.1f}"]
+                _number(r.get("final_vs_uninterrupted"), "{:+.2%}"), f"{_network(r) / 1e6:.1f}", _copied(r)]
 
     return _markdown(head, report["methods"], cells)
+
+
+def _copied(row: dict) -> str:
+    """Rank 0's residual copies in MB; "–" where it took none (or the report predates them)."""
+    return _number((row.get("copied_bytes") or 0) / 1e6 or None, "{:.1f}")
 
 
 def _mb(nbytes) -> str:
