@@ -698,6 +698,7 @@ def _row(method: str, s: dict, tx_before: list[int], tx_after: list[int], run_s:
         # Rank 0's copies of its error feedback to another node's keeper (snapshots.copy_density),
         # since its last restart: outside rayzip's wire counts, on the interface.
         "copied_bytes": (s.get("metrics") or {}).get("copied_bytes"),
+        "resumed_copies": (s.get("metrics") or {}).get("resumed_copies"),  # lost ranks resumed from their copies
     }
 
 

@@ -275,7 +275,9 @@ def _after_step(spec: JobSpec, task: Task, exchange: Exchange, telemetry: Teleme
                     "mean_snapshot_s": (totals.snapshot_s / totals.snapshots) if totals.snapshots else None,
                     "snapshot_bytes": run.snapshots.bytes if run.snapshots else None,
                     # what this rank's error feedback copies took to another node's keeper, all of them
-                    "copied_bytes": run.snapshots.copied_bytes if run.snapshots else None})
+                    "copied_bytes": run.snapshots.copied_bytes if run.snapshots else None,
+                    # the lost ranks whose error feedback the restore took from their copies
+                    "resumed_copies": run.snapshots.restored_copies if run.snapshots else None})
     metrics.update({"checkpoint_stall_s": totals.checkpoint_stall_s, "resumed_from": run.resumed_from,
                     "checkpoint_reported_step": run.reported_step, "checkpoint_uploading_step": run.uploading_step,
                     "checkpoint_pending_step": run.checkpoint_steps.get(checkpoints.pending)})

@@ -556,6 +556,7 @@ class Snapshots:
         self.copied_bytes = 0  # what this rank's copies took on the wire, all of them
         self.copies = 0
         self.copy_failed = False
+        self.restored_copies: list[int] = []  # the lost ranks whose copies the last restore took
         if not self.enabled:
             print(f"rayzip: rank {rank}: no snapshot keeper on node {node_id[:12]} (it joined after the run started): "
                   "its restarts fall back to the checkpoint in storage")
@@ -793,6 +794,7 @@ class Snapshots:
                 if blob is not None:
                     where = f"copy-rank{r}.{synchronized} on node {node[:12]}"
                     save_checkpoint(directory / f"{COPIED}{r}", {"memory": unpack_residuals(blob, where)})
+                    self.restored_copies.append(r)
                     print(f"rayzip: rank {self.rank}: rank {r}'s error feedback resumes from its copy after step "
                           f"{synchronized}, kept on node {node[:12]} ({len(blob):,} bytes)")
                     break
