@@ -298,7 +298,7 @@ class LocalStepsState(SplitState):
         saved = parts[donor]
         key = "round" if "round" in saved else "local_steps"
         compression = saved[key].get("compression")
-        if compression is not None:
+        if compression is not None and self.local.state is not None:  # None: a world of one exchanges nothing
             memory = {r: parts[r][key]["compression"]["memory"] for r in sharded}
             # A lost rank's partial copy, kept on another node (a snapshot's restore), in
             # place of the estimate or of nothing.
