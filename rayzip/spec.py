@@ -376,10 +376,10 @@ class SnapshotsSpec(_Strict):
                                                                   "with a log line.")
     directory: str | None = Field(None, description="Where each node keeps them (default /dev/shm, shared "
                                                     "memory).")
-    copy_density: float = Field(0.1, ge=0, le=1, description="Local steps under combine: senders, on more than "
+    copy_density: float = Field(1.0, ge=0, le=1, description="Local steps under combine: senders, on more than "
                                 "one node: after each synchronization each rank sends this share of its error "
-                                "feedback (the largest of each 1024 entries, bf16) to the next node's keeper, so "
-                                "that a lost node's ranks resume with it; 0: none.")
+                                "feedback (the largest of each 1024 entries, 4-bit values) to the next node's "
+                                "keeper, so that a lost node's ranks resume with it; 0: none.")
 
     @field_validator("every")
     @classmethod

@@ -487,7 +487,7 @@ class KeptSnapshots:
 @contextlib.contextmanager
 def keep_snapshots(run: str | ray.train.RunConfig, every: int | str = "auto",
                    max_bytes_per_node: int = DEFAULT_MAX_BYTES, directory: str | None = None,
-                   copy_density: float = 0.1) -> Iterator[dict]:
+                   copy_density: float = 1.0) -> Iterator[dict]:
     """On the driver, around ``trainer.fit()``: a snapshot keeper on each node for the run, so
     that the workers' :func:`snapshot` keeps each step off the worker and :func:`restore`
     resumes a restarted worker group from memory. The keepers are removed, with everything
@@ -509,8 +509,8 @@ def keep_snapshots(run: str | ray.train.RunConfig, every: int | str = "auto",
             past it takes no more, with a log line, and its restarts read storage.
         directory: where each node keeps them (default ``/dev/shm``).
         copy_density: under local steps with ``combine: senders`` on more than one node, the
-            share of each group of a rank's error feedback (its largest entries, bf16) copied
-            to the next node's keeper after each synchronization; 0: none.
+            share of each group of a rank's error feedback (its largest entries, 4-bit values)
+            copied to the next node's keeper after each synchronization; 0: none.
 
     Each restart is recorded, as ``rayzip run`` records its own: rank 0's :func:`snapshot`
     posts each step to a small actor on the driver's node, which counts the restarts, the

@@ -11,7 +11,8 @@ of a lost rank takes that copy in place of nothing, where it is of the round bei
 
 The format: a zstd frame (with its checksum) holding a JSON list of the entries' names and
 sizes, then for each entry a bit mask of the entries kept (one bit per element, which zstd
-codes near the entropy of the kept positions) and the kept values in bf16, in order.
+codes near the entropy of the kept positions; all ones, next to nothing, at density 1), a
+float32 scale per group, and the kept values in 4 bits each, in order.
 """
 
 from __future__ import annotations
@@ -25,26 +26,28 @@ import torch
 
 from ..codecs.memory import pending_parts
 
-__all__ = ["COPY_GROUP", "pack_residuals", "unpack_residuals"]
+__all__ = ["COPY_GROUP", "LEVELS", "pack_residuals", "unpack_residuals"]
 
 COPY_GROUP = 1024  # a residual's largest entries are taken in groups of this many, as group top-k sends them
+LEVELS = 7  # 4-bit values: -7..7 times the group's scale (15 levels, one code left unused)
 _LENGTH = struct.Struct("<I")
 
 
 def pack_residuals(memory: dict, density: float, group: int = COPY_GROUP) -> bytes:
     """The largest ``density`` of each ``group`` entries of each pending part of a Memory
     state (:meth:`rayzip.codecs.memory.ErrorFeedback.state_dict`: residuals and velocities;
-    Adam moments are left out), values in bf16, zstd-compressed.
+    Adam moments are left out), each kept value in 4 bits (a sign and a level up to 7, of a
+    scale per group: the group's largest kept magnitude over 7), zstd-compressed.
 
     Args:
         memory: {name: flat array} of one rank's error feedback.
-        density: the share of each group kept, in (0, 1].
+        density: the share of each group kept, in (0, 1] (1: every entry, no top-k).
         group: entries per group (the last group of an entry may be shorter).
 
     Example::
 
-        blob = pack_residuals({"model": residual}, density=0.1)
-        copy = unpack_residuals(blob)["model"]   # residual's largest 10% of each 1024, else 0
+        blob = pack_residuals({"model": residual}, density=1.0)
+        copy = unpack_residuals(blob)["model"]   # residual, each entry within half a level
     """
     import zstandard
 
@@ -58,11 +61,21 @@ def pack_residuals(memory: dict, density: float, group: int = COPY_GROUP) -> byt
         if n == 0:
             continue
         padded = torch.nn.functional.pad(flat, (0, -n % group)).view(-1, group)
-        chosen = padded.abs().topk(min(keep, group), dim=1, sorted=False).indices
-        mask = torch.zeros(padded.shape, dtype=torch.bool).scatter_(1, chosen, True).view(-1)[:n]
-        values = flat[mask].to(torch.bfloat16).view(torch.int16).numpy()
-        entries.append({"name": name, "numel": n, "kept": int(values.size)})
-        parts += [np.packbits(mask.numpy()).tobytes(), values.tobytes()]
+        if keep < group:
+            chosen = padded.abs().topk(keep, dim=1, sorted=False).indices
+            kept = torch.zeros(padded.shape, dtype=torch.bool).scatter_(1, chosen, True)
+        else:
+            kept = torch.ones(padded.shape, dtype=torch.bool)
+        scale = (padded.abs() * kept).amax(dim=1) / LEVELS
+        levels = torch.where(scale[:, None] > 0, padded / scale.clamp_min(1e-38)[:, None], 0.0)
+        levels = levels.round_().clamp_(-LEVELS, LEVELS).to(torch.int8).add_(LEVELS + 1).view(-1)[:n]
+        mask = kept.view(-1)[:n]
+        nibbles = levels[mask].to(torch.uint8).numpy()
+        if nibbles.size % 2:
+            nibbles = np.append(nibbles, np.uint8(LEVELS + 1))
+        entries.append({"name": name, "numel": n, "kept": int(mask.sum()), "group": group})
+        parts += [np.packbits(mask.numpy()).tobytes(), scale.numpy().astype("<f4").tobytes(),
+                  (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()]
     head = json.dumps(entries).encode()
     raw = b"".join([_LENGTH.pack(len(head)), head, *parts])
     return zstandard.ZstdCompressor(level=3, write_checksum=True, threads=-1).compress(raw)
@@ -82,17 +95,22 @@ def unpack_residuals(blob: bytes, where: str = "a residual copy") -> dict[str, n
         raise ValueError(f"{where}: not a residual copy ({exc})") from None
     at, out = _LENGTH.size + length, {}
     for entry in entries:
-        n, kept = int(entry["numel"]), int(entry["kept"])
+        n, kept, group = int(entry["numel"]), int(entry["kept"]), int(entry["group"])
         bits = np.frombuffer(raw, dtype=np.uint8, count=-(-n // 8), offset=at)
         at += bits.size
-        values = np.frombuffer(raw, dtype=np.int16, count=kept, offset=at)
-        at += values.nbytes
-        mask = torch.from_numpy(np.unpackbits(bits, count=n).astype(bool))
+        scale = np.frombuffer(raw, dtype="<f4", count=-(-n // group), offset=at)
+        at += scale.nbytes
+        packed = np.frombuffer(raw, dtype=np.uint8, count=-(-kept // 2), offset=at)
+        at += packed.size
+        mask = np.unpackbits(bits, count=n).astype(bool)
         if int(mask.sum()) != kept:
             raise ValueError(f"{where}: entry {entry['name']!r} keeps {int(mask.sum())} entries, its header says {kept}")
-        dense = torch.zeros(n, dtype=torch.float32)
-        dense[mask] = torch.from_numpy(values.copy()).view(torch.bfloat16).float()
-        out[entry["name"]] = dense.numpy()
+        nibbles = np.empty(2 * packed.size, dtype=np.int8)
+        nibbles[0::2], nibbles[1::2] = packed & 0x0F, packed >> 4
+        positions = np.flatnonzero(mask)
+        dense = np.zeros(n, dtype=np.float32)
+        dense[positions] = (nibbles[:kept] - (LEVELS + 1)).astype(np.float32) * scale[positions // group]
+        out[entry["name"]] = dense
     if at != len(raw):
         raise ValueError(f"{where}: {len(raw) - at} bytes left after its entries")
     return out

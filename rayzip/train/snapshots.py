@@ -556,6 +556,8 @@ class Snapshots:
         self.copied_bytes = 0  # what this rank's copies took on the wire, all of them
         self.copies = 0
         self.copy_failed = False
+        self.copying = None  # the copy on its way
+        self.copies_behind = 0  # rounds that went without one, the last still on its way
         self.restored_copies: list[int] = []  # the lost ranks whose copies the last restore took
         if not self.enabled:
             print(f"rayzip: rank {rank}: no snapshot keeper on node {node_id[:12]} (it joined after the run started): "
@@ -628,7 +630,7 @@ class Snapshots:
                                 write_slot(slot, rest, step, self.world, self.rank, seal=False))
             memory = stable[2](rest) if self.peer is not None else None
             if memory:  # its arrays are the state dict's own copies: the thread may read them
-                self.copier.submit(self._send_copy, step, memory)
+                self._copy(step, memory)
             self.stable_generation, self.stable_at = stable[0], at
             self.stable_count += 1
             self.stable_bytes = max(self.stable_bytes, slot.size)  # the file, room to grow included
@@ -655,6 +657,18 @@ class Snapshots:
                 self.enabled = False
                 self.close(remove=True)
             self.reserved = need
+
+    def _copy(self, step: int, memory: dict) -> None:
+        """Hand the copy of ``step`` to the copier, unless the last one is still on its way
+        (a link too slow for a copy a round): then this round goes without, said once, and
+        a restart inside it resumes the lost rank without its residual."""
+        if self.copying is not None and not self.copying.done():
+            if not self.copies_behind:
+                print(f"rayzip: rank {self.rank}: its last error-feedback copy is still on its way at step {step}: "
+                      "rounds go without one while the link is busy")
+            self.copies_behind += 1
+            return
+        self.copying = self.copier.submit(self._send_copy, step, memory)
 
     def _send_copy(self, step: int, memory: dict) -> None:
         """On the copier's thread: this rank's residual copy to the peer keeper, the training
