@@ -78,7 +78,8 @@ def pack_residuals(memory: dict, density: float, group: int = COPY_GROUP) -> byt
                   (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()]
     head = json.dumps(entries).encode()
     raw = b"".join([_LENGTH.pack(len(head)), head, *parts])
-    return zstandard.ZstdCompressor(level=3, write_checksum=True, threads=-1).compress(raw)
+    # One thread: the worker's other cores are training.
+    return zstandard.ZstdCompressor(level=3, write_checksum=True).compress(raw)
 
 
 def unpack_residuals(blob: bytes, where: str = "a residual copy") -> dict[str, np.ndarray]:
