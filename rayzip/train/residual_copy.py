@@ -61,16 +61,17 @@ def pack_residuals(memory: dict, density: float, group: int = COPY_GROUP) -> byt
         if n == 0:
             continue
         padded = torch.nn.functional.pad(flat, (0, -n % group)).view(-1, group)
+        magnitude = padded.abs()
         if keep < group:
-            chosen = padded.abs().topk(keep, dim=1, sorted=False).indices
+            chosen = magnitude.topk(keep, dim=1, sorted=False).indices
             kept = torch.zeros(padded.shape, dtype=torch.bool).scatter_(1, chosen, True)
+            scale = magnitude.mul_(kept).amax(dim=1) / LEVELS
         else:
-            kept = torch.ones(padded.shape, dtype=torch.bool)
-        scale = (padded.abs() * kept).amax(dim=1) / LEVELS
-        levels = torch.where(scale[:, None] > 0, padded / scale.clamp_min(1e-38)[:, None], 0.0)
-        levels = levels.round_().clamp_(-LEVELS, LEVELS).to(torch.int8).add_(LEVELS + 1).view(-1)[:n]
-        mask = kept.view(-1)[:n]
-        nibbles = levels[mask].to(torch.uint8).numpy()
+            kept, scale = None, magnitude.amax(dim=1) / LEVELS
+        levels = padded / torch.where(scale > 0, scale, 1.0)[:, None]  # an all-zero group stays zero
+        levels = levels.round_().clamp_(-LEVELS, LEVELS).add_(LEVELS + 1).to(torch.uint8).view(-1)[:n]
+        mask = kept.view(-1)[:n] if kept is not None else torch.ones(n, dtype=torch.bool)
+        nibbles = (levels[mask] if kept is not None else levels).numpy()
         if nibbles.size % 2:
             nibbles = np.append(nibbles, np.uint8(LEVELS + 1))
         entries.append({"name": name, "numel": n, "kept": int(mask.sum()), "group": group})
