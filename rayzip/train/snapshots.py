@@ -60,15 +60,17 @@ from ..checkpoint import save as save_checkpoint
 from .checkpoints import COPIED, OWN_SHARDS, Parts, SplitState, local_shards, take_parts, write_taken
 from .residual_copy import pack_residuals, unpack_residuals
 
-__all__ = ["SnapshotError", "Snapshots", "find_keepers", "keeper_actor", "newest_complete", "placed", "read_arrays",
-           "read_part", "read_slot", "start_keeper", "start_keepers", "stop_keepers", "tensor_key", "worker_keepers",
-           "write_slot"]
+__all__ = ["SnapshotError", "Snapshots", "copy_fits", "find_keepers", "keeper_actor", "newest_complete", "placed",
+           "read_arrays", "read_part", "read_slot", "start_keeper", "start_keepers", "stop_keepers", "tensor_key",
+           "worker_keepers", "write_slot"]
 
 ALIGN = 64
 COST_SHARE = 0.05  # snapshots every step while they cost at most this share of it
 MEASURED = 5  # auto: snapshots measured once every slot is made (the first write of each is left out)
 STABLE_SLOTS = 2  # a rank's slots of a SplitState's stable part
 MAX_SNAPSHOT_SLOTS = 33  # the most a rank keeps (local steps: a round's steps and one)
+COPY_SHARE = 0.25  # a residual copy may take at most this share of a round, else copies stop,
+COPY_FLOOR_S = 0.1  # unless it takes less than this: a small copy's time is latency, not the link's
 
 
 _KEEPER_ACTOR = None
@@ -174,6 +176,14 @@ def worker_keepers(run_id: str) -> tuple[dict, dict]:
                                    known=settings["known"], every=settings["every"],
                                    copy_density=settings.get("copy_density", 0.0))
     return found, settings
+
+
+def copy_fits(copy_s: float | None, round_s: float | None, share: float = COPY_SHARE,
+              floor_s: float = COPY_FLOOR_S) -> bool:
+    """Whether residual copies go on: the last one (``copy_s``: packed, sent and acknowledged)
+    took at most ``share`` of the round since it was handed over (``round_s``), or under
+    ``floor_s``. None: not measured yet (the first copy, or the first round after it)."""
+    return copy_s is None or round_s is None or copy_s <= max(share * round_s, floor_s)
 
 
 class SnapshotError(RuntimeError):
@@ -557,6 +567,8 @@ class Snapshots:
         self.copies = 0
         self.copy_failed = False
         self.copying = None  # the copy on its way
+        self.copy_s: float | None = None  # the last copy's seconds, from its handing over to its keeper's ack
+        self.copied_at: float | None = None  # when the last copy was handed over
         self.copies_behind = 0  # rounds that went without one, the last still on its way
         self.restored_copies: list[int] = []  # the lost ranks whose copies the last restore took
         if not self.enabled:
@@ -668,16 +680,26 @@ class Snapshots:
                       "rounds go without one while the link is busy")
             self.copies_behind += 1
             return
+        now = time.perf_counter()
+        if not copy_fits(self.copy_s, now - self.copied_at if self.copied_at is not None else None):
+            print(f"rayzip: rank {self.rank}: an error-feedback copy took {self.copy_s:.2f} s of a "
+                  f"{now - self.copied_at:.2f} s round, over {COPY_SHARE:.0%}: no more copies (set "
+                  "snapshots.copy_density lower); a lost node's ranks resume without their residual")
+            self.peer = None
+            return
+        self.copied_at = now
         self.copying = self.copier.submit(self._send_copy, step, memory)
 
     def _send_copy(self, step: int, memory: dict) -> None:
         """On the copier's thread: this rank's residual copy to the peer keeper, the training
         thread not waiting (a copy that fails is said once; a restart then goes without)."""
         try:
+            t0 = time.perf_counter()
             blob = pack_residuals(memory, self.copy_density)
             if self.ray.get(self.peer.hold_copy.remote(f"rank{self.rank}", step, blob), timeout=600):
                 self.copied_bytes += len(blob)
                 self.copies += 1
+            self.copy_s = time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - the peer's node lost, or the copy refused
             if not self.copy_failed:
                 self.copy_failed = True

@@ -68,3 +68,12 @@ def test_the_keeper_holds_each_ranks_two_newest_copies_within_its_bound(tmp_path
     assert "keeps no more copies of rank0's error feedback" in capsys.readouterr().out
     keeper.close()
     assert not (tmp_path / "rayzip-snapshots").exists()
+
+
+def test_copies_stop_once_one_takes_more_than_a_quarter_of_a_round_and_a_tenth_of_a_second():
+    from rayzip.train.snapshots import copy_fits
+
+    assert copy_fits(None, None) and copy_fits(2.0, None)  # nothing measured yet
+    assert copy_fits(1.0, 4.0) and not copy_fits(1.01, 4.0)
+    assert copy_fits(1.0, 2.0, share=0.5) and not copy_fits(1.0, 1.9, share=0.5)
+    assert copy_fits(0.09, 0.1) and not copy_fits(0.11, 0.1)  # a small copy is latency: it goes on
