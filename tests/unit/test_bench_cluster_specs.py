@@ -268,7 +268,7 @@ def test_a_lost_nodes_run_is_set_beside_its_uninterrupted_run_and_tabled():
     lost = {"node": 2, "killed_at_step": 61, "processes_killed": 9, "replaced_after_s": 31.5, "steps_lost": 1,
             "restarts": 1, "resumes": [{"resumed_at": 61, "source": "memory", "cause": "node_lost",
                                         "steps_lost": 1, "seconds": 42.25}]}
-    rows = [run("local@4", 3.0), run(f"local@4{NODE_LOST}", 3.006, lost), run("dense", 3.1),
+    rows = [run("local@4", 3.0), {**run(f"local@4{NODE_LOST}", 3.006, lost), "copied_bytes": 4.25e6}, run("dense", 3.1),
             {"name": f"dense{NODE_LOST}", "error": "boom"}]
     _compare_with_uninterrupted(rows)
     assert rows[1]["final_vs_uninterrupted"] == pytest.approx(0.002)
@@ -276,7 +276,8 @@ def test_a_lost_nodes_run_is_set_beside_its_uninterrupted_run_and_tabled():
     table = markdown_table({"methods": rows, "metric": "val_loss", "kill_node_at_step": 60}).splitlines()
     assert table[0].startswith("| run | node lost at | resumed at | from | cause | steps lost | recovery |")
     assert table[3] == ("| local@4, node lost | 61 | 61 | memory | node_lost | 1 | 42.2 s | 31.5 s | 3.0060 | "
-                        "+0.20% | 2.0 |")
+                        "+0.20% | 2.0 | 4.2 |")  # rank 0's residual copies, in MB
+    assert table[2].endswith("| 2.0 | – |")  # none taken
     assert table[2].startswith("| local@4 | – | – | – | – | – |")
 
 
@@ -349,4 +350,4 @@ def test_repeated_node_losses_give_medians_of_the_recovery_and_each_runs_steps_l
     assert [r["resumed_at"] for r in loss["resumes"]] == [62, 63, 62] and len(loss["runs"]) == 3
     line = markdown_table({"methods": [row], "metric": "val_loss", "kill_node_at_step": 60}).splitlines()[2]
     assert line == ("| local@4, node lost | 61, 62, 61 | 62, 63, 62 | memory | node_lost | 0, 1, 0 | "
-                    "47.0 s [40.0–55.0] | 24.0 s [20.0–30.0] | 3.0100 [3.0000–3.0200] | – | 2.0 |")
+                    "47.0 s [40.0–55.0] | 24.0 s [20.0–30.0] | 3.0100 [3.0000–3.0200] | – | 2.0 | – |")
