@@ -11,7 +11,7 @@ of a lost rank takes that copy in place of nothing, where it is of the round bei
 
 The format: a zstd frame (with its checksum) holding a JSON list of the entries' names and
 sizes, then for each entry a bit mask of the entries kept (one bit per element, which zstd
-codes near the entropy of the kept positions; all ones, next to nothing, at density 1), a
+codes near the entropy of the kept positions; left out where every entry is kept), a
 float32 scale per group, and the kept values in 4 bits each, in order.
 """
 
@@ -70,13 +70,15 @@ def pack_residuals(memory: dict, density: float, group: int = COPY_GROUP) -> byt
             kept, scale = None, magnitude.amax(dim=1) / LEVELS
         levels = padded / torch.where(scale > 0, scale, 1.0)[:, None]  # an all-zero group stays zero
         levels = levels.round_().clamp_(-LEVELS, LEVELS).add_(LEVELS + 1).to(torch.uint8).view(-1)[:n]
-        mask = kept.view(-1)[:n] if kept is not None else torch.ones(n, dtype=torch.bool)
-        nibbles = (levels[mask] if kept is not None else levels).numpy()
+        mask = kept.view(-1)[:n] if kept is not None else None
+        nibbles = (levels[mask] if mask is not None else levels).numpy()
+        count = nibbles.size
+        if mask is not None and count < n:  # a mask only where some entries are left out
+            parts.append(np.packbits(mask.numpy()).tobytes())
         if nibbles.size % 2:
             nibbles = np.append(nibbles, np.uint8(LEVELS + 1))
-        entries.append({"name": name, "numel": n, "kept": int(mask.sum()), "group": group})
-        parts += [np.packbits(mask.numpy()).tobytes(), scale.numpy().astype("<f4").tobytes(),
-                  (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()]
+        entries.append({"name": name, "numel": n, "kept": count, "group": group})
+        parts += [scale.numpy().astype("<f4").tobytes(), (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()]
     head = json.dumps(entries).encode()
     raw = b"".join([_LENGTH.pack(len(head)), head, *parts])
     # One thread: the worker's other cores are training.
@@ -98,20 +100,27 @@ def unpack_residuals(blob: bytes, where: str = "a residual copy") -> dict[str, n
     at, out = _LENGTH.size + length, {}
     for entry in entries:
         n, kept, group = int(entry["numel"]), int(entry["kept"]), int(entry["group"])
-        bits = np.frombuffer(raw, dtype=np.uint8, count=-(-n // 8), offset=at)
-        at += bits.size
+        mask = None
+        if kept < n:
+            bits = np.frombuffer(raw, dtype=np.uint8, count=-(-n // 8), offset=at)
+            at += bits.size
+            mask = np.unpackbits(bits, count=n).astype(bool)
+            if int(mask.sum()) != kept:
+                raise ValueError(f"{where}: entry {entry['name']!r} keeps {int(mask.sum())} entries, "
+                                 f"its header says {kept}")
         scale = np.frombuffer(raw, dtype="<f4", count=-(-n // group), offset=at)
         at += scale.nbytes
         packed = np.frombuffer(raw, dtype=np.uint8, count=-(-kept // 2), offset=at)
         at += packed.size
-        mask = np.unpackbits(bits, count=n).astype(bool)
-        if int(mask.sum()) != kept:
-            raise ValueError(f"{where}: entry {entry['name']!r} keeps {int(mask.sum())} entries, its header says {kept}")
         nibbles = np.empty(2 * packed.size, dtype=np.int8)
         nibbles[0::2], nibbles[1::2] = packed & 0x0F, packed >> 4
+        values = (nibbles[:kept] - (LEVELS + 1)).astype(np.float32)
+        if mask is None:  # every entry kept, in order
+            out[entry["name"]] = values * np.repeat(scale, group)[:n]
+            continue
         positions = np.flatnonzero(mask)
         dense = np.zeros(n, dtype=np.float32)
-        dense[positions] = (nibbles[:kept] - (LEVELS + 1)).astype(np.float32) * scale[positions // group]
+        dense[positions] = values * scale[positions // group]
         out[entry["name"]] = dense
     if at != len(raw):
         raise ValueError(f"{where}: {len(raw) - at} bytes left after its entries")

@@ -564,12 +564,11 @@ class Snapshots:
         self.copy_density = float(copy_density)
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="rayzip-copy")  # off the training thread
         self.copied_bytes = 0  # what this rank's copies took on the wire, all of them
-        self.copies = 0
         self.copy_failed = False
         self.copying = None  # the copy on its way
         self.copy_s: float | None = None  # the last copy's seconds, from its handing over to its keeper's ack
         self.copied_at: float | None = None  # when the last copy was handed over
-        self.copies_behind = 0  # rounds that went without one, the last still on its way
+        self.copies_behind = False  # a round went without one, the last still on its way (said once)
         self.restored_copies: list[int] = []  # the lost ranks whose copies the last restore took
         if not self.enabled:
             print(f"rayzip: rank {rank}: no snapshot keeper on node {node_id[:12]} (it joined after the run started): "
@@ -678,7 +677,7 @@ class Snapshots:
             if not self.copies_behind:
                 print(f"rayzip: rank {self.rank}: its last error-feedback copy is still on its way at step {step}: "
                       "rounds go without one while the link is busy")
-            self.copies_behind += 1
+            self.copies_behind = True
             return
         now = time.perf_counter()
         if not copy_fits(self.copy_s, now - self.copied_at if self.copied_at is not None else None):
@@ -698,7 +697,6 @@ class Snapshots:
             blob = pack_residuals(memory, self.copy_density)
             if self.ray.get(self.peer.hold_copy.remote(f"rank{self.rank}", step, blob), timeout=600):
                 self.copied_bytes += len(blob)
-                self.copies += 1
             self.copy_s = time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - the peer's node lost, or the copy refused
             if not self.copy_failed:

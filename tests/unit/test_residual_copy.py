@@ -17,6 +17,7 @@ def _memory(n: int = 5 * COPY_GROUP + 300, seed: int = 0) -> dict:
     return {"model@0:4000": rng.standard_normal(4000).astype(np.float32),
             "model@4000:%d" % n: rng.standard_normal(n - 4000).astype(np.float32),
             "velocity:model@0:4000": rng.standard_normal(4000).astype(np.float32),
+            "bias": rng.standard_normal(50).astype(np.float32),  # fewer than a group keeps: all of it, no mask
             "adam_m:model@0:4000": rng.standard_normal(4000).astype(np.float32)}
 
 
