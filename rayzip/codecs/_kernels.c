@@ -596,6 +596,58 @@ static PyObject *py_dct_dequant(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* --- a residual's copy: 4-bit levels of a scale per group -------------------------------- */
+
+/* nibbles(src f32[n], group, levels, scales f32[ceil(n / group)], out u8[ceil(n / 2)]): each
+ * group's scale, its largest |x| over levels, and each x as round(x / scale) + levels + 1 in
+ * 4 bits, two to a byte (the even index low), an odd n's last high nibble levels + 1 (zero).
+ * The same arithmetic as rayzip.train.residual_copy's torch path, bit for bit: a division,
+ * rounded half to even, where the torch path reads the array five times and allocates thrice.
+ * An all-zero group's scale is 0 and its values stay 0. group is even (the caller checks). */
+#define NIBBLE_CHUNK 4096 /* codes made before they are paired: vectorized loops both */
+
+WIDE static void nibbles_run(const float *src, Py_ssize_t n, Py_ssize_t group, float levels, float *scales,
+                             uint8_t *out) {
+    uint8_t codes[NIBBLE_CHUNK];
+    float zero = levels + 1.0f;
+    for (Py_ssize_t g = 0, lo = 0; lo < n; g++, lo += group) {
+        Py_ssize_t hi = lo + group < n ? lo + group : n;
+        float top = 0.0f;
+        for (Py_ssize_t i = lo; i < hi; i++) {
+            float a = fabsf(src[i]);
+            top = a > top ? a : top;
+        }
+        float scale = top / levels;
+        scales[g] = scale;
+        float by = scale > 0.0f ? scale : 1.0f;
+        for (Py_ssize_t at = lo; at < hi; at += NIBBLE_CHUNK) {  /* at is even: so are lo and the chunk */
+            Py_ssize_t m = hi - at < NIBBLE_CHUNK ? hi - at : NIBBLE_CHUNK;
+            for (Py_ssize_t i = 0; i < m; i++) {
+                float q = rintf(src[at + i] / by);
+                q = q < -levels ? -levels : (q > levels ? levels : q);
+                codes[i] = (uint8_t)(int32_t)(q + zero);
+            }
+            if (m & 1) codes[m++] = (uint8_t)zero;  /* the array's last, odd element */
+            uint8_t *dst = out + (at >> 1);
+            for (Py_ssize_t j = 0; j < m / 2; j++) dst[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+        }
+    }
+}
+
+static PyObject *py_nibbles(PyObject *self, PyObject *args) {
+    Py_buffer src, scales, out;
+    Py_ssize_t group;
+    float levels;
+    if (!PyArg_ParseTuple(args, "y*nfw*w*", &src, &group, &levels, &scales, &out)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    nibbles_run(src.buf, src.len / (Py_ssize_t)sizeof(float), group, levels, scales.buf, out.buf);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&scales);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"momentum_dense", py_momentum_dense, METH_VARARGS,
      "momentum_dense(grad, held, out, momentum): out = grad = momentum * held + grad (held None: grad)."},
@@ -611,6 +663,8 @@ static PyMethodDef methods[] = {
      "dct_quant(src, n, c, order, bits, scales, codes, wide) -> all finite: block scales and codes; uint16 when wide."},
     {"dct_dequant", py_dct_dequant, METH_VARARGS,
      "dct_dequant(scales, codes, c, order, bits, out, wide): 8 x 8 blocks back from scales and codes."},
+    {"nibbles", py_nibbles, METH_VARARGS,
+     "nibbles(src, group, levels, scales, out): a scale per group and each value in 4 bits, two to a byte."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -24,6 +24,7 @@ import struct
 import numpy as np
 import torch
 
+from ..codecs.kernels import fused
 from ..codecs.memory import pending_parts
 
 __all__ = ["COPY_GROUP", "LEVELS", "pack_residuals", "unpack_residuals"]
@@ -56,10 +57,18 @@ def pack_residuals(memory: dict, density: float, group: int = COPY_GROUP) -> byt
     keep = max(1, math.ceil(density * group))
     entries, parts = [], []
     for name, held in pending_parts(memory).items():
-        flat = torch.from_numpy(np.ascontiguousarray(held, dtype=np.float32).reshape(-1))
-        n = flat.numel()
+        host = np.ascontiguousarray(held, dtype=np.float32).reshape(-1)
+        n = host.size
         if n == 0:
             continue
+        entry = {"name": name, "numel": n, "kept": n, "group": group}
+        entries.append(entry)
+        if keep == group and fused is not None and group % 2 == 0:  # one pass in C, the same bytes
+            scale, packed = np.empty(-(-n // group), dtype="<f4"), np.empty(-(-n // 2), dtype=np.uint8)
+            fused.nibbles(host, group, float(LEVELS), scale, packed)
+            parts += [scale.data, packed.data]
+            continue
+        flat = torch.from_numpy(host)
         padded = torch.nn.functional.pad(flat, (0, -n % group)).view(-1, group)
         magnitude = padded.abs()
         if keep < group:
@@ -77,7 +86,7 @@ def pack_residuals(memory: dict, density: float, group: int = COPY_GROUP) -> byt
             parts.append(np.packbits(mask.numpy()).tobytes())
         if nibbles.size % 2:
             nibbles = np.append(nibbles, np.uint8(LEVELS + 1))
-        entries.append({"name": name, "numel": n, "kept": count, "group": group})
+        entry["kept"] = count
         parts += [scale.numpy().astype("<f4").tobytes(), (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()]
     head = json.dumps(entries).encode()
     raw = b"".join([_LENGTH.pack(len(head)), head, *parts])

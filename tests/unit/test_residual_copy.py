@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rayzip.keeper import Keeper
+from rayzip.train import residual_copy
 from rayzip.train.residual_copy import COPY_GROUP, LEVELS, pack_residuals, unpack_residuals
 
 
@@ -47,6 +48,17 @@ def test_a_whole_copy_takes_about_half_a_byte_an_entry():
     size = len(pack_residuals(memory, 1.0))
     assert size < n / 2 + 4 * 200 + 1024  # 4-bit values and a scale a group, the mask coded to nothing
     assert len(pack_residuals(memory, 0.1)) < size / 3
+
+
+@pytest.mark.skipif(residual_copy.fused is None, reason="the C kernels are not built (no compiler at install)")
+def test_the_c_kernel_writes_the_torch_paths_bytes(monkeypatch):
+    memory = _memory()
+    memory["model@0:4000"][:8] = [0.5, 1.5, 2.5, -0.5, -2.5, 6.5, -7.0, 0.0]  # halves: rounded to even either way
+    memory["bias"][:] = 0  # an all-zero group
+    memory["odd"] = np.random.default_rng(2).standard_normal(2 * COPY_GROUP + 7).astype(np.float32)
+    fused = pack_residuals(memory, 1.0)
+    monkeypatch.setattr(residual_copy, "fused", None)
+    assert pack_residuals(memory, 1.0) == fused
 
 
 def test_a_corrupt_copy_is_refused_naming_it():
