@@ -537,6 +537,11 @@ def bench_cluster(
     overrides: Optional[list[str]] = typer.Option(
         None, "--set", help="SECTION.FIELD=VALUE (VALUE as YAML) set in the spec for every method; repeatable, "
                             "e.g. --set training.base_world_size=2."),
+    arms: Optional[list[str]] = typer.Option(
+        None, "--arm", help="NAME:SECTION.FIELD=VALUE[;...]: run every method under each arm's settings (NAME: "
+                            "alone, the spec as it is), interleaved, each against the first arm's step time in "
+                            "the same round; repeatable, two or more, e.g. --arm 'off:snapshots.enabled=false' "
+                            "--arm 'on:'."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write accuracy-vs-time PNG here."),
 ):
@@ -552,17 +557,18 @@ def bench_cluster(
         raise typer.Exit(2)
     ranks = _lose_ranks_or_exit(lose_ranks, kill_node_at_step, nodes, workers_per_node)
     sources = _node_loss_from_or_exit(node_loss_from, kill_node_at_step)
+    chosen_arms = _arms_or_exit(arms or [], spec_path, overrides or (), kill_node_at_step is not None or bool(drop_to))
     report = _run_cluster(lambda log: run_cluster_bench(
         chosen, bandwidth, nodes, latency, spec_path, powersgd_start_iter, log=log, budget_steps=budget_steps,
         drop_to=drop_to, drop_at_step=drop_at_step if drop_to else None, workers_per_node=workers_per_node,
         repeat=repeat, kill_node_at_step=kill_node_at_step, lose_ranks=ranks, node_loss_from=sources,
-        overrides=overrides or ()))
+        overrides=overrides or (), arms=chosen_arms))
     console.print(render_table(report))
     if drop_to:
         from .bench.cluster import render_drop_table
 
         console.print(render_drop_table(report))
-    if kill_node_at_step is not None:
+    if kill_node_at_step is not None or chosen_arms:
         from .bench.cluster import markdown_table
 
         print(markdown_table(report))
@@ -570,6 +576,25 @@ def bench_cluster(
     if plot_path:
         plot(report, plot_path)
         console.print(f"wrote {plot_path}")
+
+
+def _arms_or_exit(texts: list[str], spec_path: Path, overrides: Sequence[str],
+                  interrupted: bool) -> list[tuple[str, list[str]]]:
+    """``--arm`` options as (NAME, overrides), each arm's spec checked; or exit 2 naming the
+    arm, or the field, that is wrong."""
+    from .bench.cluster import check_arms, parse_arm
+
+    try:
+        arms = [parse_arm(t) for t in texts]
+        check_arms(arms)
+        if arms and interrupted:
+            raise ValueError("arms compare settings on uninterrupted runs: not with --kill-node-at-step or --drop-to")
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] --arm: {exc}", soft_wrap=True, highlight=False)
+        raise typer.Exit(2)
+    for _, settings in arms:
+        _load_or_exit(spec_path, [*overrides, *settings])
+    return arms
 
 
 def _node_loss_from_or_exit(text: str, kill_node_at_step: int | None) -> tuple[str, ...]:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from ..codecs import CODECS
-from ..spec import CheckpointSpec, TrainingSpec, load_spec_data
+from ..spec import CheckpointSpec, TrainingSpec, load_spec_data, with_overrides
 from .netns import NetnsCluster, rate_bytes
 from .timing import interleaved
 
@@ -249,7 +249,8 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
                       kill_node_at_step: int | None = None,
                       lose_ranks: list[int] | None = None,
                       node_loss_from: tuple[str, ...] = ("memory",),
-                      overrides: Sequence[str] = ()) -> dict[str, Any]:
+                      overrides: Sequence[str] = (),
+                      arms: Sequence[tuple[str, Sequence[str]]] = ()) -> dict[str, Any]:
     """Run every method on one namespace cluster. With ``budget_steps``, each method trains
     exactly that many steps (time to target is still taken where the target is first
     reached), so final accuracies compare at the same budget. With ``drop_to``, every run
@@ -278,7 +279,14 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
     where the spec has 0), so that the runs differ in their snapshots alone.
 
     ``overrides`` (``SECTION.FIELD=VALUE``) change the spec for every method, and are kept in
-    the report."""
+    the report.
+
+    ``arms`` (``(NAME, overrides)``, :func:`parse_arm`) run every method once per arm in each
+    round, as ``METHOD, NAME``, with the arm's overrides on top of the spec (none: the spec as
+    it is), interleaved as methods are. Each row then compares its step time with the first
+    arm's in the same round (``step_vs_first_arm``: the median of the rounds' ratios, each
+    under ``step_vs_first_arm_runs``): the cost of a setting, measured against its baseline
+    on the same noisy machine. Not with ``kill_node_at_step`` or ``drop_to``."""
     base = load_spec_data(spec_path, overrides)
     workers = nodes * workers_per_node
     base.setdefault("scaling", {}).update({"min_workers": workers, "max_workers": workers})
@@ -299,15 +307,21 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
         raise ValueError("lose_ranks needs kill_node_at_step")
     check_lose_ranks(lose_ranks or [], nodes, workers_per_node)
     check_node_loss_from(node_loss_from)
+    if arms and (kill_node_at_step is not None or drop_to is not None):
+        raise ValueError("arms compare settings on uninterrupted runs: not with kill_node_at_step or drop_to")
+    check_arms(arms)
     if "storage" in node_loss_from and kill_node_at_step is not None:
         checkpoint = base.setdefault("checkpoint", {})
         checkpoint["every_steps"] = checkpoint.get("every_steps") or CheckpointSpec().every_steps
     # (name, method, step at which a node is lost or None, the rank whose node is lost or None: the last node)
     lost = [(f"{NODE_LOST} (rank {r})", r) for r in lose_ranks] if lose_ranks else [(NODE_LOST, None)]
-    # (name, method, kill step, rank, resume from storage)
-    entries = [(m, m, None, None, False) for m in methods] + \
+    storage = {**base, "snapshots": {**base.get("snapshots", {}), "enabled": False}}  # Ray Train's resume alone
+    # (name, method, kill step, rank, spec)
+    entries = ([(f"{m}, {arm}", m, None, None, with_overrides(base, settings, str(spec_path)))
+                for m in methods for arm, settings in arms] if arms else
+               [(m, m, None, None, base) for m in methods]) + \
         ([(f"{m}{suffix}{FROM_STORAGE if source == 'storage' else ''}", m, kill_node_at_step, r,
-           source == "storage")
+           storage if source == "storage" else base)
           for m in methods for suffix, r in lost for source in node_loss_from]
          if kill_node_at_step is not None else [])
     runs: dict[str, list[dict]] = {name: [] for name, *_ in entries}
@@ -315,14 +329,15 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
         log(f"cluster up: {nodes} worker nodes at {bandwidth}" + (f", {latency} latency" if latency else "")
             + (f", {workers_per_node} workers each" if workers_per_node > 1 else ""))
         for round_ in range(repeat):
-            for name, method, kill_at, rank, storage in interleaved(entries, round_):
+            for name, method, kill_at, rank, spec in interleaved(entries, round_):
                 label = name if repeat == 1 else f"{name} (run {round_ + 1} of {repeat})"
-                spec = {**base, "snapshots": {**base.get("snapshots", {}), "enabled": False}} if storage else base
                 row = _run_method(cluster, method, label, spec, powersgd_start_iter, drop_to,
                                   drop_at_step, workers_per_node, bandwidth, log, kill_node_at_step=kill_at,
                                   lose_rank=rank)
                 runs[name].append({**row, "name": name})
     rows = [aggregate_runs(runs[name]) for name, *_ in entries]
+    if arms:
+        _compare_with_first_arm(rows, runs, methods, [arm for arm, _ in arms])
     _compare_with_uninterrupted(rows)
     sharded = any(_method_name(m) in SHARDED for m in methods)
     _compare_with_dense(rows)
@@ -340,6 +355,7 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
             "node_loss_from": list(node_loss_from) if kill_node_at_step is not None else None,
             "checkpoint_every_steps": base.get("checkpoint", {}).get("every_steps"),
             "spec": str(spec_path), "overrides": list(overrides), "powersgd_start_iter": powersgd_start_iter,
+            "arms": [{"name": arm, "overrides": list(settings)} for arm, settings in arms] or None,
             "python": sys.version.split()[0], "methods": rows,
             "ddp_held_bytes": replica_held_bytes(base) if sharded else None}
 
@@ -358,6 +374,42 @@ def check_node_loss_from(sources: tuple[str, ...]) -> None:
     """Raise ValueError unless ``sources`` names one or more of :data:`NODE_LOSS_SOURCES`."""
     if not sources or set(sources) - set(NODE_LOSS_SOURCES):
         raise ValueError(f"{', '.join(sources) or 'nothing'}: each must be one of {', '.join(NODE_LOSS_SOURCES)}")
+
+
+def parse_arm(text: str) -> tuple[str, list[str]]:
+    """``NAME:SECTION.FIELD=VALUE[;SECTION.FIELD=VALUE...]`` as (NAME, overrides); nothing
+    after the colon: the spec as it is (``"snapshots on:"``)."""
+    name, sep, settings = text.partition(":")
+    if not sep or not name.strip():
+        raise ValueError(f"{text!r} is not NAME:SECTION.FIELD=VALUE[;...] (NAME: alone for the spec as it is)")
+    return name.strip(), [s.strip() for s in settings.split(";") if s.strip()]
+
+
+def check_arms(arms: Sequence[tuple[str, Sequence[str]]]) -> None:
+    """Arms are two or more, named apart (their names make the rows')."""
+    names = [name for name, _ in arms]
+    if arms and len(arms) < 2:
+        raise ValueError("arms compare settings: give two or more, the first the baseline")
+    if len(set(names)) < len(names):
+        raise ValueError(f"arms are named apart: {', '.join(names)}")
+
+
+def _compare_with_first_arm(rows: list[dict], runs: dict[str, list[dict]], methods: list[str],
+                            arms: list[str]) -> None:
+    """Each arm's row against its method's first arm: the median over rounds of the ratio of
+    their training time per step after the first evaluation (``steady_step_s``; a snapshot's
+    copy on the training thread counts) within each round (both ran there, one after the
+    other)."""
+    by_name = {r["name"]: r for r in rows}
+    for method in methods:
+        first = runs[f"{method}, {arms[0]}"]
+        for arm in arms:
+            name = f"{method}, {arm}"
+            ratios = [r["steady_step_s"] / b["steady_step_s"] for r, b in zip(runs[name], first)
+                      if "error" not in r and "error" not in b and r.get("steady_step_s") and b.get("steady_step_s")]
+            row = by_name[name]
+            row.update(arm=arm, first_arm=arms[0], step_vs_first_arm_runs=ratios,
+                       step_vs_first_arm=statistics.median(ratios) if ratios else None)
 
 
 def replica_held_bytes(base: dict) -> dict[str, int] | None:
@@ -616,6 +668,15 @@ def _compare_with_uninterrupted(rows: list[dict]) -> None:
                                              if base and base["final_metric"] else None)
 
 
+def steady_step_s(history: list[dict]) -> float | None:
+    """The training time per step (``train_s``, which leaves evaluations out) from the first
+    evaluation in ``history`` to the last; None with fewer than two."""
+    points = [h for h in history if h.get("train_s") is not None]
+    if len(points) < 2 or points[-1]["step"] <= points[0]["step"]:
+        return None
+    return (points[-1]["train_s"] - points[0]["train_s"]) / (points[-1]["step"] - points[0]["step"])
+
+
 def mean_step_s(history: list[dict], first: int, last: int) -> float | None:
     """Mean training step time between the evaluations at steps ``first`` and ``last``
     (counted from 1), from the training clock at each; None with fewer than two inside."""
@@ -667,6 +728,12 @@ def _row(method: str, s: dict, tx_before: list[int], tx_after: list[int], run_s:
         "compute_probe_s": s.get("compute_probe_s"),  # DDP modes: forward + backward with communication off
         "steps": s["steps"],
         "step_s": mean_step,
+        # The training time per step with what the training thread does between steps for
+        # the run's state (a snapshot's copy) in it; evaluations and reports left out.
+        "train_step_s": s["train_s"] / s["steps"] if s.get("train_s") and s.get("steps") else None,
+        # The same after the first evaluation: without the start-up (the first batches, and
+        # the first snapshots, which make their slot files), what a long run pays per step.
+        "steady_step_s": steady_step_s(s.get("history") or []),
         "comm_s": mean_comm,
         # The exchange's own time: with rayzip's overlap, partly under backward, so above comm_s.
         "busy_s": s.get("mean_busy_s"),
@@ -871,6 +938,8 @@ def markdown_table(report: dict) -> str:
         return _drop_table(report)
     if report.get("kill_node_at_step"):
         return _node_loss_table(report)
+    if report.get("arms"):
+        return _arms_table(report)
     lm = report.get("metric") == "val_loss"
     rows = [r for r in report["methods"] if "error" not in r]
     pulled = any(r.get("wire_bytes_pulled") is not None for r in rows)
@@ -943,6 +1012,31 @@ def _node_loss_table(report: dict) -> str:
                 _number(loss.get("replaced_after_s"), "{:.1f} s"),
                 f"{r.get('final_metric', r.get('final_accuracy')):.4f}",
                 _number(r.get("final_vs_uninterrupted"), "{:+.2%}"), f"{_network(r) / 1e6:.1f}", _copied(r)]
+
+    return _markdown(head, report["methods"], cells)
+
+
+def _arms_table(report: dict) -> str:
+    """Each method under each arm: its settings, its training time per step after the first
+    evaluation (a snapshot's copy in it) and over the whole run, the step alone (comm in
+    brackets), the median of its rounds' ratios to the first arm's (each round's after it),
+    its final metric and bytes."""
+    lm = report.get("metric") == "val_loss"
+    settings = {a["name"]: "; ".join(f"`{o}`" for o in a["overrides"]) or "the spec's" for a in report["arms"]}
+    first = report["arms"][0]["name"]
+    head = ["run", "settings", "ms per step", "whole run", "step ms (comm)", f"per step vs {first}",
+            "final val bpb" if lm else "final acc", "MB sent / worker", "MB copied / worker"]
+
+    def cells(r: dict) -> list[str]:
+        each = ", ".join(f"{x:.3f}" for x in r.get("step_vs_first_arm_runs") or [])
+        ratio = _number(r.get("step_vs_first_arm"), "{:.3f}×") + (f" ({each})" if r.get("arm") != first and each
+                                                                   else "")
+        return [r["name"], settings.get(r.get("arm"), "–"),
+                _number(r["steady_step_s"] * 1e3 if r.get("steady_step_s") else None, "{:.0f}")
+                + _spread(r, "steady_step_s", "{:.0f}", 1e3),
+                _number(r["train_step_s"] * 1e3 if r.get("train_step_s") else None, "{:.0f}"),
+                f"{r['step_s'] * 1e3:.0f} ({r['comm_s'] * 1e3:.0f})" + _spread(r, "step_s", "{:.0f}", 1e3), ratio,
+                f"{r.get('final_metric', r.get('final_accuracy')):.4f}", f"{_network(r) / 1e6:.1f}", _copied(r)]
 
     return _markdown(head, report["methods"], cells)
 

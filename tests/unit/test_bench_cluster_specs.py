@@ -351,3 +351,76 @@ def test_repeated_node_losses_give_medians_of_the_recovery_and_each_runs_steps_l
     line = markdown_table({"methods": [row], "metric": "val_loss", "kill_node_at_step": 60}).splitlines()[2]
     assert line == ("| local@4, node lost | 61, 62, 61 | 62, 63, 62 | memory | node_lost | 0, 1, 0 | "
                     "47.0 s [40.0–55.0] | 24.0 s [20.0–30.0] | 3.0100 [3.0000–3.0200] | – | 2.0 | – |")
+
+
+def test_arms_compare_each_round_with_the_first_arms_run_and_are_tabled():
+    from rayzip.bench.cluster import _compare_with_first_arm, aggregate_runs, markdown_table, parse_arm
+
+    arms = [parse_arm("snapshots off:snapshots.enabled=false"), parse_arm("snapshots on:"),
+            parse_arm("no copies: snapshots.copy_density=0 ; snapshots.every=1")]
+    assert arms == [("snapshots off", ["snapshots.enabled=false"]), ("snapshots on", []),
+                    ("no copies", ["snapshots.copy_density=0", "snapshots.every=1"])]
+
+    def run(name, steady_step_s, copied=0.0):  # the step alone: 0.9 s, the snapshots' copies outside it
+        return {"name": name, "step_s": 0.9, "steady_step_s": steady_step_s, "train_step_s": 1.25, "comm_s": 0.05,
+                "final_metric": 3.5, "final_accuracy": 0.0,
+                "wire_bytes_counted": 2.2e6, "time_to_target_s": None, "metric": "val_loss", "copied_bytes": copied}
+
+    # a slow second round: each round's ratio is taken within it, not across rounds
+    runs = {"local@4, snapshots off": [run("local@4, snapshots off", s) for s in (1.00, 2.00, 1.10)],
+            "local@4, snapshots on": [run("local@4, snapshots on", s, 65e6) for s in (1.03, 2.10, 1.21)],
+            "local@4, no copies": [run("local@4, no copies", s) for s in (1.01, 2.02, 1.111)]}
+    rows = [aggregate_runs(v) for v in runs.values()]
+    _compare_with_first_arm(rows, runs, ["local@4"], [name for name, _ in arms])
+    on = rows[1]
+    assert on["step_vs_first_arm_runs"] == [pytest.approx(1.03), pytest.approx(1.05), pytest.approx(1.1)]
+    assert on["step_vs_first_arm"] == pytest.approx(1.05)  # the median of the rounds' ratios
+    assert rows[0]["step_vs_first_arm"] == 1.0 and rows[2]["step_vs_first_arm"] == pytest.approx(1.01)
+    report = {"methods": rows, "metric": "val_loss",
+              "arms": [{"name": name, "overrides": settings} for name, settings in arms]}
+    table = markdown_table(report).splitlines()
+    assert table[0] == ("| run | settings | ms per step | whole run | step ms (comm) | per step vs snapshots off | "
+                        "final val bpb | MB sent / worker | MB copied / worker |")
+    assert table[2] == ("| local@4, snapshots off | `snapshots.enabled=false` | 1100 [1000–2000] | 1250 | "
+                        "900 (50) [900–900] | 1.000× | 3.5000 | 2.2 | – |")
+    assert table[3] == ("| local@4, snapshots on | the spec's | 1210 [1030–2100] | 1250 | 900 (50) [900–900] | "
+                        "1.050× (1.030, 1.050, 1.100) | 3.5000 | 2.2 | 65.0 |")
+
+
+def test_the_steady_step_time_leaves_out_the_start_up_and_the_evaluations():
+    from rayzip.bench.cluster import steady_step_s
+
+    history = [{"step": 19, "train_s": 25.5}, {"step": 39, "train_s": 45.2}, {"step": 79, "train_s": 84.8}]
+    assert steady_step_s(history) == pytest.approx((84.8 - 25.5) / 60)
+    assert steady_step_s(history[:1]) is None and steady_step_s([]) is None
+
+
+def test_arms_are_named_apart_two_or_more_and_not_with_a_node_loss(tmp_path):
+    from rayzip.bench.cluster import parse_arm, run_cluster_bench
+
+    from paths import ROOT
+
+    for text in ("no colon", ":snapshots.enabled=false"):
+        with pytest.raises(ValueError, match="is not NAME:SECTION.FIELD=VALUE"):
+            parse_arm(text)
+    spec = ROOT / "jobs" / "bench-gpt.yaml"
+    with pytest.raises(ValueError, match="two or more"):
+        run_cluster_bench(["dense"], "100mbit", 2, None, spec, arms=[("on", [])])
+    with pytest.raises(ValueError, match="named apart"):
+        run_cluster_bench(["dense"], "100mbit", 2, None, spec, arms=[("on", []), ("on", ["a.b=1"])])
+    with pytest.raises(ValueError, match="not with kill_node_at_step"):
+        run_cluster_bench(["dense"], "100mbit", 2, None, spec, kill_node_at_step=50, arms=[("a", []), ("b", [])])
+
+
+@pytest.mark.parametrize("args, says", [(["--arm", "on:"], "two or more"),
+                                        (["--arm", "off:snapshots.enabled=false", "--arm", "on:", "--drop-to",
+                                          "10mbit"], "not with --kill-node-at-step or --drop-to"),
+                                        (["--arm", "a:", "--arm", "b:snapshots.every=0"], "snapshots.every")])
+def test_the_cli_refuses_an_arm_naming_what_is_wrong(args, says):
+    from typer.testing import CliRunner
+
+    from rayzip.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "cluster", "--spec", "jobs/bench-gpt.yaml", *args])
+    assert result.exit_code == 2, result.output
+    assert says in result.output
