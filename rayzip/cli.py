@@ -568,11 +568,11 @@ def bench_cluster(
         from .bench.cluster import render_drop_table
 
         console.print(render_drop_table(report))
+    _write_report(report, json_path)  # first: a table that fails to render loses no run
     if kill_node_at_step is not None or chosen_arms:
         from .bench.cluster import markdown_table
 
         print(markdown_table(report))
-    _write_report(report, json_path)
     if plot_path:
         plot(report, plot_path)
         console.print(f"wrote {plot_path}")

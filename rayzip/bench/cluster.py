@@ -930,6 +930,8 @@ def render_table(report: dict):
 
 def markdown_table(report: dict) -> str:
     """The cluster report as a Markdown table, for the README (generated, not typed)."""
+    if report.get("arms"):  # whatever the methods and the layout: the settings are what it compares
+        return _arms_table(report)
     if any(_method_name(r["name"]) in SHARDED for r in report["methods"]):
         return _sharded_table(report)
     if report.get("workers_per_node", 1) > 1:
@@ -938,8 +940,6 @@ def markdown_table(report: dict) -> str:
         return _drop_table(report)
     if report.get("kill_node_at_step"):
         return _node_loss_table(report)
-    if report.get("arms"):
-        return _arms_table(report)
     lm = report.get("metric") == "val_loss"
     rows = [r for r in report["methods"] if "error" not in r]
     pulled = any(r.get("wire_bytes_pulled") is not None for r in rows)

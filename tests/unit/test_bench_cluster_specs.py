@@ -385,6 +385,8 @@ def test_arms_compare_each_round_with_the_first_arms_run_and_are_tabled():
                         "900 (50) [900–900] | 1.000× | 3.5000 | 2.2 | – |")
     assert table[3] == ("| local@4, snapshots on | the spec's | 1210 [1030–2100] | 1250 | 900 (50) [900–900] | "
                         "1.050× (1.030, 1.050, 1.100) | 3.5000 | 2.2 | 65.0 |")
+    # two workers on one node: still the arms' table, not the hierarchy's
+    assert markdown_table({**report, "workers_per_node": 2}).splitlines() == table
 
 
 def test_the_steady_step_time_leaves_out_the_start_up_and_the_evaluations():
