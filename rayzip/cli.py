@@ -539,8 +539,8 @@ def bench_cluster(
                             "e.g. --set training.base_world_size=2."),
     arms: Optional[list[str]] = typer.Option(
         None, "--arm", help="NAME:SECTION.FIELD=VALUE[;...]: run every method under each arm's settings (NAME: "
-                            "alone, the spec as it is), interleaved, each against the first arm's step time in "
-                            "the same round; repeatable, two or more, e.g. --arm 'off:snapshots.enabled=false' "
+                            "alone, the spec as it is), interleaved, each against the first arm's time per step "
+                            "in the same round; repeatable, two or more, e.g. --arm 'off:snapshots.enabled=false' "
                             "--arm 'on:'."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write accuracy-vs-time PNG here."),

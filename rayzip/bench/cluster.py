@@ -283,9 +283,10 @@ def run_cluster_bench(methods: list[str], bandwidth: str, nodes: int, latency: s
 
     ``arms`` (``(NAME, overrides)``, :func:`parse_arm`) run every method once per arm in each
     round, as ``METHOD, NAME``, with the arm's overrides on top of the spec (none: the spec as
-    it is), interleaved as methods are. Each row then compares its step time with the first
-    arm's in the same round (``step_vs_first_arm``: the median of the rounds' ratios, each
-    under ``step_vs_first_arm_runs``): the cost of a setting, measured against its baseline
+    it is), interleaved as methods are. Each row then compares its training time per step
+    after the first evaluation (``steady_step_s``) with the first arm's in the same round
+    (``step_vs_first_arm``: the median of the rounds' ratios, each under
+    ``step_vs_first_arm_runs``): the cost of a setting, measured against its baseline
     on the same noisy machine. Not with ``kill_node_at_step`` or ``drop_to``."""
     base = load_spec_data(spec_path, overrides)
     workers = nodes * workers_per_node
@@ -668,15 +669,6 @@ def _compare_with_uninterrupted(rows: list[dict]) -> None:
                                              if base and base["final_metric"] else None)
 
 
-def steady_step_s(history: list[dict]) -> float | None:
-    """The training time per step (``train_s``, which leaves evaluations out) from the first
-    evaluation in ``history`` to the last; None with fewer than two."""
-    points = [h for h in history if h.get("train_s") is not None]
-    if len(points) < 2 or points[-1]["step"] <= points[0]["step"]:
-        return None
-    return (points[-1]["train_s"] - points[0]["train_s"]) / (points[-1]["step"] - points[0]["step"])
-
-
 def mean_step_s(history: list[dict], first: int, last: int) -> float | None:
     """Mean training step time between the evaluations at steps ``first`` and ``last``
     (counted from 1), from the training clock at each; None with fewer than two inside."""
@@ -733,7 +725,7 @@ def _row(method: str, s: dict, tx_before: list[int], tx_after: list[int], run_s:
         "train_step_s": s["train_s"] / s["steps"] if s.get("train_s") and s.get("steps") else None,
         # The same after the first evaluation: without the start-up (the first batches, and
         # the first snapshots, which make their slot files), what a long run pays per step.
-        "steady_step_s": steady_step_s(s.get("history") or []),
+        "steady_step_s": mean_step_s(s.get("history") or [], 1, 10 ** 9),
         "comm_s": mean_comm,
         # The exchange's own time: with rayzip's overlap, partly under backward, so above comm_s.
         "busy_s": s.get("mean_busy_s"),

@@ -390,11 +390,15 @@ def test_arms_compare_each_round_with_the_first_arms_run_and_are_tabled():
 
 
 def test_the_steady_step_time_leaves_out_the_start_up_and_the_evaluations():
-    from rayzip.bench.cluster import steady_step_s
+    from rayzip.bench.cluster import _row
 
     history = [{"step": 19, "train_s": 25.5}, {"step": 39, "train_s": 45.2}, {"step": 79, "train_s": 84.8}]
-    assert steady_step_s(history) == pytest.approx((84.8 - 25.5) / 60)
-    assert steady_step_s(history[:1]) is None and steady_step_s([]) is None
+    summary = {"steps": 80, "train_s": 90.0, "mean_step_s": 1.0, "bytes_sent_per_worker": 2e6,
+               "dense_bytes_per_worker": 2e8, "bytes_source": "counted", "final_val_loss": 3.5,
+               "final_test_accuracy": None, "metric": "val_loss"}
+    steady = lambda h: _row("local@4", {**summary, "history": h}, [0], [0], 100.0)["steady_step_s"]  # noqa: E731
+    assert steady(history) == pytest.approx((84.8 - 25.5) / 60)
+    assert steady(history[:1]) is None and steady([]) is None
 
 
 def test_arms_are_named_apart_two_or_more_and_not_with_a_node_loss(tmp_path):
